@@ -1,0 +1,141 @@
+"""The instrumented attention: a transformers ``Cache`` that carries one policy per batch row.
+
+Plugging in uses transformers' own extension points only. ``kvlens_attention`` is registered with
+``AttentionInterface`` under the name "kvlens"; models are loaded with that implementation. A forward
+call that passes ``kv_lens=<PolicyCache>`` gets policy-masked attention; any other call falls back to
+plain SDPA, so one loaded model serves both instrumented and baseline runs.
+
+How a block of ``n`` new queries is processed (``n = 1`` when decoding, the whole text or a chunk
+of it on the prompt path; the code is the same):
+
+1. one matmul gives every score of the block against every cached key (per layer, all rows);
+2. per batch row, the row's policy walks the block query by query (cheap numpy on one row each),
+   deciding what query ``t`` reads; eviction policies drop a token once the cache is full;
+3. one masked softmax and one matmul give the attention output of the whole block.
+
+Keys and values of dropped tokens stay in storage but are masked out for every later query: the
+attention is the same as if they had been removed (TOVA App. D computes it the same way), rows with
+different budgets share one tensor, and every token keeps its own RoPE position (gaps, no shifts).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers import AttentionInterface, DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from .policies import Policy
+
+ATTN_IMPLEMENTATION = "kvlens"
+
+
+class RowLayerState:
+    """What one policy has done in one layer of one batch row: its state, and what each head reads."""
+
+    def __init__(self, policy: Policy, n_kv_heads: int):
+        self.policy = policy
+        self.state = policy.init_state(n_kv_heads)
+        self.n_kv_heads = n_kv_heads
+        self.alive = np.zeros((n_kv_heads, 0), bool)
+        self.evicted_at = np.zeros((n_kv_heads, 0), np.int32)
+        self.selected_rows: list[np.ndarray] = []  # selection policies: mask read by each query
+
+    def _extend(self, total: int) -> None:
+        new = total - self.alive.shape[1]
+        self.alive = np.concatenate([self.alive, np.ones((self.n_kv_heads, new), bool)], 1)
+        self.evicted_at = np.concatenate([self.evicted_at, np.full((self.n_kv_heads, new), -1, np.int32)], 1)
+
+    def run_block(self, scores: torch.Tensor, first: int) -> np.ndarray:
+        """Walk queries ``first..first+n-1`` in order; return the read mask [H_kv, n, M].
+
+        scores: [H_kv, G, n, M] pre-softmax scores of the block's queries against all M keys.
+        """
+        n_heads, _, n, total = scores.shape
+        self._extend(total)
+        causal = np.tri(n, total, first, dtype=bool)
+        kind, policy = self.policy.kind, self.policy
+        if kind == "full":
+            return np.broadcast_to(causal, (n_heads, n, total))
+        weights = None
+        if kind == "selection" or policy.uses_attention:
+            # exp(score - row max) once for the block; each step then only masks and normalises.
+            s = scores.double().numpy()
+            s = np.where(causal[None, None], s, -np.inf)
+            weights = np.exp(s - s.max(-1, keepdims=True))
+        reads = np.zeros((n_heads, n, total), bool)
+        heads = np.arange(n_heads)
+        for i in range(n):
+            t = first + i
+            if kind == "selection":
+                row = weights[:, :, i, : t + 1]
+                attn_full = (row / row.sum(-1, keepdims=True)).mean(1)
+                self.state, mask = policy.select(self.state, attn_full, t)
+                reads[:, i, : t + 1] = mask
+                self.selected_rows.append(mask)
+                continue
+            kept = self.alive[:, : t + 1]
+            reads[:, i, : t + 1] = kept
+            attn = None
+            if weights is not None:
+                row = weights[:, :, i, : t + 1] * kept[:, None]
+                attn = (row / row.sum(-1, keepdims=True)).mean(1)
+            self.state, victims = policy.step(self.state, attn, kept, t)
+            if victims is not None:
+                self.alive[heads, victims] = False
+                self.evicted_at[heads, victims] = t + 1
+        return reads
+
+    def selected(self) -> np.ndarray:
+        """Selection policies: bool [H_kv, T, T], row t = the positions query t read."""
+        total = len(self.selected_rows)
+        out = np.zeros((self.n_kv_heads, total, total), bool)
+        for t, mask in enumerate(self.selected_rows):
+            out[:, t, : t + 1] = mask
+        return out
+
+
+class PolicyCache(DynamicCache):
+    """A DynamicCache whose batch row ``b`` is governed by ``policies[b]`` in every layer."""
+
+    def __init__(self, policies: list[Policy], n_layers: int, n_kv_heads: int):
+        super().__init__()
+        self.policies = list(policies)
+        self.rows = [[RowLayerState(p, n_kv_heads) for p in self.policies] for _ in range(n_layers)]
+
+    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scaling: float) -> torch.Tensor:
+        """query [B, H, n, d], key/value [B, H_kv, M, d] (every token so far) -> output [B, n, H, d]."""
+        batch, n_q_heads, n, dim = query.shape
+        n_kv_heads, total = key.shape[1], key.shape[2]
+        group = n_q_heads // n_kv_heads
+        # Query head h shares KV head h // group (transformers' repeat_kv order).
+        q = query.view(batch, n_kv_heads, group, n, dim)
+        scores = torch.matmul(q, key.unsqueeze(2).transpose(-1, -2)) * scaling
+        reads = np.stack([state.run_block(scores[b], total - n) for b, state in enumerate(self.rows[layer])])
+        bias = torch.zeros(reads.shape, dtype=scores.dtype).masked_fill_(torch.from_numpy(~reads), float("-inf"))
+        probs = torch.softmax(scores + bias[:, :, None], dim=-1)
+        out = torch.matmul(probs, value.unsqueeze(2))
+        return out.reshape(batch, n_q_heads, n, dim).transpose(1, 2).contiguous()
+
+    def evicted_at(self, row: int) -> np.ndarray:
+        """int32 [L, H_kv, T] for batch row ``row`` (see docs/trace-format.md)."""
+        return np.stack([layer[row].evicted_at for layer in self.rows])
+
+    def selected(self, row: int) -> np.ndarray:
+        """bool [L, H_kv, T, T] for a selection policy's batch row."""
+        return np.stack([layer[row].selected() for layer in self.rows])
+
+
+def kvlens_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    cache = kwargs.pop("kv_lens", None)
+    if cache is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      scaling=scaling, dropout=dropout, **kwargs)
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return cache.attend(module.layer_idx, query, key, value, scaling), None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, kvlens_attention)
+# Baseline calls (no kv_lens) need the ordinary causal mask for SDPA.
+ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, sdpa_mask)

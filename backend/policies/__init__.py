@@ -1,0 +1,70 @@
+"""Every policy, by name, and parsing of specs like ``tova:budget=64,heads=head``."""
+from __future__ import annotations
+
+from dataclasses import MISSING, fields
+
+from .a2sf import A2SF
+from .base import EvictionPolicy, FullPolicy, Policy, SelectionPolicy
+from .full import Full
+from .h2o import H2O
+from .oracle import Oracle
+from .sinks import Sinks
+from .tova import TOVA
+from .window import Window
+
+POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Full, Window, Sinks, H2O, TOVA, A2SF, Oracle)}
+
+
+class SpecError(ValueError):
+    """A policy spec the user typed is not valid; the message says why in one line."""
+
+
+def _convert(policy: str, key: str, raw: str, typ):
+    try:
+        if typ in (int, "int"):
+            return int(raw)
+        if typ in (float, "float"):
+            return float(raw)
+    except ValueError:
+        raise SpecError(f"{policy}: parameter {key} must be a {typ if isinstance(typ, str) else typ.__name__}, got {raw!r}") from None
+    return raw
+
+
+def parse_spec(spec: str) -> Policy:
+    """``name[:key=value,...]`` -> a policy instance, or SpecError with a one-line reason."""
+    name, _, rest = spec.strip().partition(":")
+    name = name.strip().lower()
+    if name not in POLICIES:
+        raise SpecError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
+    cls = POLICIES[name]
+    known = {f.name: f for f in fields(cls)}
+    kwargs = {}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, raw = item.partition("=")
+        key = key.strip()
+        if not eq:
+            raise SpecError(f"{name}: expected key=value, got {item!r}")
+        if key not in known:
+            allowed = ", ".join(known) or "none"
+            raise SpecError(f"{name}: unknown parameter {key!r} (parameters: {allowed})")
+        kwargs[key] = _convert(name, key, raw.strip(), known[key].type)
+    try:
+        return cls(**kwargs)
+    except ValueError as err:
+        raise SpecError(str(err)) from None
+
+
+def describe() -> str:
+    """One line per policy with its parameters and defaults (for --help and the docs)."""
+    lines = []
+    for name, cls in POLICIES.items():
+        params = ", ".join(
+            f"{f.name}={f.default}" for f in fields(cls) if f.default is not MISSING
+        ) or "no parameters"
+        summary = (cls.__doc__ or "").strip().splitlines()[0]
+        lines.append(f"  {name:<8} {params}\n           {summary}")
+    return "\n".join(lines)
+
+
+__all__ = ["POLICIES", "Policy", "EvictionPolicy", "SelectionPolicy", "FullPolicy", "SpecError", "parse_spec",
+           "describe", *(cls.__name__ for cls in POLICIES.values())]

@@ -1,0 +1,11 @@
+"""Full attention: nothing is ever dropped. The reference every other policy is measured against."""
+from dataclasses import dataclass
+
+from .base import FullPolicy
+
+
+@dataclass(frozen=True)
+class Full(FullPolicy):
+    """No eviction: every query reads every earlier token (an infinite multi-state, TOVA Sec. 3.2)."""
+
+    name = "full"

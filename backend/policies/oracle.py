@@ -1,0 +1,22 @@
+"""Oracle ("Ideal" in the A2SF paper, Sec. 4.3): a reference, not a deployable policy."""
+from dataclasses import dataclass
+
+from .base import SelectionPolicy, top_positions
+
+
+@dataclass(frozen=True)
+class Oracle(SelectionPolicy):
+    """Query t reads the ``budget`` tokens with the highest exact attention over the whole cache.
+
+    Nothing is ever dropped: the next query chooses again from every earlier token. The scores are
+    the query's full softmax row (mean over the query heads of a KV head).
+
+    budget: tokens each query reads, its own included.
+    heads: 'head' (each KV head picks its own) or 'layer' (the mean row decides for all heads).
+    """
+
+    name = "oracle"
+    heads: str = "head"
+
+    def select(self, state, attn_full, t):
+        return state, top_positions(attn_full, self.budget, self.heads)

@@ -1,0 +1,24 @@
+"""StreamingLLM / Window+i: attention sinks plus a recent window (Xiao et al., 2023; TOVA Sec. 3.3)."""
+from dataclasses import dataclass
+
+from .window import Window
+
+
+@dataclass(frozen=True)
+class Sinks(Window):
+    """The first ``sinks`` tokens are kept for good; the rest of the budget is a FIFO window.
+
+    budget: tokens each query reads, its own included.
+    sinks: how many initial tokens (attention sinks) are never dropped; must be < budget.
+    """
+
+    name = "sinks"
+    sinks: int = 4
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0 <= self.sinks < self.budget:
+            raise ValueError(f"sinks: need 0 <= sinks < budget, got sinks={self.sinks}, budget={self.budget}")
+
+    def protected(self, t):
+        return slice(0, self.sinks)

@@ -1,0 +1,21 @@
+"""Window: first in, first out (TOVA Sec. 3.3, after Beltagy et al., 2020)."""
+from dataclasses import dataclass
+
+import numpy as np
+
+from .base import EvictionPolicy
+
+
+@dataclass(frozen=True)
+class Window(EvictionPolicy):
+    """The most recent ``budget`` tokens: when full, the oldest cached token leaves.
+
+    budget: tokens each query reads, its own included.
+    """
+
+    name = "window"
+    uses_attention = False
+
+    def score(self, state, attn, t):
+        # Older = lower score, so argmin picks the earliest cached position.
+        return np.arange(t + 1, dtype=np.float64)

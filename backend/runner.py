@@ -1,0 +1,165 @@
+"""Run several policies on one text, sharing the work: one batched forward with a policy per row.
+
+Row 0 is always Full (the reference for KL and top-1 agreement); the requested policies follow.
+Two modes (docs/trace-format.md):
+
+* ``prompt``: teacher-forced. The whole text goes through the model in chunks of ``chunk`` tokens;
+  inside each chunk the policy still decides token by token (engine.py), so the result equals
+  feeding the text one token at a time, but the heavy matmuls run once per chunk and layer.
+* ``generate``: every row greedily continues the prompt under its own policy (the prompt itself is
+  processed the same way as above). Then every policy is scored teacher-forced on prompt + Full's
+  continuation, so divergence from Full is measured token for token.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from .engine import PolicyCache
+from .models import LoadedModel
+from .policies import Full, Policy
+from .trace import FORMAT_VERSION, Trace
+
+DEFAULT_CHUNK = 256
+LM_HEAD_CHUNK = 64  # positions per lm-head call: bounds the [rows, positions, vocab] logits tensor
+
+Progress = Callable[[float, str], None]
+
+
+def _rows(policies: Sequence[Policy]) -> tuple[list[Policy], list[int]]:
+    """Row 0 = Full; each requested policy gets a row (a requested Full reuses row 0)."""
+    rows: list[Policy] = [Full()]
+    index = []
+    for policy in policies:
+        if isinstance(policy, Full):
+            index.append(0)
+        else:
+            index.append(len(rows))
+            rows.append(policy)
+    return rows, index
+
+
+def _forward(lm: LoadedModel, cache: PolicyCache, ids: torch.Tensor, start: int) -> torch.Tensor:
+    """Feed ids [B, n] at positions start..start+n-1; return the last hidden states [B, n, D]."""
+    positions = torch.arange(start, start + ids.shape[1]).expand(ids.shape[0], -1)
+    out = lm.model.model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True,
+                         kv_lens=cache)
+    return out.last_hidden_state
+
+
+def _log_softmax(lm: LoadedModel, hidden: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(lm.model.lm_head(hidden).float(), dim=-1)
+
+
+def score_text(lm: LoadedModel, ids: Sequence[int], policies: Sequence[Policy], chunk: int = DEFAULT_CHUNK,
+               progress: Progress | None = None) -> tuple[PolicyCache, dict[str, np.ndarray], list[int]]:
+    """Teacher-force ``ids`` under every policy at once.
+
+    Returns the cache (what each row read), per-row arrays ``logprobs``, ``top1_ids``, ``kl_to_full``
+    (each [rows, T-1], position i predicting ids[i+1]) and the row index of each policy.
+    """
+    rows, index = _rows(policies)
+    n = len(ids)
+    cache = PolicyCache(rows, lm.n_layers, lm.n_kv_heads)
+    batch = torch.tensor(ids, dtype=torch.long).expand(len(rows), -1)
+    targets = torch.tensor(ids[1:], dtype=torch.long)
+    stats = {"logprobs": np.zeros((len(rows), n - 1), np.float32),
+             "top1_ids": np.zeros((len(rows), n - 1), np.int32),
+             "kl_to_full": np.zeros((len(rows), n - 1), np.float32)}
+    with torch.inference_mode():
+        for start in range(0, n, chunk):
+            hidden = _forward(lm, cache, batch[:, start:start + chunk], start)
+            for sub in range(0, hidden.shape[1], LM_HEAD_CHUNK):
+                lo = start + sub  # first global position in this piece
+                hi = min(lo + hidden.shape[1] - sub, lo + LM_HEAD_CHUNK, n - 1)
+                if hi <= lo:
+                    break
+                logp = _log_softmax(lm, hidden[:, sub:sub + hi - lo])
+                stats["logprobs"][:, lo:hi] = logp.gather(-1, targets[lo:hi].expand(len(rows), -1)[..., None])[..., 0]
+                stats["top1_ids"][:, lo:hi] = logp.argmax(-1)
+                full = logp[0:1]
+                stats["kl_to_full"][:, lo:hi] = (full.exp() * (full - logp)).sum(-1)
+            if progress:
+                progress(min(start + chunk, n) / n, "scoring")
+    return cache, stats, index
+
+
+def generate(lm: LoadedModel, prompt_ids: Sequence[int], policies: Sequence[Policy], max_new_tokens: int,
+             chunk: int = DEFAULT_CHUNK, progress: Progress | None = None
+             ) -> tuple[PolicyCache, list[list[int]], list[int]]:
+    """Greedy continuation of the prompt under each policy; returns (cache, continuation per row, row index)."""
+    rows, index = _rows(policies)
+    cache = PolicyCache(rows, lm.n_layers, lm.n_kv_heads)
+    eos = lm.tokenizer.eos_token_id
+    batch = torch.tensor(prompt_ids, dtype=torch.long).expand(len(rows), -1)
+    outputs: list[list[int]] = [[] for _ in rows]
+    done = np.zeros(len(rows), bool)
+    with torch.inference_mode():
+        for start in range(0, len(prompt_ids), chunk):
+            hidden = _forward(lm, cache, batch[:, start:start + chunk], start)
+        position = len(prompt_ids)
+        for step in range(max_new_tokens):
+            next_ids = lm.model.lm_head(hidden[:, -1]).argmax(-1)
+            for row, token in enumerate(next_ids.tolist()):
+                if not done[row]:
+                    outputs[row].append(token)
+                    done[row] = token == eos
+            # Feed every generated token, the last one too, so each has its own step in the trace.
+            hidden = _forward(lm, cache, next_ids[:, None], position)
+            position += 1
+            if done.all():
+                break
+            if progress:
+                progress((step + 1) / max_new_tokens, "generating")
+    return cache, outputs, index
+
+
+def _meta(lm: LoadedModel, spec: str, policy: Policy, mode: str, tokens: Sequence[int], n_prompt: int) -> dict:
+    return {
+        "format_version": FORMAT_VERSION, "spec": spec, "policy": policy.name, "params": policy.params(),
+        "kind": policy.kind, "mode": mode, "model": lm.name, "model_fingerprint": lm.fingerprint,
+        "n_layers": lm.n_layers, "n_kv_heads": lm.n_kv_heads, "n_heads": lm.n_heads,
+        "n_prompt": n_prompt, "score_start": 0 if mode == "prompt" else n_prompt - 1,
+        "token_texts": [lm.tokenizer.decode([t]) for t in tokens],
+    }
+
+
+def _masks(cache: PolicyCache, row: int, policy: Policy, length: int) -> dict[str, np.ndarray]:
+    """What row ``row`` read over its first ``length`` tokens (rows may stop early at EOS)."""
+    if policy.kind == "eviction":
+        evicted = cache.evicted_at(row)[..., :length]
+        return {"evicted_at": np.where(evicted > length, -1, evicted).astype(np.int32)}
+    if policy.kind == "selection":
+        return {"selected": cache.selected(row)[:, :, :length, :length]}
+    return {}
+
+
+def run(lm: LoadedModel, specs: Sequence[str], policies: Sequence[Policy], ids: Sequence[int], mode: str = "prompt",
+        max_new_tokens: int = 64, chunk: int = DEFAULT_CHUNK, progress: Progress | None = None) -> list[Trace]:
+    """Run every policy on ``ids`` (the text, or the prompt in generate mode); one trace per policy."""
+    if mode not in ("prompt", "generate"):
+        raise ValueError(f"mode must be 'prompt' or 'generate', got {mode!r}")
+    ids = [int(i) for i in ids]
+    if len(ids) < 2 and mode == "prompt":
+        raise ValueError("the text must have at least 2 tokens to be scored")
+    if not ids:
+        raise ValueError("the prompt is empty")
+    traces = []
+    if mode == "prompt":
+        cache, stats, index = score_text(lm, ids, policies, chunk, progress)
+        for spec, policy, row in zip(specs, policies, index):
+            traces.append(Trace(meta=_meta(lm, spec, policy, mode, ids, len(ids)), tokens=np.array(ids, np.int32),
+                                scored_ids=np.array(ids, np.int32),
+                                **{k: v[row] for k, v in stats.items()}, **_masks(cache, row, policy, len(ids))))
+        return traces
+    gen_cache, continuations, index = generate(lm, ids, policies, max_new_tokens, chunk, progress)
+    scored = ids + continuations[0]
+    _, stats, _ = score_text(lm, scored, policies, chunk, progress)
+    for spec, policy, row in zip(specs, policies, index):
+        own = ids + continuations[row]
+        traces.append(Trace(meta=_meta(lm, spec, policy, mode, own, len(ids)), tokens=np.array(own, np.int32),
+                            scored_ids=np.array(scored, np.int32), generated_ids=np.array(continuations[row], np.int32),
+                            **{k: v[row] for k, v in stats.items()}, **_masks(gen_cache, row, policy, len(own))))
+    return traces
