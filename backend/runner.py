@@ -137,29 +137,30 @@ def _masks(cache: PolicyCache, row: int, policy: Policy, length: int) -> dict[st
 
 
 def run(lm: LoadedModel, specs: Sequence[str], policies: Sequence[Policy], ids: Sequence[int], mode: str = "prompt",
-        max_new_tokens: int = 64, chunk: int = DEFAULT_CHUNK, progress: Progress | None = None) -> list[Trace]:
-    """Run every policy on ``ids`` (the text, or the prompt in generate mode); one trace per policy."""
+        max_new_tokens: int = 64, chunk: int = DEFAULT_CHUNK, progress: Progress | None = None
+        ) -> tuple[list[Trace], Trace]:
+    """Run every policy on ``ids`` (the text, or the prompt in generate mode).
+
+    Returns one trace per policy, and Full's trace (the reference row, whether asked for or not).
+    """
     if mode not in ("prompt", "generate"):
         raise ValueError(f"mode must be 'prompt' or 'generate', got {mode!r}")
     ids = [int(i) for i in ids]
-    if len(ids) < 2 and mode == "prompt":
-        raise ValueError("the text must have at least 2 tokens to be scored")
-    if not ids:
-        raise ValueError("the prompt is empty")
-    traces = []
+    if len(ids) < 2:
+        raise ValueError("the text must have at least 2 tokens")
     if mode == "prompt":
         cache, stats, index = score_text(lm, ids, policies, chunk, progress)
-        for spec, policy, row in zip(specs, policies, index):
-            traces.append(Trace(meta=_meta(lm, spec, policy, mode, ids, len(ids)), tokens=np.array(ids, np.int32),
-                                scored_ids=np.array(ids, np.int32),
-                                **{k: v[row] for k, v in stats.items()}, **_masks(cache, row, policy, len(ids))))
-        return traces
-    gen_cache, continuations, index = generate(lm, ids, policies, max_new_tokens, chunk, progress)
-    scored = ids + continuations[0]
-    _, stats, _ = score_text(lm, scored, policies, chunk, progress)
-    for spec, policy, row in zip(specs, policies, index):
-        own = ids + continuations[row]
-        traces.append(Trace(meta=_meta(lm, spec, policy, mode, own, len(ids)), tokens=np.array(own, np.int32),
-                            scored_ids=np.array(scored, np.int32), generated_ids=np.array(continuations[row], np.int32),
-                            **{k: v[row] for k, v in stats.items()}, **_masks(gen_cache, row, policy, len(own))))
-    return traces
+        continuations = None
+    else:
+        cache, continuations, index = generate(lm, ids, policies, max_new_tokens, chunk, progress)
+        _, stats, _ = score_text(lm, ids + continuations[0], policies, chunk, progress)
+
+    def trace(spec: str, policy: Policy, row: int) -> Trace:
+        own = ids if continuations is None else ids + continuations[row]
+        generated = {} if continuations is None else {"generated_ids": np.array(continuations[row], np.int32)}
+        scored = ids if continuations is None else ids + continuations[0]
+        return Trace(meta=_meta(lm, spec, policy, mode, own, len(ids)), tokens=np.array(own, np.int32),
+                     scored_ids=np.array(scored, np.int32), **{k: v[row] for k, v in stats.items()},
+                     **_masks(cache, row, policy, len(own)), **generated)
+
+    return [trace(s, p, row) for s, p, row in zip(specs, policies, index)], trace("full", Full(), 0)

@@ -20,13 +20,16 @@ class SpecError(ValueError):
 
 
 def _convert(policy: str, key: str, raw: str, typ):
+    """Typed value of a parameter (field types are ints, floats or strings)."""
+    typ = getattr(typ, "__name__", typ)
     try:
-        if typ in (int, "int"):
+        if typ == "int":
             return int(raw)
-        if typ in (float, "float"):
+        if typ == "float":
             return float(raw)
     except ValueError:
-        raise SpecError(f"{policy}: parameter {key} must be a {typ if isinstance(typ, str) else typ.__name__}, got {raw!r}") from None
+        wanted = "an integer" if typ == "int" else "a number"
+        raise SpecError(f"{policy}: parameter {key} must be {wanted}, got {raw!r}") from None
     return raw
 
 

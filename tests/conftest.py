@@ -1,0 +1,61 @@
+"""Shared fixtures: a tiny random-weight Llama (fast), and the default model (end to end)."""
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from backend.engine import ATTN_IMPLEMENTATION
+from backend.models import LoadedModel
+
+
+class TinyTokenizer:
+    """Just enough tokenizer for the runner: one text piece per id, no EOS."""
+
+    eos_token_id = None
+
+    def decode(self, ids):
+        return "".join(f"<{i}>" for i in ids)
+
+
+def make_tiny(layers: int = 2, heads: int = 6, kv_heads: int = 2, dtype=torch.float64, seed: int = 0) -> LoadedModel:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=101, hidden_size=48, intermediate_size=96, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
+                         tie_word_embeddings=False)
+    config._attn_implementation = ATTN_IMPLEMENTATION
+    model = LlamaForCausalLM(config).to(dtype).eval()
+    # Sharper attention than the default init, so policies see clear preferences and no near-ties.
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(6.0)
+    return LoadedModel(name="tiny", model=model, tokenizer=TinyTokenizer(), fingerprint="tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny() -> LoadedModel:
+    return make_tiny()
+
+
+@pytest.fixture(scope="session")
+def text_ids() -> list[int]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 101, (40,), generator=g).tolist()
+
+
+@pytest.fixture(scope="session")
+def default_lm():
+    from backend.models import load_model
+    return load_model()
+
+
+@pytest.fixture(scope="session")
+def inaugural_text() -> str:
+    import nltk
+    if os.environ.get("NLTK_DATA"):
+        nltk.data.path.insert(0, os.environ["NLTK_DATA"])
+    from nltk.corpus import inaugural
+    return inaugural.raw("1789-Washington.txt")

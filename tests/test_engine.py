@@ -1,0 +1,147 @@
+"""The engine on a tiny random-weight Llama: exactness of both paths against the plain model."""
+import numpy as np
+import pytest
+import torch
+
+from backend.engine import PolicyCache
+from backend.policies import A2SF, H2O, TOVA, Full, Oracle, Sinks, Window
+from backend.runner import generate, run, score_text
+
+SMALL = [Window(budget=5), Sinks(budget=6, sinks=2), H2O(budget=6), H2O(budget=6, heads="layer"), TOVA(budget=5),
+         TOVA(budget=5, heads="head"), TOVA(budget=5, sinks=1), A2SF(budget=5, alpha=0.3), Oracle(budget=4),
+         Oracle(budget=4, heads="layer")]
+IDS = [p.__class__.__name__ + str(sorted(p.params().items())) for p in SMALL]
+
+
+def plain_logprobs(lm, ids, mask=None):
+    """The unmodified model (SDPA), optionally with a 4D boolean attention mask shared by all layers."""
+    with torch.inference_mode():
+        logits = lm.model(torch.tensor([ids]), attention_mask=mask).logits[0]
+    return torch.log_softmax(logits.double(), -1)
+
+
+def reads_of(cache, row, policy, n):
+    if policy.kind == "selection":
+        return cache.selected(row)
+    return np.stack([PolicyTrace(e).reads() for e in cache.evicted_at(row)])
+
+
+class PolicyTrace:
+    def __init__(self, evicted_at):
+        self.e = evicted_at
+
+    def reads(self):
+        n = self.e.shape[-1]
+        t, j = np.arange(n)[:, None], np.arange(n)[None]
+        return (j <= t)[None] & ((self.e[:, None] < 0) | (t[None] < self.e[:, None]))
+
+
+def test_full_reproduces_plain_model_logprobs(tiny, text_ids):
+    _, stats, _ = score_text(tiny, text_ids, [Full()])
+    expected = plain_logprobs(tiny, text_ids)[:-1].gather(-1, torch.tensor(text_ids[1:])[:, None])[:, 0]
+    np.testing.assert_allclose(stats["logprobs"][0], expected.numpy(), atol=1e-6)  # stored as float32
+
+
+@pytest.mark.parametrize("policy", [Window(budget=40), Sinks(budget=41), H2O(budget=40), TOVA(budget=40),
+                                    A2SF(budget=45, alpha=0.5), Oracle(budget=40)], ids=lambda p: p.name)
+def test_budget_at_least_length_equals_full(tiny, text_ids, policy):
+    cache, stats, _ = score_text(tiny, text_ids, [policy])
+    np.testing.assert_allclose(stats["logprobs"][1], stats["logprobs"][0], atol=1e-12)
+    assert np.abs(stats["kl_to_full"][1]).max() < 1e-12
+    if policy.kind == "eviction":
+        e = cache.evicted_at(1)
+        assert ((e < 0) | (e >= len(text_ids))).all()  # nothing leaves while the text lasts
+
+
+@pytest.mark.parametrize("policy", SMALL, ids=IDS)
+def test_prompt_path_equals_decode_loop(tiny, text_ids, policy):
+    """One forward over the text (or chunks of it) equals feeding it one token at a time."""
+    whole, s_whole, _ = score_text(tiny, text_ids, [policy], chunk=len(text_ids))
+    chunked, s_chunked, _ = score_text(tiny, text_ids, [policy], chunk=7)
+    stepwise, s_step, _ = score_text(tiny, text_ids, [policy], chunk=1)
+    for other, s_other in ((chunked, s_chunked), (stepwise, s_step)):
+        np.testing.assert_array_equal(reads_of(whole, 1, policy, 40), reads_of(other, 1, policy, 40))
+        np.testing.assert_allclose(s_whole["logprobs"], s_other["logprobs"], atol=1e-9)
+
+
+@pytest.mark.parametrize("policy", SMALL, ids=IDS)
+def test_each_query_reads_exactly_min_of_budget_and_length(tiny, text_ids, policy):
+    cache, _, _ = score_text(tiny, text_ids, [policy])
+    counts = reads_of(cache, 1, policy, 40).sum(-1)  # [L, H, T]
+    expected = np.minimum(np.arange(1, 41), policy.budget)
+    assert (counts == expected).all()
+
+
+@pytest.mark.parametrize("policy", [Window(budget=6), Sinks(budget=7, sinks=3)], ids=lambda p: p.name)
+def test_static_policies_match_plain_model_with_the_same_mask(tiny, text_ids, policy):
+    """An independent check of masks and positions: transformers' own SDPA path with a 4D mask."""
+    cache, stats, _ = score_text(tiny, text_ids, [policy])
+    reads = reads_of(cache, 1, policy, 40)
+    assert (reads == reads[0, 0]).all()  # same mask in every layer and head
+    expected = plain_logprobs(tiny, text_ids, torch.from_numpy(reads[0, 0])[None, None])
+    expected = expected[:-1].gather(-1, torch.tensor(text_ids[1:])[:, None])[:, 0]
+    np.testing.assert_allclose(stats["logprobs"][1], expected.numpy(), atol=1e-6)  # stored as float32
+
+
+def test_generation_uses_text_positions_at_small_budget(tiny, text_ids):
+    """Each greedy token under Sinks(budget=5) is what the plain model predicts with the same mask and
+    positions 0..T-1: a position taken from the cache length would give other tokens."""
+    prompt = text_ids[:12]
+    policy = Sinks(budget=5, sinks=1)
+    cache, outputs, _ = generate(tiny, prompt, [policy], max_new_tokens=10)
+    text = prompt + outputs[1]
+    reads = reads_of(cache, 1, policy, len(text))[0, 0]
+    logp = plain_logprobs(tiny, text, torch.from_numpy(reads)[None, None])
+    assert logp[len(prompt) - 1:-1].argmax(-1).tolist() == outputs[1]
+
+
+def test_generation_with_full_budget_equals_full(tiny, text_ids):
+    _, outputs, _ = generate(tiny, text_ids[:10], [TOVA(budget=64), H2O(budget=64)], max_new_tokens=8)
+    assert outputs[1] == outputs[0] and outputs[2] == outputs[0]
+
+
+def test_a2sf_alpha_one_drops_what_h2o_drops(tiny, text_ids):
+    cache, _, _ = score_text(tiny, text_ids, [A2SF(budget=6, alpha=1.0, window=3), H2O(budget=6, recent=3)])
+    np.testing.assert_array_equal(cache.evicted_at(1), cache.evicted_at(2))
+    assert (cache.evicted_at(1) >= 0).any()
+
+
+def test_layerwise_tova_drops_the_same_token_from_every_head(tiny, text_ids):
+    cache, _, _ = score_text(tiny, text_ids, [TOVA(budget=5), TOVA(budget=5, heads="head")])
+    layerwise, headwise = cache.evicted_at(1), cache.evicted_at(2)
+    assert (layerwise == layerwise[:, :1]).all()
+    assert not (headwise == headwise[:, :1]).all()
+
+
+def test_attention_output_equals_gathering_the_kept_keys():
+    """PolicyCache.attend against a plain loop that keeps only the cached keys of each head (GQA 6/2)."""
+    g = torch.Generator().manual_seed(3)
+    n, d = 12, 4
+    q, k, v = (torch.randn(1, h, n, d, generator=g, dtype=torch.float64) for h in (6, 2, 2))
+    cache = PolicyCache([TOVA(budget=4, heads="head")], n_layers=1, n_kv_heads=2)
+    out = cache.attend(0, q, k, v, scaling=0.5)[0]  # [n, H, d]
+    e = cache.evicted_at(0)[0]
+    for t in range(n):
+        for h in range(6):
+            kv = h // 3
+            keep = [j for j in range(t + 1) if e[kv, j] < 0 or t < e[kv, j]]
+            assert len(keep) == min(t + 1, 4)
+            w = torch.softmax(q[0, h, t] @ k[0, kv, keep].T * 0.5, -1)
+            torch.testing.assert_close(out[t, h], w @ v[0, kv, keep])
+
+
+def test_run_returns_traces_in_spec_order_with_full_reference(tiny, text_ids):
+    specs = ["tova:budget=5", "full"]
+    traces, full = run(tiny, specs, [TOVA(budget=5), Full()], text_ids)
+    assert [t.spec for t in traces] == specs
+    assert traces[0].evicted_at.shape == (2, 2, 40) and traces[1].evicted_at is None
+    np.testing.assert_array_equal(traces[1].logprobs, full.logprobs)
+
+
+def test_generate_mode_scores_every_policy_on_fulls_continuation(tiny, text_ids):
+    traces, full = run(tiny, ["window:budget=4"], [Window(budget=4)], text_ids[:8], mode="generate", max_new_tokens=6)
+    (trace,) = traces
+    assert len(trace.generated_ids) == 6 and len(trace.tokens) == 14
+    np.testing.assert_array_equal(trace.scored_ids, full.tokens)
+    assert trace.meta["score_start"] == 7
+    assert trace.evicted_at.shape == (2, 2, 14)
