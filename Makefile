@@ -15,7 +15,8 @@ $(BIN)/.installed: requirements.txt requirements-dev.txt
 venv: $(BIN)/.installed
 
 run: venv
-	$(BIN)/python app.py
+	$(BIN)/python -m backend run --text assets/examples/story.txt --mode generate --max-new-tokens 48 \
+	  --policy full --policy sinks:budget=24 --policy tova:budget=24 --policy a2sf:budget=24,alpha=0.3 --out out/demo
 
 test: venv
 	NLTK_DATA=$${NLTK_DATA:-$(CURDIR)/../shared/nltk_data} TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests

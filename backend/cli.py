@@ -65,11 +65,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     ids = encode(lm, text, args.mode, args.chat, args.max_tokens)
 
     def progress(frac: float, what: str) -> None:
-        print(f"\r{what}: {frac:4.0%}", end="", file=sys.stderr, flush=True)
+        if sys.stderr.isatty():
+            print(f"\r{what}: {frac:4.0%}", end="", file=sys.stderr, flush=True)
 
     specs = list(args.policy)
     traces, full = run(lm, specs, policies, ids, args.mode, args.max_new_tokens, args.chunk, progress)
-    print(file=sys.stderr)
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
     out = Path(args.out)
     summary = {}
     for index, (spec, trace) in enumerate(zip(specs, traces)):

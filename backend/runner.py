@@ -28,8 +28,13 @@ LM_HEAD_CHUNK = 64  # positions per lm-head call: bounds the [rows, positions, v
 Progress = Callable[[float, str], None]
 
 
-def _rows(policies: Sequence[Policy]) -> tuple[list[Policy], list[int]]:
-    """Row 0 = Full; each requested policy gets a row (a requested Full reuses row 0)."""
+def _rows(policies: Sequence[Policy], reference: bool = True) -> tuple[list[Policy], list[int]]:
+    """Row 0 = Full; each requested policy gets a row (a requested Full reuses row 0).
+
+    ``reference=False`` (benchmarks only) runs just the requested policies, without the Full row.
+    """
+    if not reference:
+        return list(policies), list(range(len(policies)))
     rows: list[Policy] = [Full()]
     index = []
     for policy in policies:
@@ -54,13 +59,14 @@ def _log_softmax(lm: LoadedModel, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def score_text(lm: LoadedModel, ids: Sequence[int], policies: Sequence[Policy], chunk: int = DEFAULT_CHUNK,
-               progress: Progress | None = None) -> tuple[PolicyCache, dict[str, np.ndarray], list[int]]:
+               progress: Progress | None = None, reference: bool = True
+               ) -> tuple[PolicyCache, dict[str, np.ndarray], list[int]]:
     """Teacher-force ``ids`` under every policy at once.
 
     Returns the cache (what each row read), per-row arrays ``logprobs``, ``top1_ids``, ``kl_to_full``
     (each [rows, T-1], position i predicting ids[i+1]) and the row index of each policy.
     """
-    rows, index = _rows(policies)
+    rows, index = _rows(policies, reference)
     n = len(ids)
     cache = PolicyCache(rows, lm.n_layers, lm.n_kv_heads)
     batch = torch.tensor(ids, dtype=torch.long).expand(len(rows), -1)
@@ -87,10 +93,10 @@ def score_text(lm: LoadedModel, ids: Sequence[int], policies: Sequence[Policy], 
 
 
 def generate(lm: LoadedModel, prompt_ids: Sequence[int], policies: Sequence[Policy], max_new_tokens: int,
-             chunk: int = DEFAULT_CHUNK, progress: Progress | None = None
+             chunk: int = DEFAULT_CHUNK, progress: Progress | None = None, reference: bool = True
              ) -> tuple[PolicyCache, list[list[int]], list[int]]:
     """Greedy continuation of the prompt under each policy; returns (cache, continuation per row, row index)."""
-    rows, index = _rows(policies)
+    rows, index = _rows(policies, reference)
     cache = PolicyCache(rows, lm.n_layers, lm.n_kv_heads)
     eos = lm.tokenizer.eos_token_id
     batch = torch.tensor(prompt_ids, dtype=torch.long).expand(len(rows), -1)

@@ -145,3 +145,8 @@ def test_generate_mode_scores_every_policy_on_fulls_continuation(tiny, text_ids)
     np.testing.assert_array_equal(trace.scored_ids, full.tokens)
     assert trace.meta["score_start"] == 7
     assert trace.evicted_at.shape == (2, 2, 14)
+
+
+def test_our_kernels_folder_is_not_taken_for_hugging_faces_kernels_library():
+    from transformers.utils import import_utils
+    assert not import_utils.is_kernels_available()

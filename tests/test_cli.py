@@ -1,0 +1,73 @@
+"""The CLI: bad input is one line on stderr and exit status 2, never a traceback."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from backend.trace import Trace
+
+
+def cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "backend", *args], capture_output=True, text=True, timeout=300,
+                          cwd=cwd)
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    path = tmp_path / "text.txt"
+    path.write_text("The quick brown fox jumps over the lazy dog.")
+    return path
+
+
+@pytest.mark.parametrize("policy, message", [
+    ("lru:budget=4", "unknown policy 'lru'"),
+    ("tova:budget=0", "budget must be an integer >= 1"),
+    ("tova:alpha=0.3", "unknown parameter 'alpha'"),
+])
+def test_bad_policy_is_a_one_line_error(text_file, tmp_path, policy, message):
+    result = cli("run", "--text", str(text_file), "--policy", policy, "--out", str(tmp_path / "o"))
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"error: {result.stderr.strip()[7:]}" and message in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("content, message", [(b"", "is empty"), (b"  \n", "is empty"),
+                                               (b"caf\xe9 au lait", "is not UTF-8 text")])
+def test_bad_text_file_is_a_one_line_error(tmp_path, content, message):
+    path = tmp_path / "bad.txt"
+    path.write_bytes(content)
+    result = cli("run", "--text", str(path), "--policy", "tova:budget=4", "--out", str(tmp_path / "o"))
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_missing_file_and_unknown_model_are_one_line_errors(text_file, tmp_path):
+    result = cli("run", "--text", str(tmp_path / "nope.txt"), "--policy", "full", "--out", str(tmp_path))
+    assert result.returncode == 2 and "text file not found" in result.stderr
+    result = cli("run", "--text", str(text_file), "--policy", "full", "--model", "../etc/passwd", "--out", str(tmp_path))
+    assert result.returncode == 2 and "unknown model" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_help_lists_every_policy_and_its_parameters():
+    out = cli("run", "--help").stdout
+    for name in ("full", "window", "sinks", "h2o", "tova", "a2sf", "oracle"):
+        assert f"\n  {name} " in out
+    assert "alpha=0.1" in out and "sinks=4" in out and "recent=-1" in out
+
+
+def test_default_model_generate_run_writes_traces_and_summary(tmp_path):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("List three colours of the rainbow.")
+    out = tmp_path / "out"
+    result = cli("run", "--text", str(prompt), "--policy", "tova:budget=16", "--policy", "a2sf:budget=16,alpha=0.3",
+                 "--policy", "full", "--mode", "generate", "--max-new-tokens", "12", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary) == ["tova:budget=16", "a2sf:budget=16,alpha=0.3", "full"]
+    assert summary["full"]["kl_to_full"] == 0 and summary["full"]["top1_agreement"] == 1
+    for spec, row in summary.items():
+        trace = Trace.load(out / row["trace"])
+        assert trace.spec == spec and row["ppl"] > 1 and 0 <= row["top1_agreement"] <= 1
+        assert 1 <= len(trace.generated_ids) <= 12
+    tova = Trace.load(out / summary["tova:budget=16"]["trace"])
+    assert tova.evicted_at.shape == (30, 3, len(tova.tokens))

@@ -1,0 +1,29 @@
+"""End to end on the default model (SmolLM2-135M-Instruct from the packaged GGUF)."""
+import numpy as np
+
+from backend.models import ModelError, load_model
+from backend.policies import TOVA, Window
+from backend.runner import run
+
+import pytest
+
+
+def test_unknown_model_is_refused_before_any_download():
+    with pytest.raises(ModelError, match="unknown model"):
+        load_model("someone/any-model")
+
+
+def test_default_model_shape(default_lm):
+    assert (default_lm.n_layers, default_lm.n_heads, default_lm.n_kv_heads) == (30, 9, 3)
+
+
+def test_tova_small_budget_keeps_first_token_and_scores_real_text(default_lm, inaugural_text):
+    ids = default_lm.tokenizer(inaugural_text).input_ids[:300]
+    (tova, window), full = run(default_lm, ["tova:budget=32", "window:budget=32"], [TOVA(budget=32), Window(budget=32)], ids)
+    kept_to_end = (tova.evicted_at[:, :, 0] < 0).all(axis=1)  # per layer, in every head
+    assert kept_to_end.mean() >= 2 / 3, kept_to_end  # TOVA Fig. 8: the first token stays
+    lifetime = np.where(tova.evicted_at < 0, len(ids), tova.evicted_at) - np.arange(len(ids))
+    assert lifetime[:, :, 0].mean() > 4 * lifetime[:, :, 1:].mean()
+    ppl = {name: float(np.exp(-t.logprobs.mean())) for name, t in (("tova", tova), ("window", window), ("full", full))}
+    assert ppl["full"] < ppl["tova"] < ppl["window"], ppl
+    assert ppl["tova"] < 1.5 * ppl["full"], ppl
