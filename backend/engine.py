@@ -33,8 +33,10 @@ ATTN_IMPLEMENTATION = "kvlens"
 class RowLayerState:
     """What one policy has done in one layer of one batch row: its state, and what each head reads."""
 
-    def __init__(self, policy: Policy, n_kv_heads: int):
+    def __init__(self, policy: Policy, n_kv_heads: int, record: bool = False):
         self.policy = policy
+        self.record = record  # keep each query's attention row (for heatmaps and score curves)
+        self.attention_rows: list[np.ndarray] = []
         self.state = policy.init_state(n_kv_heads)
         self.n_kv_heads = n_kv_heads
         self.alive = np.zeros((n_kv_heads, 0), bool)
@@ -55,14 +57,17 @@ class RowLayerState:
         self._extend(total)
         causal = np.tri(n, total, first, dtype=bool)
         kind, policy = self.policy.kind, self.policy
-        if kind == "full":
-            return np.broadcast_to(causal, (n_heads, n, total))
         weights = None
-        if kind == "selection" or policy.uses_attention:
+        if kind == "selection" or policy.uses_attention or self.record:
             # exp(score - row max) once for the block; each step then only masks and normalises.
             s = scores.double().numpy()
             s = np.where(causal[None, None], s, -np.inf)
             weights = np.exp(s - s.max(-1, keepdims=True))
+        if kind == "full":
+            if self.record:
+                rows = (weights / weights.sum(-1, keepdims=True)).mean(1)
+                self.attention_rows.extend(rows[:, i, : first + i + 1] for i in range(n))
+            return np.broadcast_to(causal, (n_heads, n, total))
         reads = np.zeros((n_heads, n, total), bool)
         heads = np.arange(n_heads)
         for i in range(n):
@@ -73,6 +78,9 @@ class RowLayerState:
                 self.state, mask = policy.select(self.state, attn_full, t)
                 reads[:, i, : t + 1] = mask
                 self.selected_rows.append(mask)
+                if self.record:
+                    row = row * mask[:, None]
+                    self.attention_rows.append((row / row.sum(-1, keepdims=True)).mean(1))
                 continue
             kept = self.alive[:, : t + 1]
             reads[:, i, : t + 1] = kept
@@ -80,6 +88,8 @@ class RowLayerState:
             if weights is not None:
                 row = weights[:, :, i, : t + 1] * kept[:, None]
                 attn = (row / row.sum(-1, keepdims=True)).mean(1)
+                if self.record:
+                    self.attention_rows.append(attn)
             self.state, victims = policy.step(self.state, attn, kept, t)
             if victims is not None:
                 self.alive[heads, victims] = False
@@ -88,20 +98,30 @@ class RowLayerState:
 
     def selected(self) -> np.ndarray:
         """Selection policies: bool [H_kv, T, T], row t = the positions query t read."""
-        total = len(self.selected_rows)
-        out = np.zeros((self.n_kv_heads, total, total), bool)
-        for t, mask in enumerate(self.selected_rows):
-            out[:, t, : t + 1] = mask
-        return out
+        return _lower_square(self.selected_rows, self.n_kv_heads, bool)
+
+    def attention(self) -> np.ndarray:
+        """Recorded rows as float32 [H_kv, T, T]: row t = query t's attention (mean over its query heads)."""
+        return _lower_square(self.attention_rows, self.n_kv_heads, np.float32)
+
+
+def _lower_square(rows: list[np.ndarray], n_heads: int, dtype) -> np.ndarray:
+    """Stack per-step rows of growing length (row t has t + 1 entries) into [H, T, T]."""
+    out = np.zeros((n_heads, len(rows), len(rows)), dtype)
+    for t, row in enumerate(rows):
+        out[:, t, : t + 1] = row
+    return out
 
 
 class PolicyCache(DynamicCache):
     """A DynamicCache whose batch row ``b`` is governed by ``policies[b]`` in every layer."""
 
-    def __init__(self, policies: list[Policy], n_layers: int, n_kv_heads: int):
+    def __init__(self, policies: list[Policy], n_layers: int, n_kv_heads: int, record_layers: tuple[int, ...] = ()):
         super().__init__()
         self.policies = list(policies)
-        self.rows = [[RowLayerState(p, n_kv_heads) for p in self.policies] for _ in range(n_layers)]
+        self.record_layers = tuple(record_layers)
+        self.rows = [[RowLayerState(p, n_kv_heads, layer in self.record_layers) for p in self.policies]
+                     for layer in range(n_layers)]
 
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scaling: float) -> torch.Tensor:
@@ -125,6 +145,14 @@ class PolicyCache(DynamicCache):
     def selected(self, row: int) -> np.ndarray:
         """bool [L, H_kv, T, T] for a selection policy's batch row."""
         return np.stack([layer[row].selected() for layer in self.rows])
+
+    def recorded_attention(self, row: int) -> np.ndarray:
+        """float32 [R, H_kv, T, T] for the recorded layers (``record_layers``)."""
+        return np.stack([self.rows[layer][row].attention() for layer in self.record_layers])
+
+    def recorded_keys(self, row: int) -> np.ndarray:
+        """Keys after RoPE, float32 [R, H_kv, T, d], for the recorded layers."""
+        return np.stack([self.layers[layer].keys[row].float().numpy() for layer in self.record_layers])
 
 
 def kvlens_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

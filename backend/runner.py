@@ -59,7 +59,7 @@ def _log_softmax(lm: LoadedModel, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def score_text(lm: LoadedModel, ids: Sequence[int], policies: Sequence[Policy], chunk: int = DEFAULT_CHUNK,
-               progress: Progress | None = None, reference: bool = True
+               progress: Progress | None = None, reference: bool = True, record_layers: Sequence[int] = ()
                ) -> tuple[PolicyCache, dict[str, np.ndarray], list[int]]:
     """Teacher-force ``ids`` under every policy at once.
 
@@ -68,7 +68,7 @@ def score_text(lm: LoadedModel, ids: Sequence[int], policies: Sequence[Policy], 
     """
     rows, index = _rows(policies, reference)
     n = len(ids)
-    cache = PolicyCache(rows, lm.n_layers, lm.n_kv_heads)
+    cache = PolicyCache(rows, lm.n_layers, lm.n_kv_heads, tuple(record_layers))
     batch = torch.tensor(ids, dtype=torch.long).expand(len(rows), -1)
     targets = torch.tensor(ids[1:], dtype=torch.long)
     stats = {"logprobs": np.zeros((len(rows), n - 1), np.float32),
@@ -93,11 +93,11 @@ def score_text(lm: LoadedModel, ids: Sequence[int], policies: Sequence[Policy], 
 
 
 def generate(lm: LoadedModel, prompt_ids: Sequence[int], policies: Sequence[Policy], max_new_tokens: int,
-             chunk: int = DEFAULT_CHUNK, progress: Progress | None = None, reference: bool = True
-             ) -> tuple[PolicyCache, list[list[int]], list[int]]:
+             chunk: int = DEFAULT_CHUNK, progress: Progress | None = None, reference: bool = True,
+             record_layers: Sequence[int] = ()) -> tuple[PolicyCache, list[list[int]], list[int]]:
     """Greedy continuation of the prompt under each policy; returns (cache, continuation per row, row index)."""
     rows, index = _rows(policies, reference)
-    cache = PolicyCache(rows, lm.n_layers, lm.n_kv_heads)
+    cache = PolicyCache(rows, lm.n_layers, lm.n_kv_heads, tuple(record_layers))
     eos = lm.tokenizer.eos_token_id
     batch = torch.tensor(prompt_ids, dtype=torch.long).expand(len(rows), -1)
     outputs: list[list[int]] = [[] for _ in rows]
@@ -122,13 +122,31 @@ def generate(lm: LoadedModel, prompt_ids: Sequence[int], policies: Sequence[Poli
     return cache, outputs, index
 
 
-def _meta(lm: LoadedModel, spec: str, policy: Policy, mode: str, tokens: Sequence[int], n_prompt: int) -> dict:
+def default_record_layers(lm: LoadedModel) -> tuple[int, ...]:
+    """First, middle and last layer: enough for score curves and t-SNE without storing every layer."""
+    return tuple(sorted({0, lm.n_layers // 2, lm.n_layers - 1}))
+
+
+def _recorded(lm: LoadedModel, cache: PolicyCache, row: int, length: int) -> dict[str, np.ndarray]:
+    """Attention rows and keys of the recorded layers, cut to the row's own length."""
+    if not cache.record_layers:
+        return {}
+    rope = lm.model.model.rotary_emb
+    return {"attention": cache.recorded_attention(row)[..., :length, :length].astype(np.float16),
+            "keys": cache.recorded_keys(row)[:, :, :length].astype(np.float16),
+            "rope_inv_freq": rope.inv_freq.float().numpy().astype(np.float32)}
+
+
+def _meta(lm: LoadedModel, spec: str, policy: Policy, mode: str, tokens: Sequence[int], n_prompt: int,
+          record_layers: Sequence[int]) -> dict:
     return {
         "format_version": FORMAT_VERSION, "spec": spec, "policy": policy.name, "params": policy.params(),
         "kind": policy.kind, "mode": mode, "model": lm.name, "model_fingerprint": lm.fingerprint,
         "n_layers": lm.n_layers, "n_kv_heads": lm.n_kv_heads, "n_heads": lm.n_heads,
         "n_prompt": n_prompt, "score_start": 0 if mode == "prompt" else n_prompt - 1,
         "token_texts": [lm.tokenizer.decode([t]) for t in tokens],
+        "recorded_layers": list(record_layers),
+        "rope_attention_scaling": float(getattr(lm.model.model.rotary_emb, "attention_scaling", 1.0)),
     }
 
 
@@ -143,30 +161,34 @@ def _masks(cache: PolicyCache, row: int, policy: Policy, length: int) -> dict[st
 
 
 def run(lm: LoadedModel, specs: Sequence[str], policies: Sequence[Policy], ids: Sequence[int], mode: str = "prompt",
-        max_new_tokens: int = 64, chunk: int = DEFAULT_CHUNK, progress: Progress | None = None
-        ) -> tuple[list[Trace], Trace]:
+        max_new_tokens: int = 64, chunk: int = DEFAULT_CHUNK, progress: Progress | None = None,
+        record_layers: Sequence[int] | None = None) -> tuple[list[Trace], Trace]:
     """Run every policy on ``ids`` (the text, or the prompt in generate mode).
 
     Returns one trace per policy, and Full's trace (the reference row, whether asked for or not).
+    ``record_layers`` (default: first, middle, last) keep attention rows and keys for those layers.
     """
+    record = default_record_layers(lm) if record_layers is None else tuple(record_layers)
+    if any(not 0 <= layer < lm.n_layers for layer in record):
+        raise ValueError(f"record_layers must be within 0..{lm.n_layers - 1}, got {list(record)}")
     if mode not in ("prompt", "generate"):
         raise ValueError(f"mode must be 'prompt' or 'generate', got {mode!r}")
     ids = [int(i) for i in ids]
     if len(ids) < 2:
         raise ValueError("the text must have at least 2 tokens")
     if mode == "prompt":
-        cache, stats, index = score_text(lm, ids, policies, chunk, progress)
+        cache, stats, index = score_text(lm, ids, policies, chunk, progress, record_layers=record)
         continuations = None
     else:
-        cache, continuations, index = generate(lm, ids, policies, max_new_tokens, chunk, progress)
+        cache, continuations, index = generate(lm, ids, policies, max_new_tokens, chunk, progress, record_layers=record)
         _, stats, _ = score_text(lm, ids + continuations[0], policies, chunk, progress)
 
     def trace(spec: str, policy: Policy, row: int) -> Trace:
         own = ids if continuations is None else ids + continuations[row]
         generated = {} if continuations is None else {"generated_ids": np.array(continuations[row], np.int32)}
         scored = ids if continuations is None else ids + continuations[0]
-        return Trace(meta=_meta(lm, spec, policy, mode, own, len(ids)), tokens=np.array(own, np.int32),
+        return Trace(meta=_meta(lm, spec, policy, mode, own, len(ids), record), tokens=np.array(own, np.int32),
                      scored_ids=np.array(scored, np.int32), **{k: v[row] for k, v in stats.items()},
-                     **_masks(cache, row, policy, len(own)), **generated)
+                     **_masks(cache, row, policy, len(own)), **_recorded(lm, cache, row, len(own)), **generated)
 
     return [trace(s, p, row) for s, p, row in zip(specs, policies, index)], trace("full", Full(), 0)

@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import io
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 FORMAT_VERSION = 1
 ARRAY_FIELDS = ("tokens", "evicted_at", "selected", "scored_ids", "logprobs", "top1_ids", "kl_to_full",
-                "generated_ids")
+                "generated_ids", "attention", "keys", "rope_inv_freq")
 
 
 @dataclass
@@ -24,7 +24,9 @@ class Trace:
     evicted_at: np.ndarray | None = None
     selected: np.ndarray | None = None  # bool [L, H_kv, T, T] in memory, packed bits on disk
     generated_ids: np.ndarray | None = None
-    extra: dict = field(default_factory=dict)
+    attention: np.ndarray | None = None  # float16 [R, H_kv, T, T] for meta["recorded_layers"]
+    keys: np.ndarray | None = None  # float16 [R, H_kv, T, d], after RoPE, for meta["recorded_layers"]
+    rope_inv_freq: np.ndarray | None = None  # float32 [d/2], to rotate keys back (metrics)
 
     @property
     def spec(self) -> str:

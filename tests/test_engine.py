@@ -150,3 +150,13 @@ def test_generate_mode_scores_every_policy_on_fulls_continuation(tiny, text_ids)
 def test_our_kernels_folder_is_not_taken_for_hugging_faces_kernels_library():
     from transformers.utils import import_utils
     assert not import_utils.is_kernels_available()
+
+
+@pytest.mark.parametrize("policy", [Full(), TOVA(budget=5), Window(budget=4), Oracle(budget=4)], ids=lambda p: p.name)
+def test_recorded_attention_rows_are_what_each_query_read(tiny, text_ids, policy):
+    traces, _ = run(tiny, [policy.name], [policy], text_ids, record_layers=(1,))
+    (trace,) = traces
+    rows = trace.attention[0].astype(np.float64)  # [H_kv, T, T]
+    np.testing.assert_allclose(rows.sum(-1), 1.0, atol=2e-3)  # float16 on disk
+    assert ((rows > 0) == trace.reads(1)).all()
+    assert trace.keys.shape == (1, 2, len(text_ids), 8)
