@@ -10,7 +10,9 @@ from pathlib import Path
 from . import metrics
 from .models import ALLOWED_MODELS, DEFAULT_MODEL, ModelError, load_model
 from .policies import SpecError, describe, parse_spec
-from .runner import DEFAULT_CHUNK, run
+from .runner import DEFAULT_CHUNK
+from .service import run_policies
+from .store import TraceStore
 
 
 class CliError(Exception):
@@ -57,6 +59,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise CliError(str(err)) from None
     if args.max_new_tokens < 1:
         raise CliError("--max-new-tokens must be >= 1")
+    if args.max_tokens < 2 or args.chunk < 1:
+        raise CliError("--max-tokens must be >= 2 and --chunk >= 1")
     text = read_text(args.text)
     try:
         lm = load_model(args.model)
@@ -69,17 +73,25 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"\r{what}: {frac:4.0%}", end="", file=sys.stderr, flush=True)
 
     specs = list(args.policy)
-    traces, full = run(lm, specs, policies, ids, args.mode, args.max_new_tokens, args.chunk, progress)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise CliError(f"--out {out} exists and is not a directory")
+    try:
+        store = None if args.no_cache else TraceStore()
+    except ValueError as err:  # e.g. a malformed KVLENS_STORE_MB
+        raise CliError(str(err)) from None
+    result = run_policies(lm, specs, policies, ids, args.mode, args.max_new_tokens, store, chunk=args.chunk,
+                          progress=progress)
     if sys.stderr.isatty():
         print(file=sys.stderr)
-    out = Path(args.out)
+    traces, full = result.traces, result.full
     summary = {}
     for index, (spec, trace) in enumerate(zip(specs, traces)):
         path = trace.save(out, trace_stem(index, spec))
         row = metrics.summary_row(trace, full)
         summary[spec] = {**row, "trace": path.name}
         print(f"{spec:32s} ppl {row['ppl']:9.3f}  kl_to_full {row['kl_to_full']:.4f}  "
-              f"top1 {row['top1_agreement']:.3f}")
+              f"top1 {row['top1_agreement']:.3f}  {'(replayed from the store)' if result.replayed[index] else ''}")
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"wrote {len(traces)} traces and summary.json to {out}")
     return 0
@@ -102,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="generate mode: feed the text as is instead of as a chat user turn")
     p.add_argument("--max-tokens", type=int, default=1024, help="truncate longer texts to this many tokens")
     p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help="prompt tokens per forward call")
+    p.add_argument("--no-cache", action="store_true",
+                   help="recompute even if the trace store (KVLENS_STORE_DIR) holds this run")
     p.set_defaults(func=cmd_run)
     return parser
 

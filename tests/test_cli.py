@@ -1,5 +1,6 @@
 """The CLI: bad input is one line on stderr and exit status 2, never a traceback."""
 import json
+import os
 import subprocess
 import sys
 
@@ -8,9 +9,14 @@ import pytest
 from backend.trace import Trace
 
 
-def cli(*args, cwd=None):
+@pytest.fixture(autouse=True)
+def private_store(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVLENS_STORE_DIR", str(tmp_path / "store"))
+
+
+def cli(*args):
     return subprocess.run([sys.executable, "-m", "backend", *args], capture_output=True, text=True, timeout=300,
-                          cwd=cwd)
+                          env=dict(os.environ))
 
 
 @pytest.fixture
@@ -48,6 +54,15 @@ def test_missing_file_and_unknown_model_are_one_line_errors(text_file, tmp_path)
     assert result.returncode == 2 and "unknown model" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_bad_store_size_and_out_path_are_one_line_errors(text_file, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVLENS_STORE_MB", "lots")
+    result = cli("run", "--text", str(text_file), "--policy", "full", "--out", str(tmp_path / "o"))
+    assert result.returncode == 2 and "KVLENS_STORE_MB" in result.stderr and "Traceback" not in result.stderr
+    monkeypatch.delenv("KVLENS_STORE_MB")
+    result = cli("run", "--text", str(text_file), "--policy", "full", "--out", str(text_file))
+    assert result.returncode == 2 and "not a directory" in result.stderr
+
+
 def test_help_lists_every_policy_and_its_parameters():
     out = cli("run", "--help").stdout
     for name in ("full", "window", "sinks", "h2o", "tova", "a2sf", "oracle"):
@@ -71,3 +86,10 @@ def test_default_model_generate_run_writes_traces_and_summary(tmp_path):
         assert 1 <= len(trace.generated_ids) <= 12
     tova = Trace.load(out / summary["tova:budget=16"]["trace"])
     assert tova.evicted_at.shape == (30, 3, len(tova.tokens))
+    assert "replayed" not in result.stdout
+
+    again = cli("run", "--text", str(prompt), "--policy", "tova:budget=16,heads=layer", "--mode", "generate",
+                "--max-new-tokens", "12", "--out", str(tmp_path / "again"))
+    assert again.returncode == 0 and "(replayed from the store)" in again.stdout
+    replayed = Trace.load(tmp_path / "again" / "00-tova-budget-16-heads-layer.npz")
+    assert (replayed.evicted_at == tova.evicted_at).all() and replayed.spec == "tova:budget=16,heads=layer"

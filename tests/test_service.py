@@ -1,0 +1,41 @@
+"""Runs through the store: replay equals recompute; only missing policies are computed."""
+import numpy as np
+
+from backend import service
+from backend.policies import H2O, TOVA, Window
+from backend.service import run_policies
+from backend.store import TraceStore
+
+
+def test_second_run_replays_and_equals_the_first(tiny, text_ids, tmp_path):
+    store = TraceStore(tmp_path)
+    first = run_policies(tiny, ["tova:budget=5", "window:budget=5"], [TOVA(budget=5), Window(budget=5)], text_ids,
+                         store=store, record_layers=(0,))
+    again = run_policies(tiny, ["tova:budget=5", "window:budget=5"], [TOVA(budget=5), Window(budget=5)], text_ids,
+                         store=store, record_layers=(0,))
+    assert first.replayed == [False, False] and again.replayed == [True, True]
+    for a, b in zip(first.traces + [first.full], again.traces + [again.full]):
+        assert a.meta == b.meta
+        for name, value in a.arrays().items():
+            np.testing.assert_array_equal(value, b.arrays()[name])
+
+
+def test_only_missing_policies_are_computed(tiny, text_ids, tmp_path, monkeypatch):
+    store = TraceStore(tmp_path)
+    run_policies(tiny, ["tova:budget=5"], [TOVA(budget=5)], text_ids, store=store, record_layers=())
+    calls = []
+    real_run = service.run
+    monkeypatch.setattr(service, "run", lambda lm, specs, *a, **k: calls.append(specs) or real_run(lm, specs, *a, **k))
+    result = run_policies(tiny, ["tova:budget=5", "h2o:budget=6"], [TOVA(budget=5), H2O(budget=6)], text_ids,
+                          store=store, record_layers=())
+    assert calls == [["h2o:budget=6"]] and result.replayed == [True, False]
+
+
+def test_key_depends_on_what_determines_the_trace(tiny, text_ids):
+    key = service.trace_key(tiny, text_ids, TOVA(budget=5), "prompt", 64, (0,))
+    assert key == service.trace_key(tiny, text_ids, TOVA(budget=5), "prompt", 32, (0,))  # unused in prompt mode
+    assert key != service.trace_key(tiny, text_ids, TOVA(budget=6), "prompt", 64, (0,))
+    assert key != service.trace_key(tiny, text_ids[:-1], TOVA(budget=5), "prompt", 64, (0,))
+    assert key != service.trace_key(tiny, text_ids, TOVA(budget=5, heads="head"), "prompt", 64, (0,))
+    assert key != service.trace_key(tiny, text_ids, TOVA(budget=5), "generate", 64, (0,))
+    assert key != service.trace_key(tiny, text_ids, TOVA(budget=5), "prompt", 64, (1,))
