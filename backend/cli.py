@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ from .policies import SpecError, describe, parse_spec
 from .runner import DEFAULT_CHUNK
 from .service import run_policies
 from .store import TraceStore
+from .trace import file_stem
 
 
 class CliError(Exception):
@@ -34,22 +34,13 @@ def read_text(path: str) -> str:
 
 
 def encode(lm, text: str, mode: str, chat: bool, max_tokens: int) -> list[int]:
-    tok = lm.tokenizer
-    if mode == "generate" and chat and tok.chat_template:
-        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-    else:
-        ids = tok(text).input_ids
+    ids = lm.encode(text, chat=chat and mode == "generate")
     if len(ids) > max_tokens:
         print(f"note: text truncated from {len(ids)} to {max_tokens} tokens (--max-tokens)", file=sys.stderr)
         ids = ids[:max_tokens]
     if mode == "prompt" and len(ids) < 2:
         raise CliError("the text must have at least 2 tokens to be scored")
     return list(ids)
-
-
-def trace_stem(index: int, spec: str) -> str:
-    return f"{index:02d}-" + re.sub(r"[^A-Za-z0-9.]+", "-", spec).strip("-")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -87,7 +78,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     traces, full = result.traces, result.full
     summary = {}
     for index, (spec, trace) in enumerate(zip(specs, traces)):
-        path = trace.save(out, trace_stem(index, spec))
+        path = trace.save(out, file_stem(index, spec))
         row = metrics.summary_row(trace, full)
         summary[spec] = {**row, "trace": path.name}
         print(f"{spec:32s} ppl {row['ppl']:9.3f}  kl_to_full {row['kl_to_full']:.4f}  "

@@ -57,6 +57,14 @@ class LoadedModel:
     def n_heads(self) -> int:
         return self.model.config.num_attention_heads
 
+    def encode(self, text: str, chat: bool = False) -> list[int]:
+        """Token ids of ``text``; ``chat=True`` wraps it as a user turn of the model's chat template."""
+        if chat and getattr(self.tokenizer, "chat_template", None):
+            return list(self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                           add_generation_prompt=True, tokenize=True,
+                                                           return_dict=True)["input_ids"])
+        return list(self.tokenizer(text).input_ids)
+
 
 def cache_dir() -> Path:
     return Path(os.environ.get("KVLENS_MODEL_CACHE", Path.home() / ".cache" / "kvlens" / "models"))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,11 +73,17 @@ class Trace:
             arrays["selected"] = np.unpackbits(arrays["selected"], axis=-1, count=n).astype(bool)
         return cls(meta=meta, **arrays)
 
+    def npz_bytes(self) -> bytes:
+        """The arrays alone, as the bytes of ``NAME.npz``."""
+        buf = io.BytesIO()
+        np.savez_compressed(buf, **self.arrays())
+        return buf.getvalue()
+
     def save(self, directory: Path, stem: str) -> Path:
         """Write ``stem.npz`` (arrays) and ``stem.json`` (metadata); return the npz path."""
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"{stem}.npz"
-        np.savez_compressed(path, **self.arrays())
+        path.write_bytes(self.npz_bytes())
         (directory / f"{stem}.json").write_text(json.dumps(self.meta, indent=1))
         return path
 
@@ -86,3 +93,8 @@ class Trace:
         meta = json.loads(npz_path.with_suffix(".json").read_text())
         with np.load(npz_path, allow_pickle=False) as npz:
             return cls._from_arrays(meta, {k: npz[k] for k in npz.files})
+
+
+def file_stem(index: int, spec: str) -> str:
+    """A safe file name for the ``index``-th trace of a run: ``03-tova-budget-64``."""
+    return f"{index:02d}-" + re.sub(r"[^A-Za-z0-9.]+", "-", spec).strip("-")
