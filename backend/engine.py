@@ -19,6 +19,8 @@ different budgets share one tensor, and every token keeps its own RoPE position 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 from transformers import AttentionInterface, DynamicCache
@@ -26,6 +28,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from .policies import Policy
+from .policies.base import AttendingPolicy, Block
 
 ATTN_IMPLEMENTATION = "kvlens"
 
@@ -42,6 +45,7 @@ class RowLayerState:
         self.alive = np.zeros((n_kv_heads, 0), bool)
         self.evicted_at = np.zeros((n_kv_heads, 0), np.int32)
         self.selected_rows: list[np.ndarray] = []  # selection policies: mask read by each query
+        self.stat_rows: dict[str, list[np.ndarray]] = {}  # attending policies: per-step numbers
 
     def _extend(self, total: int) -> None:
         new = total - self.alive.shape[1]
@@ -96,6 +100,23 @@ class RowLayerState:
                 self.evicted_at[heads, victims] = t + 1
         return reads
 
+    def run_attending(self, block: Block) -> tuple[torch.Tensor, np.ndarray]:
+        """An attending policy computes the block's output itself; record what it read."""
+        self.state, result = self.policy.attend_block(self.state, block)
+        n = block.q.shape[1]
+        for i in range(n):
+            t = block.first + i
+            self.selected_rows.append(result.reads[:, i, : t + 1])
+            if self.record:
+                self.attention_rows.append(result.attn[:, i, : t + 1])
+        for name, values in result.stats.items():
+            self.stat_rows.setdefault(name, []).extend(values)
+        return result.out, result.reads
+
+    def stats(self) -> dict[str, np.ndarray]:
+        """Per-step numbers recorded by an attending policy: name -> [T, ...]."""
+        return {name: np.stack(rows) for name, rows in self.stat_rows.items()}
+
     def selected(self) -> np.ndarray:
         """Selection policies: bool [H_kv, T, T], row t = the positions query t read."""
         return _lower_square(self.selected_rows, self.n_kv_heads, bool)
@@ -116,10 +137,15 @@ def _lower_square(rows: list[np.ndarray], n_heads: int, dtype) -> np.ndarray:
 class PolicyCache(DynamicCache):
     """A DynamicCache whose batch row ``b`` is governed by ``policies[b]`` in every layer."""
 
-    def __init__(self, policies: list[Policy], n_layers: int, n_kv_heads: int, record_layers: tuple[int, ...] = ()):
+    def __init__(self, policies: list[Policy], n_layers: int, n_kv_heads: int, record_layers: tuple[int, ...] = (),
+                 rope: Callable | None = None):
         super().__init__()
         self.policies = list(policies)
         self.record_layers = tuple(record_layers)
+        self.rope = rope  # rope(x, positions): the model's RoPE, for policies that re-rotate keys
+        self.needs_prerope = any(getattr(p, "needs_prerope", False) for p in self.policies)
+        self.prerope_q: dict[int, torch.Tensor] = {}  # layer -> this block's queries before RoPE
+        self.prerope_k: dict[int, torch.Tensor] = {}  # layer -> every key so far, before RoPE
         self.rows = [[RowLayerState(p, n_kv_heads, layer in self.record_layers) for p in self.policies]
                      for layer in range(n_layers)]
 
@@ -132,11 +158,23 @@ class PolicyCache(DynamicCache):
         # Query head h shares KV head h // group (transformers' repeat_kv order).
         q = query.view(batch, n_kv_heads, group, n, dim)
         scores = torch.matmul(q, key.unsqueeze(2).transpose(-1, -2)) * scaling
-        reads = np.stack([state.run_block(scores[b], total - n) for b, state in enumerate(self.rows[layer])])
+        reads, own_outputs = [], {}
+        for b, state in enumerate(self.rows[layer]):
+            if isinstance(state.policy, AttendingPolicy):
+                block = Block(q=query[b], k=key[b], v=value[b], first=total - n, scaling=scaling, rope=self.rope,
+                              q_pre=self.prerope_q[layer][b] if self.needs_prerope else None,
+                              k_pre=self.prerope_k[layer][b] if self.needs_prerope else None)
+                own_outputs[b], block_reads = state.run_attending(block)
+                reads.append(block_reads)
+            else:
+                reads.append(state.run_block(scores[b], total - n))
+        reads = np.stack(reads)
         bias = torch.zeros(reads.shape, dtype=scores.dtype).masked_fill_(torch.from_numpy(~reads), float("-inf"))
         probs = torch.softmax(scores + bias[:, :, None], dim=-1)
-        out = torch.matmul(probs, value.unsqueeze(2))
-        return out.reshape(batch, n_q_heads, n, dim).transpose(1, 2).contiguous()
+        out = torch.matmul(probs, value.unsqueeze(2)).reshape(batch, n_q_heads, n, dim).transpose(1, 2).contiguous()
+        for b, own in own_outputs.items():
+            out[b] = own.to(out.dtype)
+        return out
 
     def evicted_at(self, row: int) -> np.ndarray:
         """int32 [L, H_kv, T] for batch row ``row`` (see docs/trace-format.md)."""
@@ -150,9 +188,56 @@ class PolicyCache(DynamicCache):
         """float32 [R, H_kv, T, T] for the recorded layers (``record_layers``)."""
         return np.stack([self.rows[layer][row].attention() for layer in self.record_layers])
 
+    def stats(self, row: int) -> dict[str, np.ndarray]:
+        """An attending policy's per-step numbers: name -> [L, T, ...]."""
+        per_layer = [layer[row].stats() for layer in self.rows]
+        return {name: np.stack([layer[name] for layer in per_layer]) for name in per_layer[0]}
+
+    def capture_prerope(self, model) -> "PreRopeCapture":
+        """Context manager: while active, keep every layer's queries and keys before RoPE."""
+        return PreRopeCapture(model, self)
+
     def recorded_keys(self, row: int) -> np.ndarray:
         """Keys after RoPE, float32 [R, H_kv, T, d], for the recorded layers."""
         return np.stack([self.layers[layer].keys[row].float().numpy() for layer in self.record_layers])
+
+
+class PreRopeCapture:
+    """Forward hooks (PyTorch's own extension point) on each attention layer's query and key
+    projections: they see the vectors before RoPE, which ReAttention selects with."""
+
+    def __init__(self, model, cache: PolicyCache):
+        self.model, self.cache, self.handles = model, cache, []
+
+    def _hook(self, layer: int, which: str, module):
+        n_heads_attr = "num_attention_heads" if which == "q" else "num_key_value_heads"
+        n_heads = getattr(self.model.config, n_heads_attr)
+
+        def store(_module, _inputs, output):
+            batch, n = output.shape[:2]
+            x = output.reshape(batch, n, n_heads, -1).transpose(1, 2)  # [B, H, n, d]
+            if which == "q":
+                self.cache.prerope_q[layer] = x
+            else:
+                past = self.cache.prerope_k.get(layer)
+                self.cache.prerope_k[layer] = x if past is None else torch.cat([past, x], dim=2)
+
+        return module.register_forward_hook(store)
+
+    def __enter__(self):
+        if self.cache.needs_prerope:
+            for layer, block in enumerate(self.model.model.layers):
+                attn = block.self_attn
+                # Qwen3-style models normalise q and k after the projection: RoPE comes after that.
+                q_mod = getattr(attn, "q_norm", None) or attn.q_proj
+                k_mod = getattr(attn, "k_norm", None) or attn.k_proj
+                self.handles += [self._hook(layer, "q", q_mod), self._hook(layer, "k", k_mod)]
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
 
 
 def kvlens_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
+from transformers.models.llama.modeling_llama import rotate_half
 
 from .engine import PolicyCache
 from .models import LoadedModel
@@ -46,6 +47,21 @@ def _rows(policies: Sequence[Policy], reference: bool = True) -> tuple[list[Poli
     return rows, index
 
 
+def rope_function(lm: LoadedModel) -> Callable:
+    """rope(x [H, L, d], positions [L]) -> x rotated as the model rotates keys at those positions."""
+    rotary = lm.model.model.rotary_emb
+
+    def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos, sin = rotary(x, positions[None])
+        return x * cos + rotate_half(x) * sin
+
+    return rope
+
+
+def new_cache(lm: LoadedModel, rows: Sequence[Policy], record_layers: Sequence[int]) -> PolicyCache:
+    return PolicyCache(list(rows), lm.n_layers, lm.n_kv_heads, tuple(record_layers), rope_function(lm))
+
+
 def _forward(lm: LoadedModel, cache: PolicyCache, ids: torch.Tensor, start: int) -> torch.Tensor:
     """Feed ids [B, n] at positions start..start+n-1; return the last hidden states [B, n, D]."""
     positions = torch.arange(start, start + ids.shape[1]).expand(ids.shape[0], -1)
@@ -68,13 +84,13 @@ def score_text(lm: LoadedModel, ids: Sequence[int], policies: Sequence[Policy], 
     """
     rows, index = _rows(policies, reference)
     n = len(ids)
-    cache = PolicyCache(rows, lm.n_layers, lm.n_kv_heads, tuple(record_layers))
+    cache = new_cache(lm, rows, record_layers)
     batch = torch.tensor(ids, dtype=torch.long).expand(len(rows), -1)
     targets = torch.tensor(ids[1:], dtype=torch.long)
     stats = {"logprobs": np.zeros((len(rows), n - 1), np.float32),
              "top1_ids": np.zeros((len(rows), n - 1), np.int32),
              "kl_to_full": np.zeros((len(rows), n - 1), np.float32)}
-    with torch.inference_mode():
+    with torch.inference_mode(), cache.capture_prerope(lm.model):
         for start in range(0, n, chunk):
             hidden = _forward(lm, cache, batch[:, start:start + chunk], start)
             for sub in range(0, hidden.shape[1], LM_HEAD_CHUNK):
@@ -97,12 +113,12 @@ def generate(lm: LoadedModel, prompt_ids: Sequence[int], policies: Sequence[Poli
              record_layers: Sequence[int] = ()) -> tuple[PolicyCache, list[list[int]], list[int]]:
     """Greedy continuation of the prompt under each policy; returns (cache, continuation per row, row index)."""
     rows, index = _rows(policies, reference)
-    cache = PolicyCache(rows, lm.n_layers, lm.n_kv_heads, tuple(record_layers))
+    cache = new_cache(lm, rows, record_layers)
     eos = lm.tokenizer.eos_token_id
     batch = torch.tensor(prompt_ids, dtype=torch.long).expand(len(rows), -1)
     outputs: list[list[int]] = [[] for _ in rows]
     done = np.zeros(len(rows), bool)
-    with torch.inference_mode():
+    with torch.inference_mode(), cache.capture_prerope(lm.model):
         for start in range(0, len(prompt_ids), chunk):
             hidden = _forward(lm, cache, batch[:, start:start + chunk], start)
         position = len(prompt_ids)
@@ -156,7 +172,8 @@ def _masks(cache: PolicyCache, row: int, policy: Policy, length: int) -> dict[st
         evicted = cache.evicted_at(row)[..., :length]
         return {"evicted_at": np.where(evicted > length, -1, evicted).astype(np.int32)}
     if policy.kind == "selection":
-        return {"selected": cache.selected(row)[:, :, :length, :length]}
+        stats = {f"stat_{name}": values[:, :length] for name, values in cache.stats(row).items()}
+        return {"selected": cache.selected(row)[:, :, :length, :length], **stats}
     return {}
 
 

@@ -13,7 +13,7 @@ import threading
 import zipfile
 from dataclasses import dataclass, field
 
-from .models import DEFAULT_MODEL, LoadedModel, ModelError, load_model
+from .models import ALLOWED_MODELS, DEFAULT_MODEL, LoadedModel, ModelError, load_model
 from .policies import SpecError, parse_spec
 from .runner import Progress, default_record_layers
 from .service import RunResult, run_policies

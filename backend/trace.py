@@ -4,7 +4,6 @@ from __future__ import annotations
 import io
 import json
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -14,20 +13,20 @@ ARRAY_FIELDS = ("tokens", "evicted_at", "selected", "scored_ids", "logprobs", "t
                 "generated_ids", "attention", "keys", "rope_inv_freq")
 
 
-@dataclass
 class Trace:
-    meta: dict
-    tokens: np.ndarray
-    scored_ids: np.ndarray
-    logprobs: np.ndarray
-    top1_ids: np.ndarray
-    kl_to_full: np.ndarray
-    evicted_at: np.ndarray | None = None
-    selected: np.ndarray | None = None  # bool [L, H_kv, T, T] in memory, packed bits on disk
-    generated_ids: np.ndarray | None = None
-    attention: np.ndarray | None = None  # float16 [R, H_kv, T, T] for meta["recorded_layers"]
-    keys: np.ndarray | None = None  # float16 [R, H_kv, T, d], after RoPE, for meta["recorded_layers"]
-    rope_inv_freq: np.ndarray | None = None  # float32 [d/2], to rotate keys back (metrics)
+    """Arrays of one policy's run (see docs/trace-format.md) plus its metadata dict."""
+
+    def __init__(self, meta: dict, tokens, scored_ids, logprobs, top1_ids, kl_to_full, evicted_at=None, selected=None,
+                 generated_ids=None, attention=None, keys=None, rope_inv_freq=None, stats=None, **stat_arrays):
+        # Per-step numbers travel as ``stat_<name>`` arrays (e.g. SparQ's stat_alpha [L, T, H_q]).
+        self.meta, self.tokens, self.scored_ids, self.logprobs = meta, tokens, scored_ids, logprobs
+        self.top1_ids, self.kl_to_full, self.evicted_at, self.selected = top1_ids, kl_to_full, evicted_at, selected
+        self.generated_ids, self.attention, self.keys, self.rope_inv_freq = generated_ids, attention, keys, rope_inv_freq
+        self.stats = dict(stats or {})
+        for name, values in stat_arrays.items():
+            if not name.startswith("stat_"):
+                raise TypeError(f"unexpected trace field {name!r}")
+            self.stats[name[5:]] = values
 
     @property
     def spec(self) -> str:
@@ -47,6 +46,7 @@ class Trace:
 
     def arrays(self) -> dict[str, np.ndarray]:
         out = {name: getattr(self, name) for name in ARRAY_FIELDS if getattr(self, name) is not None}
+        out.update({f"stat_{name}": values for name, values in self.stats.items()})
         if "selected" in out:
             out["selected"] = np.packbits(out["selected"], axis=-1)
         return out

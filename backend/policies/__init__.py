@@ -9,10 +9,11 @@ from .full import Full
 from .h2o import H2O
 from .oracle import Oracle
 from .sinks import Sinks
+from .sparq import SparQ
 from .tova import TOVA
 from .window import Window
 
-POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Full, Window, Sinks, H2O, TOVA, A2SF, Oracle)}
+POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Full, Window, Sinks, H2O, TOVA, A2SF, Oracle, SparQ)}
 
 
 class SpecError(ValueError):

@@ -13,7 +13,8 @@ that KV head (GQA), over positions ``0..t`` (zero where a token is not read).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
 import numpy as np
@@ -126,3 +127,45 @@ def top_positions(score: np.ndarray, k: int, heads: str) -> np.ndarray:
     mask = np.zeros(score.shape, bool)
     np.put_along_axis(mask, order, True, axis=-1)
     return mask
+
+
+@dataclass
+class Block:
+    """What an attending policy sees in one layer for one batch row: a block of ``n`` new queries.
+
+    q: [H_q, n, d] queries after RoPE; k, v: [H_kv, M, d] every cached key (after RoPE) and value,
+    the block's own last; first = M - n is the position of the block's first query.
+    q_pre, k_pre: the same queries and keys before RoPE (only for policies with ``needs_prerope``).
+    rope(x, positions): applies the model's RoPE to x [H, L, d] at the given positions.
+    """
+
+    q: "torch.Tensor"
+    k: "torch.Tensor"
+    v: "torch.Tensor"
+    first: int
+    scaling: float
+    q_pre: "torch.Tensor | None" = None
+    k_pre: "torch.Tensor | None" = None
+    rope: Callable | None = None
+
+
+@dataclass
+class BlockResult:
+    """out: [n, H_q, d]; reads, attn: [H_kv, n, M] (bool; mean attention of the group's query heads);
+    stats: name -> array [n, ...] of per-step numbers the policy records (e.g. SparQ's alpha)."""
+
+    out: "torch.Tensor"
+    reads: np.ndarray
+    attn: np.ndarray
+    stats: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class AttendingPolicy(SelectionPolicy):
+    """A selection policy that computes the attention output itself, a block of queries at a time
+    (SparQ mixes in the mean value vector; ReAttention re-rotates the keys it selects)."""
+
+    needs_prerope: ClassVar[bool] = False
+
+    def attend_block(self, state: State, block: Block) -> tuple[State, BlockResult]:
+        raise NotImplementedError

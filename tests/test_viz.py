@@ -1,0 +1,502 @@
+"""viz/: every figure and HTML view checked against real traces of the tiny model."""
+from __future__ import annotations
+
+import re
+import time
+from html.parser import HTMLParser
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+import pytest
+import torch
+
+from backend import metrics
+from backend.policies import parse_spec
+from backend.runner import run
+from tests.conftest import make_tiny
+from viz import (continuations_html, divergence_figure, first_divergence, first_token_retention_figure,
+                 heatmap_values, kept_tokens_html, lifetime_by_position_figure, mask_heatmap, mask_heatmaps,
+                 non_recent_share_figure, policy_colors, pos_table, pos_table_html, score_curves_figure,
+                 score_over_steps_figure, summary_table)
+from viz.colors import FAMILY_COLORS, family
+from viz.heatmap import DEFAULT_DECADES, NOT_READ_GAP
+
+SPECS = ["tova:budget=8", "a2sf:budget=8,alpha=0.3", "oracle:budget=8"]
+BUDGET = 8
+NASTY = ["<script>alert('x')</script>", " a & b", "\n", '"q"', "&amp;", "<b>", " end\n\n", "%{y}"]
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return make_tiny()
+
+
+@pytest.fixture(scope="module")
+def prompt_run(lm):
+    ids = torch.randint(0, 101, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    traces, full = run(lm, SPECS, [parse_spec(s) for s in SPECS], ids, mode="prompt", record_layers=(0, 1))
+    return {t.spec: t for t in traces}, full
+
+
+@pytest.fixture(scope="module")
+def generate_run(lm):
+    ids = torch.randint(0, 101, (20,), generator=torch.Generator().manual_seed(2)).tolist()
+    traces, full = run(lm, SPECS, [parse_spec(s) for s in SPECS], ids, mode="generate", max_new_tokens=12,
+                       record_layers=(0, 1))
+    return traces, full
+
+
+def texts(trace):
+    return trace.meta["token_texts"]
+
+
+# ---------------------------------------------------------------- heatmaps
+
+
+def test_mask_heatmap_z_is_the_read_mask_of_the_chosen_layer_and_head(prompt_run):
+    traces, _ = prompt_run
+    tr = traces["tova:budget=8"]
+    reads = tr.reads(1)[1]
+    n = len(tr.tokens)
+    lower = np.tril(np.ones((n, n), bool))
+    assert reads[lower].any() and not reads[lower].all()  # both kept and evicted cells exist
+    fig = mask_heatmap(reads, texts(tr), "TOVA layer 1 head 1")
+    assert len(fig.data) == 1 and isinstance(fig.data[0], go.Heatmap)
+    z = np.asarray(fig.data[0].z)
+    assert z.shape == (n, n)
+    np.testing.assert_array_equal(z[lower], reads[lower].astype(np.float32))
+    assert np.isnan(z[~lower]).all()
+    # a different layer's mask is different, so the comparison above discriminates
+    assert not np.array_equal(z[lower], tr.reads(0)[1][lower].astype(np.float32))
+    labels = list(fig.data[0].x)
+    assert len(labels) == n and labels[5] == f"5 {texts(tr)[5]}".replace("<", "&lt;").replace(">", "&gt;")
+    assert list(fig.data[0].y) == labels
+    for part in ("%{x}", "%{y}", "%{z"):
+        assert part in fig.data[0].hovertemplate
+    assert fig.layout.yaxis.autorange == "reversed"
+    assert fig.layout.template.layout.paper_bgcolor in ("white", "#fff", "#ffffff", "rgb(255,255,255)")
+
+
+def test_mask_heatmap_with_attention_shows_log_weights_of_read_cells(prompt_run):
+    traces, _ = prompt_run
+    tr = traces["a2sf:budget=8,alpha=0.3"]
+    assert tr.meta["recorded_layers"] == [0, 1]
+    reads = tr.reads(0)[0]
+    att = tr.attention[0, 0].astype(np.float32)
+    assert (att[~reads] == 0).all()  # the format: zero where not read
+    zmax = 0.9
+    fig = mask_heatmap(reads, texts(tr), "A2SF", attention=att, zmax=zmax)
+    z = np.asarray(fig.data[0].z)
+    top = np.log10(zmax)
+    floor = top - DEFAULT_DECADES
+    with np.errstate(divide="ignore"):
+        expected = np.clip(np.log10(att), floor, top)
+    np.testing.assert_allclose(z[reads], expected[reads], rtol=1e-5, atol=1e-5)
+    n = len(tr.tokens)
+    evicted = np.tril(np.ones((n, n), bool)) & ~reads
+    assert evicted.any()
+    np.testing.assert_allclose(z[evicted], floor - NOT_READ_GAP, atol=1e-6)
+    assert np.isnan(z[np.triu(np.ones((n, n), bool), 1)]).all()
+    assert fig.data[0].coloraxis == "coloraxis2"
+    assert fig.layout.coloraxis2.cmax == pytest.approx(top)
+    assert fig.layout.coloraxis2.cmin == pytest.approx(floor - NOT_READ_GAP)
+    assert "not read" in fig.layout.coloraxis2.colorbar.ticktext
+
+
+def test_mask_heatmap_accepts_share_of_layers_and_heads(prompt_run):
+    traces, _ = prompt_run
+    tr = traces["tova:budget=8"]
+    all_reads = np.stack([tr.reads(layer) for layer in range(tr.meta["n_layers"])])
+    share = all_reads.mean(axis=(0, 1))
+    n = len(tr.tokens)
+    lower = np.tril(np.ones((n, n), bool))
+    assert ((share[lower] > 0) & (share[lower] < 1)).any()  # layers really disagree somewhere
+    fig = mask_heatmap(share, texts(tr), "TOVA, all layers")
+    z = np.asarray(fig.data[0].z)
+    np.testing.assert_allclose(z[lower], share[lower], rtol=1e-6)
+    assert "%" in fig.data[0].hovertemplate
+    with pytest.raises(ValueError):
+        mask_heatmap(all_reads[0], texts(tr))  # [H, T, T] is not one layer/head
+
+
+def test_mask_heatmaps_one_panel_per_policy_with_a_shared_scale(prompt_run):
+    traces, full = prompt_run
+    panels = {}
+    for name, tr in [("full", full)] + list(traces.items()):
+        panels[name] = dict(reads=tr.reads(1)[0], token_texts=texts(tr), attention=tr.attention[1, 0])
+    fig = mask_heatmaps(panels, "layer 1, head 0")
+    assert len(fig.data) == len(panels)
+    zmax = max(float(np.max(np.where(p["reads"], p["attention"].astype(np.float32), 0))) for p in panels.values())
+    assert fig.layout.coloraxis2.cmax == pytest.approx(np.log10(zmax))
+    for trace, (name, panel) in zip(fig.data, panels.items()):
+        assert trace.coloraxis == "coloraxis2"
+        expected = heatmap_values(panel["reads"], panel["attention"], zmax=zmax)
+        np.testing.assert_array_equal(np.asarray(trace.z), expected)
+    # the panels differ (eviction policies read less than Full)
+    assert not np.array_equal(np.asarray(fig.data[0].z), np.asarray(fig.data[1].z))
+    colors = policy_colors(list(panels))
+    titles = {a.text: a.font.color for a in fig.layout.annotations if a.text in panels}
+    assert titles == {name: colors[name] for name in panels}
+    assert len(fig.layout.shapes) == 0
+    # mask-only panels share the kept/evicted scale instead
+    masks = mask_heatmaps({k: dict(reads=v["reads"], token_texts=v["token_texts"]) for k, v in panels.items()})
+    assert {t.coloraxis for t in masks.data} == {"coloraxis"}
+    assert masks.layout.coloraxis.cmin == 0 and masks.layout.coloraxis.cmax == 1
+
+
+def test_heatmap_labels_and_titles_are_escaped():
+    n = len(NASTY)
+    reads = np.tril(np.ones((n, n), bool))
+    fig = mask_heatmaps({"<b>bad</b> & co": dict(reads=reads, token_texts=NASTY)}, title="<i>t</i>")
+    labels = list(fig.data[0].x)
+    assert labels[0] == "0 &lt;script&gt;alert('x')&lt;/scr…"  # long texts are cut before escaping
+    assert labels[1] == "1 ␣a␣&amp;␣b" and labels[2] == "2 ↵"
+    assert not any("<" in lab for lab in labels)
+    assert "<" not in fig.layout.title.text
+    assert all("<b>" not in (a.text or "") for a in fig.layout.annotations)
+
+
+def test_heatmaps_stay_light_for_long_texts():
+    n = 1024
+    rng = np.random.default_rng(0)
+    reads = np.tril(rng.random((n, n)) < 0.2)
+    att = np.where(reads, rng.random((n, n)), 0).astype(np.float16)
+    token_texts = [f" w{i}" for i in range(n)]
+    start = time.perf_counter()
+    fig = mask_heatmaps({p: dict(reads=reads, token_texts=token_texts, attention=att) for p in SPECS})
+    built = time.perf_counter() - start
+    assert built < 1.5, f"three 1024x1024 panels took {built:.2f}s"
+    assert len(fig.data) == 3 and len(fig.layout.shapes) == 0
+    assert np.asarray(fig.data[0].z).dtype == np.float32
+
+
+# ---------------------------------------------------------------- text highlight
+
+
+class Spans(HTMLParser):
+    """Collects the kvl-tok spans: position, classes, attributes, unescaped text."""
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.spans, self._open, self.scripts = [], None, 0
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "script":
+            self.scripts += 1
+        if tag == "span" and "kvl-tok" in (attrs.get("class") or "").split():
+            self._open = dict(attrs, classes=set(attrs["class"].split()), text="")
+            self.spans.append(self._open)
+
+    def handle_endtag(self, tag):
+        if tag == "span":
+            self._open = None
+
+    def handle_data(self, data):
+        if self._open is not None:
+            self._open["text"] += data
+
+
+def parse(html_text):
+    parser = Spans()
+    parser.feed(html_text)
+    return parser
+
+
+def positions(spans, cls):
+    return {int(s["data-pos"]) for s in spans if cls in s["classes"]}
+
+
+def test_kept_tokens_html_marks_exactly_the_tokens_cached_at_the_step(prompt_run):
+    traces, _ = prompt_run
+    tr = traces["tova:budget=8"]
+    step = 30
+    kept = tr.reads(0)[0, step]
+    html_text = kept_tokens_html(texts(tr), kept, step)
+    spans = parse(html_text).spans
+    assert [int(s["data-pos"]) for s in spans] == list(range(len(tr.tokens)))
+    assert "".join(s["text"] for s in spans) == "".join(texts(tr))
+    assert positions(spans, "kvl-kept") == set(np.flatnonzero(kept).tolist())
+    assert len(positions(spans, "kvl-kept")) == BUDGET
+    assert positions(spans, "kvl-current") == {step}
+    assert positions(spans, "kvl-future") == set(range(step + 1, len(tr.tokens)))
+    assert positions(spans, "kvl-evicted") == set(range(step + 1)) - set(np.flatnonzero(kept).tolist())
+    for s in spans:
+        if "kvl-future" in s["classes"]:
+            assert "opacity" in s["style"]
+        if "kvl-current" in s["classes"]:
+            assert "outline" in s["style"]
+    # another step gives another highlight
+    other = parse(kept_tokens_html(texts(tr), tr.reads(0)[0, 20], 20)).spans
+    assert positions(other, "kvl-kept") != positions(spans, "kvl-kept")
+
+
+def test_kept_tokens_html_escapes_every_token_and_keeps_newlines():
+    n = len(NASTY)
+    kept = np.array([True, False, True, True, False, True, True, False])
+    html_text = kept_tokens_html(NASTY, kept, step=5, weights=np.linspace(0.1, 0.8, n), title="<t> & co")
+    parsed = parse(html_text)
+    assert parsed.scripts == 0 and "<script>" not in html_text and "<b>" not in html_text
+    assert "&lt;script&gt;" in html_text and " a &amp; b" in html_text and "&amp;amp;" in html_text
+    assert [s["text"] for s in parsed.spans] == NASTY  # round trip: escaped, not altered
+    assert "\n" in parsed.spans[2]["text"] and "pre-wrap" in html_text
+    assert "weight 0.4" in parsed.spans[3]["title"]
+    assert "&lt;t&gt; &amp; co" in html_text
+    assert positions(parsed.spans, "kvl-kept") == {0, 2, 3, 5}
+
+
+def test_kept_tokens_html_shades_by_share_across_layers(prompt_run):
+    traces, _ = prompt_run
+    tr = traces["tova:budget=8"]
+    step = 35
+    share = np.stack([tr.reads(layer)[:, step] for layer in range(tr.meta["n_layers"])]).mean(axis=(0, 1))
+    assert len(set(np.round(share[share > 0], 3))) > 1
+    spans = parse(kept_tokens_html(texts(tr), share, step)).spans
+    assert positions(spans, "kvl-kept") == set(np.flatnonzero(share > 0).tolist())
+    alpha = {}
+    for s in spans:
+        if "kvl-kept" in s["classes"]:
+            alpha[int(s["data-pos"])] = float(re.search(r"rgba\([^)]*,([0-9.]+)\)", s["style"]).group(1))
+            assert float(s["data-kept"]) == pytest.approx(share[int(s["data-pos"])], abs=1e-3)
+    for a in alpha:  # a higher share always gives a stronger highlight
+        for b in alpha:
+            if share[a] > share[b] + 1e-9:
+                assert alpha[a] > alpha[b]
+    with pytest.raises(ValueError):
+        kept_tokens_html(texts(tr), share * 3, step)
+
+
+def test_continuations_html_marks_first_divergence_from_full(generate_run, lm):
+    traces, full = generate_run
+    ref = full.generated_ids.tolist()
+    rows = [dict(policy="full", tokens=[lm.tokenizer.decode([i]) for i in ref], diverge=None)]
+    expected = {}
+    for tr in traces:
+        gen = tr.generated_ids.tolist()
+        div = first_divergence(gen, ref)
+        expected[tr.spec] = div
+        rows.append(dict(policy=tr.spec, tokens=texts(tr)[tr.meta["n_prompt"]:], diverge=div))
+    assert any(d is not None for d in expected.values())
+    html_text = continuations_html(rows)
+    cards = re.findall(r'<div class="kvl-cont" data-policy="([^"]*)" data-diverge="([^"]*)"', html_text)
+    assert [c[0] for c in cards] == ["full"] + [tr.spec for tr in traces]
+    chunks = html_text.split('<div class="kvl-cont"')[1:]
+    for (name, _), chunk in zip(cards, chunks):
+        spans = parse(chunk).spans
+        div = expected.get(name)
+        assert positions(spans, "kvl-diverge") == (set() if div is None else {div})
+        assert positions(spans, "kvl-after") == (set() if div is None else set(range(div + 1, len(spans))))
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 4], [1, 2, 3]) == 2
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def test_continuations_html_escapes_names_and_tokens():
+    html_text = continuations_html([dict(policy="<img src=x onerror=alert(1)>", tokens=NASTY, diverge=1)])
+    assert "<img" not in html_text and "<script>" not in html_text
+    assert "&lt;img src=x onerror=alert(1)&gt;" in html_text
+    assert [s["text"] for s in parse(html_text).spans] == NASTY
+
+
+# ---------------------------------------------------------------- score curves
+
+
+def accumulate(attention: np.ndarray, alpha: float) -> np.ndarray:
+    """Row t = sum_q<=t alpha^(t-q) attention[q] (A2SF Eq. 5; alpha = 1 is A2S)."""
+    out = np.zeros_like(attention, dtype=np.float64)
+    acc = np.zeros(attention.shape[1])
+    for t, row in enumerate(attention.astype(np.float64)):
+        acc = alpha * acc + row
+        out[t] = acc
+    return out
+
+
+def top_budget(scores: np.ndarray, budget: int) -> np.ndarray:
+    """keep[t, j]: j among the ``budget`` highest scores of row t over j <= t."""
+    n = len(scores)
+    keep = np.zeros((n, n), bool)
+    for t in range(n):
+        cand = scores[t, :t + 1]
+        keep[t, np.argsort(-cand, kind="stable")[:budget]] = True
+    return keep
+
+
+@pytest.fixture(scope="module")
+def scores(prompt_run):
+    _, full = prompt_run
+    att = full.attention[0, 0].astype(np.float64)
+    a2s, a2sf = accumulate(att, 1.0), accumulate(att, 0.3)
+    return a2s, a2sf, top_budget(a2s, BUDGET), top_budget(a2sf, BUDGET), texts(full)
+
+
+def bars(fig, row_axis, name):
+    (trace,) = [t for t in fig.data if t.name == name and t.yaxis == row_axis]
+    return np.asarray(trace.x, int), np.asarray(trace.y, float), trace
+
+
+def test_score_curves_mark_the_top_budget_tokens(scores):
+    a2s, a2sf, keep_a2s, keep_a2sf, token_texts = scores
+    step = 33
+    assert not np.array_equal(keep_a2s[step], keep_a2sf[step])  # forgetting changes the choice here
+    fig = score_curves_figure(a2s, a2sf, token_texts, step, keep_a2s, keep_a2sf, alpha=0.3)
+    for axis, score, keep in (("y", a2s, keep_a2s), ("y2", a2sf, keep_a2sf)):
+        kx, ky, kept_trace = bars(fig, axis, "kept")
+        ex, ey, _ = bars(fig, axis, "evicted")
+        np.testing.assert_array_equal(kx, np.flatnonzero(keep[step, :step + 1]))
+        np.testing.assert_allclose(ky, score[step, kx])
+        assert len(kx) == BUDGET and len(kx) + len(ex) == step + 1
+        assert ky.min() >= ey.max()  # the kept bars are the highest
+        assert list(kept_trace.customdata) == [token_texts[j].replace("<", "&lt;").replace(">", "&gt;") for j in kx]
+    assert "0.3" in fig.layout.annotations[1].text
+    assert bars(fig, "y", "kept")[2].marker.color == FAMILY_COLORS["h2o"]
+    assert bars(fig, "y2", "kept")[2].marker.color == FAMILY_COLORS["a2sf"]
+
+
+def test_score_over_steps_follows_each_token(scores):
+    a2s, a2sf, keep_a2s, keep_a2sf, token_texts = scores
+    show = [0, 3, 10]
+    fig = score_over_steps_figure(a2s, a2sf, show, token_texts, alpha=0.3)
+    lines = [t for t in fig.data if t.mode == "lines"]
+    assert len(lines) == 2 * len(show)
+    for i, j in enumerate(show):
+        top, bottom = lines[2 * i], lines[2 * i + 1]
+        np.testing.assert_array_equal(top.x, np.arange(j, len(a2s)))
+        np.testing.assert_allclose(top.y, a2s[j:, j])
+        np.testing.assert_allclose(bottom.y, a2sf[j:, j])
+        assert top.line.color == bottom.line.color and top.yaxis == "y" and bottom.yaxis == "y2"
+    # with keep masks the line stops where the token is gone, and an x marks that step
+    j = next(j for j in range(BUDGET, 30) if not keep_a2sf[j:, j].all())
+    fig = score_over_steps_figure(a2s, a2sf, [j], token_texts, alpha=0.3, keep_a2s=keep_a2s, keep_a2sf=keep_a2sf)
+    gone = j + int(np.argmin(keep_a2sf[j:, j]))
+    (line,) = [t for t in fig.data if t.mode == "lines" and t.yaxis == "y2"]
+    y = np.asarray(line.y, float)
+    assert np.isnan(y[gone - j:]).all() and np.isfinite(y[:gone - j]).all()
+    (marker,) = [t for t in fig.data if t.mode == "markers" and t.yaxis == "y2"]
+    assert list(marker.x) == [gone]
+
+
+# ---------------------------------------------------------------- divergence and summary
+
+
+def test_divergence_figure_plots_kl_and_running_top1(prompt_run):
+    traces, full = prompt_run
+    series = {spec: dict(kl=tr.kl_to_full, top1=tr.top1_ids == full.top1_ids) for spec, tr in traces.items()}
+    fig = divergence_figure(series)
+    colors = policy_colors(list(series))
+    assert len(fig.data) == 2 * len(series)
+    for i, (spec, tr) in enumerate(traces.items()):
+        kl, agree = fig.data[2 * i], fig.data[2 * i + 1]
+        np.testing.assert_allclose(kl.y, tr.kl_to_full, rtol=1e-6)
+        matches = tr.top1_ids == full.top1_ids
+        np.testing.assert_allclose(agree.y, np.cumsum(matches) / np.arange(1, len(matches) + 1))
+        assert agree.y[-1] == pytest.approx(metrics.top1_agreement(tr, full))
+        assert kl.line.color == agree.line.color == colors[spec]
+        assert kl.yaxis == "y" and agree.yaxis == "y2"
+    assert fig.layout.yaxis.title.text and fig.layout.xaxis2.title.text
+
+
+def test_policy_colors_are_stable_across_figures_and_subsets():
+    everything = ["full", "tova:budget=64", "tova:budget=32", "a2sf:budget=64", "mystery"]
+    colors = policy_colors(everything)
+    assert len(set(colors.values())) == len(everything)
+    assert colors["full"] == FAMILY_COLORS["full"] and colors["tova:budget=64"] == FAMILY_COLORS["tova"]
+    assert policy_colors(["a2sf:budget=64", "tova:budget=64"]) == {k: colors[k] for k in ("a2sf:budget=64",
+                                                                                          "tova:budget=64")}
+    assert family("A2SF (alpha=0.3)") == "a2sf" and family("Ideal") == "oracle"
+    series = {k: dict(kl=[0.1, 0.2], top1=[1, 0]) for k in everything}
+    div = divergence_figure(series, colors=colors)
+    ret = first_token_retention_figure({k: 0.5 for k in everything}, colors=colors)
+    life = lifetime_by_position_figure({k: np.arange(5.0) for k in everything}, colors=colors)
+    assert [t.line.color for t in div.data[::2]] == [colors[k] for k in everything]
+    assert [t.marker.color for t in ret.data] == [colors[k] for k in everything]
+    assert [t.marker.color for t in life.data] == [colors[k] for k in everything]
+
+
+def test_summary_table_formats_every_column(prompt_run):
+    traces, full = prompt_run
+    rows = [dict(policy=spec, **metrics.summary_row(tr, full)) for spec, tr in traces.items()]
+    rows[0]["oracle_similarity"] = 0.8125
+    df = summary_table(rows)
+    assert list(df.columns) == ["Policy", "Perplexity", "Mean KL to Full (nats)", "Top-1 agreement",
+                                "Similarity to oracle"]
+    assert list(df["Policy"]) == list(traces)
+    first = rows[0]
+    assert df.loc[0, "Perplexity"] == f"{first['ppl']:.2f}"
+    assert df.loc[0, "Mean KL to Full (nats)"] == f"{first['kl_to_full']:.4f}"
+    assert df.loc[0, "Top-1 agreement"] == f"{100 * first['top1_agreement']:.1f}%"
+    assert df.loc[0, "Similarity to oracle"] == "81.2%" and df.loc[1, "Similarity to oracle"] == "—"
+    raw = summary_table(rows, formatted=False)
+    assert raw["Perplexity"].dtype == float and np.isnan(raw.loc[1, "Similarity to oracle"])
+    assert raw.loc[2, "Top-1 agreement"] == pytest.approx(rows[2]["top1_agreement"])
+
+
+# ---------------------------------------------------------------- retention
+
+
+def test_retention_figures_show_the_given_numbers(prompt_run):
+    traces, _ = prompt_run
+    evicting = {k: tr for k, tr in traces.items() if tr.evicted_at is not None}
+    n_layers = next(iter(evicting.values())).meta["n_layers"]
+    # first token: share of steps it is read, per layer (lines) and overall (bars)
+    per_layer = {k: np.array([tr.reads(layer)[:, :, 0].mean() for layer in range(n_layers)])
+                 for k, tr in evicting.items()}
+    fig = first_token_retention_figure(per_layer)
+    for trace, (k, v) in zip(fig.data, per_layer.items()):
+        assert isinstance(trace, go.Scatter) and trace.name == k
+        np.testing.assert_allclose(trace.y, v)
+    overall = {k: float(v.mean()) for k, v in per_layer.items()}
+    bars_fig = first_token_retention_figure(overall)
+    assert [t.y[0] for t in bars_fig.data] == pytest.approx(list(overall.values()))
+    assert all(isinstance(t, go.Bar) for t in bars_fig.data)
+    # lifetime by position: steps each position stays read, mean over layers and heads
+    lifetimes = {k: np.stack([tr.reads(layer) for layer in range(n_layers)]).sum(axis=2).mean(axis=(0, 1))
+                 for k, tr in evicting.items()}
+    fig = lifetime_by_position_figure(lifetimes, max_pos=25)
+    for trace, (k, v) in zip(fig.data, lifetimes.items()):
+        np.testing.assert_array_equal(trace.x, np.arange(25))
+        np.testing.assert_allclose(trace.y, v[:25])
+    assert fig.layout.barmode == "group"
+    assert not np.allclose(fig.data[0].y, fig.data[1].y)
+    # non-recent share per step: cached tokens older than the last 4
+    window = 4
+    shares = {}
+    for k, tr in evicting.items():
+        r = tr.reads(0)[0]
+        t = np.arange(len(r))[:, None]
+        old = r & (np.arange(len(r))[None, :] <= t - window)
+        shares[k] = old.sum(1) / r.sum(1)
+    fig = non_recent_share_figure(shares, window=window)
+    for trace, v in zip(fig.data, shares.values()):
+        np.testing.assert_allclose(trace.y, v)
+    assert "4" in fig.layout.title.text
+
+
+def test_pos_table_sorts_formats_and_escapes():
+    df = pd.DataFrame({"pos": ["NOUN", "<PUNCT>", "VERB"], "tova": [3.25, 9.5, np.nan], "window": [1.0, 2.0, 3.0]})
+    table = pos_table(df)
+    assert list(table["pos"]) == ["<PUNCT>", "NOUN", "VERB"]
+    assert list(table["tova"]) == ["9.5", "3.2", "—"]
+    html_text = pos_table_html(df)
+    assert "&lt;PUNCT&gt;" in html_text and "<PUNCT>" not in html_text
+
+
+def test_figures_have_titles_axis_labels_and_the_light_template(prompt_run, scores):
+    traces, full = prompt_run
+    a2s, a2sf, keep_a2s, keep_a2sf, token_texts = scores
+    tr = traces["tova:budget=8"]
+    figs = [
+        mask_heatmap(tr.reads(0)[0], texts(tr), "m"),
+        score_curves_figure(a2s, a2sf, token_texts, 20, keep_a2s, keep_a2sf, 0.3),
+        score_over_steps_figure(a2s, a2sf, [1, 2], token_texts, alpha=0.3),
+        divergence_figure({"tova": dict(kl=tr.kl_to_full, top1=tr.top1_ids == full.top1_ids)}),
+        first_token_retention_figure({"tova": 0.9}),
+        lifetime_by_position_figure({"tova": np.ones(30)}),
+        non_recent_share_figure({"tova": np.ones(30) / 2}),
+    ]
+    for fig in figs:
+        assert fig.layout.title.text
+        assert fig.layout.xaxis.title.text or fig.layout.xaxis2.title.text
+        assert fig.layout.yaxis.title.text
+        assert fig.layout.template.layout.plot_bgcolor in ("white", "#fff", "#ffffff", "rgb(255,255,255)")
+        assert all(t.hovertemplate for t in fig.data)

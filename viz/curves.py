@@ -1,0 +1,131 @@
+"""Accumulated attention scores with and without forgetting (A2S vs A2SF).
+
+``score_curves_figure`` mirrors A2SF Fig. 1: at one decode step, every token's accumulated score
+as a bar, A2S (alpha = 1, H2O's score) on top and A2SF (forgetting factor alpha) below, the bars of
+the tokens each rule keeps in the policy colour and the rest in grey. The viewer sees A2S piling
+score onto early tokens (they have been attended to for longer) while A2SF lets recent, relevant
+tokens win.
+
+``score_over_steps_figure`` mirrors A2SF Fig. 6: the score of a few chosen tokens along the
+generation steps, A2S above and A2SF below; with keep masks, a line stops where its token is
+evicted (an x marks the step).
+
+Inputs are plain arrays: ``a2s`` / ``a2sf`` float [T, T] with row t = the scores after step t
+(only entries j <= t are shown), keep masks bool [T, T] with row t = the tokens kept at step t.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import plotly.colors as pcolors
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from .colors import FAMILY_COLORS
+from .style import finish, plotly_text, visible_token
+
+EVICTED_BAR = "#C8C8C8"
+
+
+def _square(name: str, a) -> np.ndarray:
+    a = np.asarray(a)
+    if a.ndim != 2 or a.shape[0] != a.shape[1]:
+        raise ValueError(f"{name} must be [T, T], got shape {a.shape}")
+    return a
+
+
+def _texts(token_texts: Sequence[str], n: int) -> np.ndarray:
+    texts = list(token_texts) + [""] * max(0, n - len(token_texts))
+    return np.array([plotly_text(visible_token(t)) for t in texts[:n]], dtype=object)
+
+
+def _row_titles(alpha: float) -> tuple[str, str]:
+    return "A2S (alpha = 1, H2O's score)", f"A2SF (alpha = {alpha:g})"
+
+
+def score_curves_figure(a2s: np.ndarray, a2sf: np.ndarray, token_texts: Sequence[str], step: int,
+                        keep_a2s: np.ndarray, keep_a2sf: np.ndarray, alpha: float, title: str | None = None,
+                        colors: Mapping[str, str] | None = None, height: int = 560) -> go.Figure:
+    """Bars of every token's accumulated score at ``step``, A2S above, A2SF below; kept tokens coloured.
+
+    Each panel has two bar traces, named ``kept`` and ``evicted``: x = token positions, y = scores
+    at ``step`` (``a2s[step, :step+1]`` / ``a2sf[step, :step+1]``), split by ``keep_*[step]``.
+    ``colors`` may override the kept colours with keys ``'a2s'`` and ``'a2sf'``.
+    """
+    a2s, a2sf = _square("a2s", a2s), _square("a2sf", a2sf)
+    keep_a2s, keep_a2sf = _square("keep_a2s", keep_a2s).astype(bool), _square("keep_a2sf", keep_a2sf).astype(bool)
+    n = a2s.shape[0]
+    if not 0 <= step < n:
+        raise ValueError(f"step must be within 0..{n - 1}, got {step}")
+    colors = dict(colors or {})
+    kept_colors = (colors.get("a2s", FAMILY_COLORS["h2o"]), colors.get("a2sf", FAMILY_COLORS["a2sf"]))
+    texts = _texts(token_texts, n)
+    pos = np.arange(step + 1)
+    names = _row_titles(alpha)
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.1,
+                        subplot_titles=[f"{names[0]}: {int(keep_a2s[step, :step + 1].sum())} kept",
+                                        f"{names[1]}: {int(keep_a2sf[step, :step + 1].sum())} kept"])
+    for row, (scores, keep, color, label) in enumerate(
+            zip((a2s, a2sf), (keep_a2s, keep_a2sf), kept_colors, names), start=1):
+        values = scores[step, :step + 1].astype(np.float64)
+        mask = keep[step, :step + 1]
+        for state, sel, col in (("kept", mask, color), ("evicted", ~mask, EVICTED_BAR)):
+            fig.add_trace(go.Bar(
+                x=pos[sel], y=values[sel], customdata=texts[:step + 1][sel], name=state, marker_color=col,
+                marker_line_width=0, legendgroup=state, showlegend=row == 1,
+                hovertemplate=(f"<b>{label}</b><br>token %{{x}}: %{{customdata}}<br>score %{{y:.4g}}<br>"
+                               f"{state} at step {step}<extra></extra>")), row=row, col=1)
+        fig.update_yaxes(title_text="accumulated score", row=row, col=1, rangemode="tozero")
+    fig.update_xaxes(title_text="token position", row=2, col=1)
+    fig.update_xaxes(range=[-0.5, step + 0.5])
+    fig.update_layout(barmode="overlay", bargap=0.1, legend=dict(orientation="h", y=1.08, x=1, xanchor="right"))
+    return finish(fig, title or f"Accumulated attention score of each token at step {step}", height=height)
+
+
+def score_over_steps_figure(a2s: np.ndarray, a2sf: np.ndarray, tokens_to_show: Sequence[int],
+                            token_texts: Sequence[str], alpha: float | None = None,
+                            keep_a2s: np.ndarray | None = None, keep_a2sf: np.ndarray | None = None,
+                            title: str | None = None, height: int = 560) -> go.Figure:
+    """Score of each chosen token vs decode step, A2S above, A2SF below (A2SF Fig. 6).
+
+    One colour per token (the same in both panels, one legend entry toggling both). Line for token
+    j: x = steps j..T-1, y = ``a2s[j:, j]`` (and ``a2sf[j:, j]``). With a keep mask, the line ends
+    at the last step the token is kept and an ``x`` marker sits at the step it is gone.
+    """
+    a2s, a2sf = _square("a2s", a2s), _square("a2sf", a2sf)
+    n = a2s.shape[0]
+    texts = _texts(token_texts, n)
+    palette = pcolors.qualitative.Dark24
+    names = _row_titles(alpha) if alpha is not None else ("A2S (alpha = 1)", "A2SF")
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.1, subplot_titles=list(names))
+    for i, j in enumerate(int(t) for t in tokens_to_show):
+        if not 0 <= j < n:
+            raise ValueError(f"token {j} is outside 0..{n - 1}")
+        color = palette[i % len(palette)]
+        label = f"{j} {texts[j]}"
+        for row, (scores, keep) in enumerate(((a2s, keep_a2s), (a2sf, keep_a2sf)), start=1):
+            steps = np.arange(j, n)
+            values = scores[j:, j].astype(np.float64)
+            gone = None
+            if keep is not None:
+                kept = np.asarray(keep, bool)[j:, j]
+                if not kept.all():
+                    gone = int(np.argmin(kept))
+                    values = values.copy()
+                    values[gone:] = np.nan
+            fig.add_trace(go.Scatter(
+                x=steps, y=values, mode="lines", name=label, legendgroup=label, showlegend=row == 1,
+                line=dict(color=color, width=2),
+                hovertemplate="token %{fullData.name}<br>step %{x}<br>score %{y:.4g}<extra></extra>"),
+                row=row, col=1)
+            if gone is not None:
+                fig.add_trace(go.Scatter(
+                    x=[j + gone], y=[float(scores[j + gone - 1, j]) if gone > 0 else 0.0], mode="markers",
+                    marker=dict(symbol="x", size=9, color=color), legendgroup=label, showlegend=False,
+                    name=f"{label} evicted",
+                    hovertemplate="token %{fullData.name} at step %{x}<extra></extra>"),
+                    row=row, col=1)
+            fig.update_yaxes(title_text="accumulated score", row=row, col=1)
+    fig.update_xaxes(title_text="decode step", row=2, col=1)
+    return finish(fig, title or "Accumulated score of chosen tokens over the steps", height=height)

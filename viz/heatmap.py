@@ -1,0 +1,216 @@
+"""Which cached tokens each query read: decode step (rows) x token position (columns).
+
+What the viewer sees: one cell per (query step t, token j). Row t is what the query at position t
+read; the triangle above the diagonal (j > t, tokens that have not arrived yet) is left white.
+
+* Mask only (``attention=None``): read cells are dark blue, evicted / not-selected cells pale rose.
+  A float array in [0, 1] instead of a bool mask (e.g. ``reads.mean(axis=(0, 1))`` over all layers
+  and heads) shades each cell by the share of layers/heads that read it: rose (none) -> blue (all).
+* With ``attention`` [T, T]: read cells show the attention weight on a **log10 colour scale**
+  (Viridis over ``decades`` decades below ``zmax``; weights below that floor, exact zeros included,
+  get the floor colour), and cells not read get a rose band just below the floor, so "evicted" and
+  "read with tiny weight" stay distinguishable. ``z`` then holds log10(weight) for read cells and
+  ``floor - 0.5`` for cells not read; the colour bar is labelled in plain weights.
+
+``mask_heatmaps`` puts one panel per policy side by side with one shared colour scale (one ``zmax``
+for all), as in TOVA Fig. 7 / App. E (which tokens TOVA keeps along a text) and A2SF Fig. 4
+(attention maps under different eviction rules). Each panel is a single ``go.Heatmap`` trace with
+category axes labelled ``"j token"``, so hover shows step, position and token text without per-cell
+strings and the figure stays light for T up to ~1024.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import plotly.colors as pcolors
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from .colors import EVICTED_COLOR, KEPT_COLOR, policy_colors
+from .style import finish, plotly_text, tick_stride, token_labels
+
+NOT_READ_GAP = 0.5  # how far below the log floor the "not read" value sits
+DEFAULT_DECADES = 4.0
+
+MASK_AXIS = "coloraxis"
+WEIGHT_AXIS = "coloraxis2"
+
+
+def _check_square(name: str, a: np.ndarray) -> None:
+    if a.ndim != 2 or a.shape[0] != a.shape[1]:
+        raise ValueError(f"{name} must be [T, T] for one layer/head (or an aggregate), got shape {a.shape}")
+
+
+def attention_zmax(attention: np.ndarray, reads: np.ndarray | None = None) -> float:
+    """The largest attention weight among read cells (for a shared colour scale)."""
+    att = np.asarray(attention, np.float32)
+    if reads is not None:
+        att = np.where(np.asarray(reads) > 0, att, 0.0)
+    top = float(np.nanmax(att)) if att.size else 0.0
+    return top if top > 0 else 1.0
+
+
+def log_range(zmax: float, decades: float = DEFAULT_DECADES) -> tuple[float, float]:
+    """(floor, top) of the log10 weight colour scale."""
+    top = math.log10(zmax)
+    return top - decades, top
+
+
+def heatmap_values(reads: np.ndarray, attention: np.ndarray | None = None, zmax: float | None = None,
+                   decades: float = DEFAULT_DECADES) -> np.ndarray:
+    """The ``z`` a panel shows (float32 [T, T]); see the module docstring for its meaning.
+
+    NaN marks cells above the diagonal that nobody read (tokens not arrived yet).
+    """
+    reads = np.asarray(reads)
+    _check_square("reads", reads)
+    n = reads.shape[0]
+    read = reads > 0
+    future = np.triu(np.ones((n, n), bool), 1) & ~read
+    if attention is None:
+        z = reads.astype(np.float32)
+    else:
+        att = np.asarray(attention, np.float32)
+        if att.shape != reads.shape:
+            raise ValueError(f"attention {att.shape} and reads {reads.shape} must have the same shape")
+        floor, top = log_range(zmax if zmax else attention_zmax(att, reads), decades)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            logw = np.log10(np.maximum(att, 0.0))
+        logw = np.clip(np.nan_to_num(logw, nan=floor, neginf=floor), floor, top)
+        z = np.where(read, logw, floor - NOT_READ_GAP).astype(np.float32)
+    z[future] = np.nan
+    return z
+
+
+def _mask_coloraxis() -> dict:
+    return dict(cmin=0.0, cmax=1.0,
+                colorscale=[[0.0, EVICTED_COLOR], [0.5, "#9DB6CF"], [1.0, KEPT_COLOR]],
+                colorbar=dict(title=dict(text="read", side="right"), tickvals=[0, 0.5, 1],
+                              ticktext=["evicted", "50%", "kept"], len=0.45, y=0.78, thickness=14))
+
+
+def _weight_coloraxis(floor: float, top: float) -> dict:
+    low = floor - NOT_READ_GAP
+    span = top - low
+    band = (floor - low) / span  # normalized end of the "not read" band
+    viridis = pcolors.sequential.Viridis
+    scale = [[0.0, EVICTED_COLOR], [band * 0.999, EVICTED_COLOR]]
+    scale += [[band + (1 - band) * i / (len(viridis) - 1), c] for i, c in enumerate(viridis)]
+    ticks = [low + NOT_READ_GAP / 2] + [float(d) for d in range(math.ceil(floor), math.floor(top) + 1)]
+    labels = ["not read"] + [f"{10.0 ** d:g}" for d in ticks[1:]]
+    if not ticks[1:] or top - ticks[-1] > 0.25:
+        ticks.append(top)
+        labels.append(f"{10.0 ** top:.2g}")
+    return dict(cmin=low, cmax=top, colorscale=scale,
+                colorbar=dict(title=dict(text="attention", side="right"), tickvals=ticks, ticktext=labels,
+                              len=0.45, y=0.25, thickness=14))
+
+
+def _hovertemplate(reads: np.ndarray, attention: np.ndarray | None, floor: float | None) -> str:
+    head = "step (query) %{y}<br>token %{x}<br>"
+    if attention is not None:
+        return (head + "log10 weight: %{z:.2f}<br>"
+                f"<i>{floor - NOT_READ_GAP:.2f} = not read (evicted)</i><extra></extra>")
+    if reads.dtype == bool:
+        return head + "read: %{z:.0f} (1 = kept, 0 = evicted)<extra></extra>"
+    return head + "read by %{z:.0%} of layers/heads<extra></extra>"
+
+
+def _panel(reads, token_texts, attention, zmax, decades) -> tuple[go.Heatmap, int]:
+    reads = np.asarray(reads)
+    _check_square("reads", reads)
+    n = reads.shape[0]
+    if attention is not None:
+        attention = np.asarray(attention, np.float32)
+        zmax = zmax if zmax else attention_zmax(attention, reads)
+    z = heatmap_values(reads, attention, zmax, decades)
+    labels = token_labels(token_texts, n)
+    floor = log_range(zmax, decades)[0] if attention is not None else None
+    trace = go.Heatmap(z=z, x=labels, y=labels, coloraxis=WEIGHT_AXIS if attention is not None else MASK_AXIS,
+                       hoverongaps=False, hovertemplate=_hovertemplate(reads, attention, floor),
+                       xgap=0, ygap=0)
+    return trace, n
+
+
+def _axes(fig: go.Figure, labels_n: int, token_texts, row=None, col=None) -> None:
+    labels = token_labels(token_texts, labels_n)
+    stride = tick_stride(labels_n)
+    ticks = dict(tickmode="array", tickvals=labels[::stride], ticktext=[str(j) for j in range(0, labels_n, stride)],
+                 showgrid=False, zeroline=False, tickangle=0)
+    kw = {} if row is None else dict(row=row, col=col)
+    fig.update_xaxes(title_text="token position", constrain="domain", **ticks, **kw)
+    fig.update_yaxes(title_text="decode step (query position)", autorange="reversed", **ticks, **kw)
+
+
+def _coloraxes(fig: go.Figure, with_mask: bool, with_weights: bool, zmax: float | None, decades: float) -> None:
+    if with_mask:
+        fig.update_layout(coloraxis=_mask_coloraxis())
+    if with_weights:
+        fig.update_layout(coloraxis2=_weight_coloraxis(*log_range(zmax, decades)))
+
+
+def mask_heatmap(reads: np.ndarray, token_texts: Sequence[str], title: str = "", attention: np.ndarray | None = None,
+                 zmax: float | None = None, decades: float = DEFAULT_DECADES, height: int = 560) -> go.Figure:
+    """One layer/head (or an aggregate): step x position, kept vs evicted, optionally attention weights.
+
+    ``reads``: bool [T, T] (``Trace.reads(layer)[head]``) or float [T, T] in [0, 1] (share of
+    layers/heads reading each cell). ``attention``: [T, T] weights of the same layer/head
+    (``Trace.attention[r, head]``), shown on a log colour scale topped at ``zmax`` (default: the
+    largest weight read). TOVA Fig. 7 / App. E, A2SF Fig. 4 (one panel of them).
+    """
+    trace, n = _panel(reads, token_texts, attention, zmax, decades)
+    fig = go.Figure(trace)
+    if attention is not None and not zmax:
+        zmax = attention_zmax(attention, reads)
+    _coloraxes(fig, attention is None, attention is not None, zmax, decades)
+    _axes(fig, n, token_texts)
+    finish(fig, title, height=height, plot_bgcolor="white")
+    if attention is not None:
+        fig.update_layout(coloraxis2_colorbar=dict(len=0.9, y=0.5))
+    else:
+        fig.update_layout(coloraxis_colorbar=dict(len=0.9, y=0.5))
+    return fig
+
+
+def mask_heatmaps(panels: Mapping[str, Mapping], title: str = "", zmax: float | None = None,
+                  decades: float = DEFAULT_DECADES, cols: int | None = None,
+                  colors: Mapping[str, str] | None = None, panel_height: int = 420) -> go.Figure:
+    """One subplot per policy, one shared colour scale (TOVA Fig. 7 / App. E, A2SF Fig. 4).
+
+    ``panels`` maps a policy name to ``dict(reads=..., token_texts=..., attention=None)`` as for
+    ``mask_heatmap``. Panels with attention share one log colour scale topped at ``zmax`` (default:
+    the largest weight read in any panel); mask panels share the kept/evicted scale. Panel titles
+    take the policy colours.
+    """
+    names = list(panels)
+    if not names:
+        raise ValueError("mask_heatmaps needs at least one panel")
+    colors = dict(colors) if colors else policy_colors(names)
+    with_att = [panels[k].get("attention") is not None for k in names]
+    if any(with_att) and not zmax:
+        zmax = max(attention_zmax(panels[k]["attention"], panels[k]["reads"]) for k, a in zip(names, with_att) if a)
+    cols = cols or min(len(names), 3)
+    rows = math.ceil(len(names) / cols)
+    fig = make_subplots(rows=rows, cols=cols, subplot_titles=[plotly_text(k) for k in names],
+                        horizontal_spacing=0.07, vertical_spacing=0.12 if rows > 1 else 0.08)
+    for i, name in enumerate(names):
+        panel = panels[name]
+        trace, n = _panel(panel["reads"], panel["token_texts"], panel.get("attention"), zmax, decades)
+        trace.name = plotly_text(name)
+        trace.hovertemplate = trace.hovertemplate.replace("<extra></extra>", "<extra>%{fullData.name}</extra>")
+        r, c = i // cols + 1, i % cols + 1
+        fig.add_trace(trace, row=r, col=c)
+        _axes(fig, n, panel["token_texts"], row=r, col=c)
+        if c > 1:
+            fig.update_yaxes(title_text=None, row=r, col=c)
+    for annotation, name in zip(fig.layout.annotations, names):
+        annotation.font = dict(color=colors.get(name, "#333"), size=14)
+    _coloraxes(fig, not all(with_att), any(with_att), zmax, decades)
+    if all(with_att):
+        fig.update_layout(coloraxis2_colorbar=dict(len=0.9, y=0.5))
+    elif not any(with_att):
+        fig.update_layout(coloraxis_colorbar=dict(len=0.9, y=0.5))
+    finish(fig, title, height=panel_height * rows + 80, plot_bgcolor="white")
+    return fig

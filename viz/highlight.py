@@ -1,0 +1,167 @@
+"""The text itself, marked up with what the cache holds: HTML strings (no Gradio here).
+
+``kept_tokens_html``: what the viewer sees is the running text with every token the query at
+``step`` still reads highlighted like a text marker (stronger = more layers/heads keep it when
+``kept`` is a share), the token at ``step`` outlined, evicted tokens in grey, and tokens after
+``step`` (not yet arrived) faded. Hovering a token shows its position, kept share and weight. This
+is TOVA Fig. 7 / App. E read as text instead of a grid (which words survive in the multi-state).
+
+``continuations_html``: each policy's own greedy continuation side by side, the first token where
+it leaves Full's continuation outlined in red and the rest tinted (TOVA Table 1-style qualitative
+comparison of long generations).
+
+Every token text and policy name goes through ``html.escape``; newlines stay newlines
+(``white-space: pre-wrap``).
+"""
+from __future__ import annotations
+
+import html
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from .colors import HIGHLIGHT_RGB, policy_colors
+
+BOX_STYLE = ("font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; font-size: 14px; "
+             "line-height: 1.9; white-space: pre-wrap; word-break: break-word; color: #1d1d1d; "
+             "background: #ffffff; padding: 10px 12px; border: 1px solid #e3e3e3; border-radius: 6px;")
+LEGEND_STYLE = "font-family: sans-serif; font-size: 12px; color: #444; margin: 0 0 6px 0;"
+
+
+def _esc(text: str) -> str:
+    return html.escape(str(text), quote=True)
+
+
+def _highlight(alpha: float) -> str:
+    r, g, b = HIGHLIGHT_RGB
+    return f"rgba({r},{g},{b},{alpha:.3f})"
+
+
+def _kept_share(kept: np.ndarray) -> np.ndarray:
+    kept = np.asarray(kept)
+    if kept.dtype == bool:
+        return kept.astype(np.float64)
+    share = np.nan_to_num(kept.astype(np.float64), nan=0.0)
+    if share.size and (share.min() < 0 or share.max() > 1 + 1e-6):
+        raise ValueError("kept must be bool or a share in [0, 1]")
+    return share
+
+
+def kept_tokens_html(token_texts: Sequence[str], kept: np.ndarray, step: int, weights: np.ndarray | None = None,
+                     title: str | None = None) -> str:
+    """The text with the tokens cached at ``step`` highlighted; returns an HTML fragment.
+
+    ``kept``: bool [T] (``Trace.reads(layer)[head, step]``) or float [T] in [0, 1] (share of layers
+    or heads that still read each token, e.g. ``reads[:, :, step].mean(axis=(0, 1))``): highlight
+    opacity grows with the share. ``weights``: optional [T] attention weights of the query at
+    ``step``, shown on hover and as an underline whose strength follows weight / max weight.
+    Each token is a ``<span class="kvl-tok kvl-{kept|evicted|future}">`` with ``data-pos`` and
+    ``data-kept`` attributes; the token at ``step`` also has class ``kvl-current``.
+    """
+    n = len(token_texts)
+    share = _kept_share(kept)
+    if share.shape != (n,):
+        raise ValueError(f"kept must have one value per token ({n}), got shape {share.shape}")
+    if not 0 <= step < n:
+        raise ValueError(f"step must be within 0..{n - 1}, got {step}")
+    w = None
+    if weights is not None:
+        w = np.nan_to_num(np.asarray(weights, np.float64), nan=0.0)
+        if w.shape != (n,):
+            raise ValueError(f"weights must have one value per token ({n}), got shape {w.shape}")
+        wmax = float(w[: step + 1].max())
+    parts = []
+    for j, text in enumerate(token_texts):
+        s = float(share[j])
+        styles = ["border-radius: 3px", "padding: 1px 0"]
+        if j > step:
+            state = "future"
+            styles.append("opacity: 0.3")
+        elif s > 0:
+            state = "kept"
+            styles.append(f"background: {_highlight(0.25 + 0.65 * s)}")
+        else:
+            state = "evicted"
+            styles.append("color: #8a8a8a")
+        classes = ["kvl-tok", f"kvl-{state}"]
+        if j == step:
+            classes.append("kvl-current")
+            styles.append("outline: 2px solid #C0392B; outline-offset: 1px")
+        if j > step:
+            tip = f"position {j} · not arrived yet"
+        elif s >= 1.0:
+            tip = f"position {j} · kept"
+        elif s <= 0.0:
+            tip = f"position {j} · evicted"
+        else:
+            tip = f"position {j} · kept by {s:.0%} of layers/heads"
+        if w is not None and j <= step:
+            tip += f" · weight {w[j]:.4g}"
+            if wmax > 0 and w[j] > 0:
+                styles.append(f"box-shadow: inset 0 -3px 0 rgba(43,92,138,{min(1.0, w[j] / wmax):.3f})")
+        parts.append(f'<span class="{" ".join(classes)}" data-pos="{j}" data-kept="{s:.3g}" '
+                     f'title="{_esc(tip)}" style="{"; ".join(styles)}">{_esc(text)}</span>')
+    n_kept = int((share[: step + 1] > 0).sum())
+    legend = (f'<div class="kvl-legend" style="{LEGEND_STYLE}">'
+              + (f"<strong>{_esc(title)}</strong> · " if title else "")
+              + f"step {step}: {n_kept} of {step + 1} tokens still read · "
+              f'<span style="background: {_highlight(0.9)}; padding: 0 4px">kept</span> '
+              '<span style="color: #8a8a8a">evicted</span> '
+              '<span style="outline: 2px solid #C0392B; padding: 0 3px">current</span> '
+              '<span style="opacity: 0.3">not yet</span></div>')
+    return f'<div class="kvl-text">{legend}<div class="kvl-box" style="{BOX_STYLE}">{"".join(parts)}</div></div>'
+
+
+def first_divergence(ids: Sequence[int], reference: Sequence[int]) -> int | None:
+    """Index of the first token where ``ids`` leaves ``reference``; None when both are identical.
+
+    When one is a strict prefix of the other (a policy stopped early at EOS), the shorter length.
+    """
+    for i, (a, b) in enumerate(zip(ids, reference)):
+        if int(a) != int(b):
+            return i
+    return None if len(ids) == len(reference) else min(len(ids), len(reference))
+
+
+def continuations_html(rows: Sequence[Mapping], colors: Mapping[str, str] | None = None) -> str:
+    """Generated continuations side by side, each marked where it first leaves Full's.
+
+    ``rows``: one mapping per policy with ``policy`` (name), ``tokens`` (continuation token texts)
+    and ``diverge`` (index of the first token that differs from Full's continuation, or None when
+    it never does; ``first_divergence`` computes it from token ids). Tokens before ``diverge`` are
+    plain, the token at ``diverge`` has class ``kvl-diverge`` (red outline), later ones are tinted.
+    """
+    names = [str(r["policy"]) for r in rows]
+    colors = dict(colors) if colors else policy_colors(names)
+    cards = []
+    for row, name in zip(rows, names):
+        tokens = list(row["tokens"])
+        div = row.get("diverge")
+        spans = []
+        for i, text in enumerate(tokens):
+            if div is None or i < div:
+                spans.append(f'<span class="kvl-tok" data-pos="{i}">{_esc(text)}</span>')
+            elif i == div:
+                spans.append(f'<span class="kvl-tok kvl-diverge" data-pos="{i}" title="first token unlike Full" '
+                             f'style="outline: 2px solid #C0392B; outline-offset: 1px; '
+                             f'background: rgba(192,57,43,0.15); border-radius: 3px">{_esc(text)}</span>')
+            else:
+                spans.append(f'<span class="kvl-tok kvl-after" data-pos="{i}" '
+                             f'style="background: rgba(192,57,43,0.07)">{_esc(text)}</span>')
+        if div is None:
+            note = "same as Full"
+        elif div >= len(tokens):
+            note = f"stops after {len(tokens)} tokens"
+        else:
+            note = f"leaves Full at token {div}"
+        color = colors.get(name, "#444444")
+        header = (f'<div style="font-family: sans-serif; font-size: 13px; margin-bottom: 4px">'
+                  f'<span style="display: inline-block; width: 10px; height: 10px; border-radius: 2px; '
+                  f'background: {color}; margin-right: 6px"></span>'
+                  f'<strong style="color: {color}">{_esc(name)}</strong> '
+                  f'<span style="color: #666">· {_esc(note)}</span></div>')
+        body = f'<div class="kvl-box" style="{BOX_STYLE}">{"".join(spans)}</div>'
+        cards.append(f'<div class="kvl-cont" data-policy="{_esc(name)}" data-diverge="{"" if div is None else div}" '
+                     f'style="min-width: 0">{header}{body}</div>')
+    return ('<div class="kvl-continuations" style="display: grid; '
+            'grid-template-columns: repeat(auto-fit, minmax(240px, 1fr)); gap: 10px">' + "".join(cards) + "</div>")

@@ -1,0 +1,213 @@
+"""The app's views of one run: traces -> metrics (backend.metrics, pure) -> figures (viz). No Gradio.
+
+Each function takes a ``backend.session.Run`` and the view's selectors and returns what one
+component of the page shows. Layer and head selectors are strings: ``"all"`` or an index.
+"""
+from __future__ import annotations
+
+import html
+from collections import OrderedDict
+from collections.abc import Callable
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+
+from backend import metrics, pos
+from backend.trace import Trace
+
+from .colors import policy_colors
+from .curves import score_curves_figure
+from .divergence import divergence_figure, summary_table as summary_frame
+from .heatmap import attention_zmax, mask_heatmaps
+from .highlight import continuations_html, first_divergence, kept_tokens_html
+from .retention import lifetime_by_position_figure, pos_table
+from .style import finish
+from .tsne import tsne_figure
+
+SWEEP_BUDGETS = (8, 16, 24, 32, 48, 64, 96, 128)
+INTRO = """# KV Lens
+**See what KV-cache policies keep.** Type a prompt, pick policies side by side, and KV Lens runs
+SmolLM2-135M-Instruct with an instrumented cache: at every token each policy decides which cached tokens the query
+may read. Budget = cached tokens each query reads. Every run is stored, so revisiting it, sharing its link or moving
+the budget slider over a computed sweep replays instantly."""
+
+_runs: OrderedDict = OrderedDict()  # run_id -> Run, the few most recent (the store holds them all)
+
+
+def remember(run) -> None:
+    _runs[run.run_id] = run
+    _runs.move_to_end(run.run_id)
+    while len(_runs) > 8:
+        _runs.popitem(last=False)
+
+
+def cached_run(run_id: str, load: Callable):
+    if run_id not in _runs:
+        remember(load())
+    return _runs[run_id]
+
+
+def layer_choices(n_layers: int = 30) -> list[str]:
+    return ["all", *map(str, range(n_layers))]
+
+
+def head_choices(n_kv_heads: int = 3) -> list[str]:
+    return ["all", *map(str, range(n_kv_heads))]
+
+
+def clamp_step(run, step) -> int:
+    n = len(run.traces[0].tokens)
+    return n - 1 if step is None else int(min(max(int(step), 0), n - 1))
+
+
+def _budget(trace: Trace) -> int | None:
+    return trace.meta["params"].get("budget")
+
+
+def _reads(trace: Trace, layer: str, head: str) -> np.ndarray:
+    """[T, T] read mask (bool) of one layer/head, or the share of layers/heads that read (float)."""
+    layers = range(trace.meta["n_layers"]) if layer == "all" else [int(layer)]
+    stack = np.stack([trace.reads(i) for i in layers])  # [L', H, T, T]
+    if head != "all":
+        stack = stack[:, int(head): int(head) + 1]
+    return stack[0, 0] if stack.shape[:2] == (1, 1) else stack.mean(axis=(0, 1))
+
+
+def _recorded_attention(trace: Trace, layer: str, head: str) -> np.ndarray | None:
+    if trace.attention is None or layer == "all" or int(layer) not in trace.meta["recorded_layers"]:
+        return None
+    rows = trace.attention[trace.meta["recorded_layers"].index(int(layer))].astype(np.float32)
+    return rows.mean(0) if head == "all" else rows[int(head)]
+
+
+def _nearest_recorded(trace: Trace, layer: str) -> int:
+    recorded = trace.meta["recorded_layers"]
+    if not recorded:
+        raise ValueError("this run recorded no layer's attention")
+    if layer == "all":
+        return recorded[-1]
+    return min(recorded, key=lambda r: abs(r - int(layer)))
+
+
+def summary_table(run) -> pd.DataFrame:
+    oracle = next((t for t in run.traces if t.meta["policy"] == "oracle"), None)
+    rows = []
+    for trace in run.traces:
+        row = {"policy": trace.spec, **metrics.summary_row(trace, run.full)}
+        if oracle is not None and np.array_equal(trace.tokens, oracle.tokens) and _budget(trace):
+            row["oracle_similarity"] = metrics.mask_similarity(trace, oracle, from_step=min(
+                _budget(trace), len(trace.tokens) - 1))["overall"]
+        rows.append(row)
+    return summary_frame(rows)
+
+
+def heatmaps(run, layer: str, head: str) -> go.Figure:
+    panels = {}
+    for trace in run.traces:
+        attention = _recorded_attention(trace, layer, head)
+        reads = _reads(trace, layer, head)
+        if attention is not None and reads.dtype != bool:
+            attention = None  # weights only make sense for one head's mask
+        panels[trace.spec] = {"reads": reads, "token_texts": trace.meta["token_texts"], "attention": attention}
+    weights = [p["attention"] for p in panels.values() if p["attention"] is not None]
+    zmax = max(attention_zmax(w) for w in weights) if weights else None
+    where = f"layer {layer}" if layer != "all" else "all layers"
+    who = f"KV head {head}" if head != "all" else "all KV heads"
+    return mask_heatmaps(panels, title=f"What each query read ({where}, {who})", zmax=zmax,
+                         colors=policy_colors([t.spec for t in run.traces]))
+
+
+def kept_tokens(run, step: int, layer: str, head: str) -> str:
+    parts = []
+    for trace in run.traces:
+        at = min(step, len(trace.tokens) - 1)
+        kept = _reads(trace, layer, head)[at]
+        parts.append(kept_tokens_html(trace.meta["token_texts"], kept, at, title=f"{trace.spec} at step {at}"))
+    return "\n".join(parts)
+
+
+def score_curves(run, layer: str, head: str, alpha: float, step: int) -> go.Figure:
+    full = run.full
+    budgets = [b for b in map(_budget, run.traces) if b]
+    budget = budgets[0] if budgets else 16
+    at_layer = _nearest_recorded(full, layer)
+    at_head = 0 if head == "all" else int(head)
+    curves = metrics.score_curves(full, at_layer, at_head, float(alpha), budget)
+    at = min(step, len(full.tokens) - 1)
+    return score_curves_figure(curves.a2s, curves.a2sf, full.meta["token_texts"], at, curves.keep_a2s,
+                               curves.keep_a2sf, float(alpha),
+                               title=f"Full attention, layer {at_layer}, KV head {at_head}: A2S vs A2SF "
+                                     f"(alpha={alpha:g}) at step {at}, budget {budget}")
+
+
+def tsne(run, policy: str, layer: str, head: str) -> go.Figure:
+    from backend.tsne import embed_keys  # scikit-learn is imported only when someone asks
+
+    trace = next((t for t in [*run.traces, run.full] if t.meta["policy"] == policy), None)
+    if trace is None:
+        raise ValueError(f"{policy} is not in this run")
+    at_layer = _nearest_recorded(trace, layer)
+    at_head = 0 if head == "all" else int(head)
+    samples = metrics.key_samples(trace, at_layer, at_head)
+    before, after = embed_keys(samples.before_rope, samples.after_rope)
+    return tsne_figure(before, after, samples.kept, trace.meta["token_texts"],
+                       title=f"{trace.spec}: keys of layer {at_layer}, KV head {at_head}, kept at the last step")
+
+
+def divergence(run) -> tuple[go.Figure, str]:
+    series = {t.spec: {"kl": metrics.kl_per_step(t), "top1": metrics.top1_match_per_step(t, run.full)}
+              for t in run.traces}
+    figure = divergence_figure(series, colors=policy_colors(list(series)))
+    if run.full.generated_ids is None:
+        return figure, "<p>Teacher-forced scoring: every policy reads the same text, so there are no continuations.</p>"
+    full_ids = [int(i) for i in run.full.generated_ids]
+    rows = [{"policy": "full", "tokens": _continuation_texts(run.full), "diverge": None}]
+    for trace in run.traces:
+        ids = [int(i) for i in trace.generated_ids]
+        rows.append({"policy": trace.spec, "tokens": _continuation_texts(trace), "diverge": first_divergence(ids, full_ids)})
+    return figure, continuations_html(rows)
+
+
+def _continuation_texts(trace: Trace) -> list[str]:
+    return trace.meta["token_texts"][trace.meta["n_prompt"]:]
+
+
+def retention(run) -> tuple[go.Figure, pd.DataFrame]:
+    evicting = [t for t in run.traces if t.evicted_at is not None]
+    lifetimes = {t.spec: metrics.mean_lifetime_by_position(t) for t in run.traces if t.meta["kind"] != "full"}
+    figure = lifetime_by_position_figure(lifetimes, colors=policy_colors(list(lifetimes))) if lifetimes else go.Figure()
+    if not evicting:
+        return figure, pd.DataFrame({"note": ["Pick an eviction policy to see which parts of speech it keeps."]})
+    try:
+        columns = {t.spec: pos.pos_lifetimes(t).set_index("tag")["mean_lifetime"] for t in evicting}
+    except pos.TaggerUnavailable as err:
+        return figure, pd.DataFrame({"note": [str(err)]})
+    return figure, pos_table(pd.DataFrame(columns)).rename(columns=lambda c: c if c in ("tag", "pos") else
+                                                          f"{c} (mean steps kept)")
+
+
+def share_markdown(run) -> str:
+    link = f"?run={run.run_id}"
+    return (f"**Share this run:** [{html.escape(link)}]({link}) reopens it from the store (add it to this page's "
+            f"address).\n\nRun id: `{run.run_id}`")
+
+
+def sweep_figure(run) -> go.Figure:
+    """Perplexity against budget, one line per policy (parameters other than budget kept apart)."""
+    lines: dict[str, list[tuple[int, float]]] = {}
+    for trace in run.traces:
+        params = {k: v for k, v in trace.meta["params"].items() if k != "budget"}
+        name = trace.meta["policy"] + "".join(f",{k}={v}" for k, v in params.items())
+        if _budget(trace):
+            lines.setdefault(name, []).append((_budget(trace), metrics.perplexity(trace)))
+    colors = policy_colors(list(lines))
+    fig = go.Figure()
+    for name, points in lines.items():
+        points.sort()
+        fig.add_scatter(x=[b for b, _ in points], y=[p for _, p in points], name=name, mode="lines+markers",
+                        line={"color": colors[name]})
+    fig.add_hline(y=metrics.perplexity(run.full), line_dash="dash", annotation_text="Full")
+    fig.update_xaxes(type="log", title="budget (cached tokens per query)", tickvals=list(SWEEP_BUDGETS))
+    fig.update_yaxes(title="perplexity of the scored tokens")
+    return finish(fig, "Perplexity vs budget (TOVA Fig. 3)")

@@ -1,0 +1,51 @@
+"""Layout defaults and token labels shared by every figure."""
+from __future__ import annotations
+
+import html
+from collections.abc import Sequence
+
+import plotly.graph_objects as go
+
+TEMPLATE = "plotly_white"
+FONT = dict(family="Inter, Segoe UI, Helvetica, Arial, sans-serif", size=13)
+HOVERLABEL = dict(bgcolor="white", font_size=12, align="left")
+
+
+def visible_token(text: str, max_len: int = 24) -> str:
+    """A token's text made visible on one line: space -> '␣', newline -> '↵', tab -> '⇥'; long texts cut."""
+    shown = text.replace(" ", "␣").replace("\r", "").replace("\n", "↵").replace("\t", "⇥")
+    if not shown:
+        shown = "∅"
+    if len(shown) > max_len:
+        shown = shown[:max_len - 1] + "…"
+    return shown
+
+
+def plotly_text(text: str) -> str:
+    """Escape text for plotly's HTML-like labels and hover boxes (it decodes &lt; &gt; &amp;)."""
+    return html.escape(text, quote=False)
+
+
+def token_labels(token_texts: Sequence[str], n: int | None = None) -> list[str]:
+    """Unique, escaped category labels ``'17 ␣cat'`` for token positions 0..n-1 (hover and ticks)."""
+    n = len(token_texts) if n is None else n
+    texts = list(token_texts) + [""] * max(0, n - len(token_texts))
+    return [f"{j} {plotly_text(visible_token(texts[j]))}" for j in range(n)]
+
+
+def tick_stride(n: int, target: int = 16) -> int:
+    """A round stride giving about ``target`` ticks over n positions."""
+    raw = max(1, n // target)
+    for step in (1, 2, 5, 10, 20, 25, 50, 100, 200, 250, 500, 1000):
+        if step >= raw:
+            return step
+    return raw
+
+
+def finish(fig: go.Figure, title: str, height: int | None = None, **layout) -> go.Figure:
+    """Apply the light template, title, fonts and hover style shared by every figure."""
+    fig.update_layout(template=TEMPLATE, title=dict(text=plotly_text(title), x=0.01, xanchor="left"),
+                      font=FONT, hoverlabel=HOVERLABEL, margin=dict(l=60, r=30, t=70, b=55), **layout)
+    if height is not None:
+        fig.update_layout(height=height)
+    return fig
