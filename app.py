@@ -14,7 +14,7 @@ from viz import panels
 
 ROOT = Path(__file__).resolve().parent
 EXAMPLES = {path.stem.replace("_", " "): path.read_text().strip() for path in sorted((ROOT / "assets" / "examples").glob("*.txt"))}
-FIRST_EXAMPLE = "needle" if "needle" in EXAMPLES else next(iter(EXAMPLES))
+FIRST_EXAMPLE = next(name for name in ("needle", "story", *EXAMPLES) if name in EXAMPLES)
 POLICY_CHOICES = ["full", "window", "sinks", "h2o", "tova", "a2sf", "oracle"]
 DEFAULT_POLICIES = ["sinks", "h2o", "tova", "a2sf"]
 STORE = TraceStore()
@@ -42,22 +42,22 @@ def load_run(run_id):
     return panels.cached_run(run_id, lambda: session.reopen(run_id, STORE))
 
 
-def render(run_id, layer, head, step, alpha):
-    """Every cheap view of a run for the current selectors (t-SNE is computed on demand)."""
+def render_run(run_id):
+    """The views that depend on the run alone."""
     if not run_id:
-        return [None] * 9
+        return [None] * 6
+    run = load_run(run_id)
+    return [panels.summary_table(run), *panels.divergence(run), *panels.retention(run), panels.share_markdown(run)]
+
+
+def render_views(run_id, layer, head, step, alpha):
+    """The views that follow the layer, head and step selectors (t-SNE is computed on demand)."""
+    if not run_id:
+        return [None] * 3
     run = load_run(run_id)
     step = panels.clamp_step(run, step)
-    return [
-        panels.summary_table(run),
-        panels.heatmaps(run, layer, head),
-        panels.kept_tokens(run, step, layer, head),
-        panels.score_curves(run, layer, head, alpha, step),
-        *panels.divergence(run),
-        *panels.retention(run),
-        panels.share_markdown(run),
-    ]
-
+    return [panels.heatmaps(run, layer, head), panels.kept_tokens(run, step, layer, head),
+            panels.score_curves(run, layer, head, alpha, step)]
 
 
 def on_run(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model, progress=gr.Progress()):
@@ -180,21 +180,23 @@ def build() -> gr.Blocks:
                         export_button = gr.Button("Download traces (zip of npz + json)")
                         export_file = gr.File(label="Traces")
 
-        views = [summary, heatmap, kept, curves, divergence_plot, continuations, retention_plot, pos_table, share]
+        run_views = [summary, divergence_plot, continuations, retention_plot, pos_table, share]
+        views = [heatmap, kept, curves]
         selectors = [run_id, layer, head, step, curve_alpha]
         run_inputs = [prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model]
-        run_button.click(on_run, run_inputs, [run_id, status, step], concurrency_id="model").then(
-            render, selectors, views)
-        budget.release(on_run, run_inputs, [run_id, status, step], concurrency_id="model").then(
-            render, selectors, views)
+        # Moving the budget re-runs too: replayed from the store when that budget was computed before.
+        for trigger in (run_button.click, budget.change):
+            trigger(on_run, run_inputs, [run_id, status, step], concurrency_id="model", trigger_mode="always_last").then(
+                render_run, run_id, run_views).then(render_views, selectors, views)
         for control in (layer, head, curve_alpha):
-            control.change(render, selectors, views)
-        step.release(render, selectors, views)
+            control.change(render_views, selectors, views)
+        step.release(render_views, selectors, views)
         tsne_button.click(on_tsne, [run_id, tsne_policy, layer, head], tsne_plot)
         sweep_button.click(on_sweep, [prompt, mode, max_new, names, sinks, alpha, heads, custom, model],
                            [sweep_plot, sweep_status], concurrency_id="model")
         export_button.click(on_export, run_id, export_file)
-        demo.load(on_load, None, [run_id, status]).then(render, selectors, views)
+        demo.load(on_load, None, [run_id, status]).then(render_run, run_id, run_views).then(
+            render_views, selectors, views)
     return demo
 
 

@@ -12,6 +12,7 @@ from .policies import SpecError, describe, parse_spec
 from .runner import DEFAULT_CHUNK
 from .service import run_policies
 from .store import TraceStore
+from .sweep import add_sweep_parser
 from .trace import file_stem
 
 
@@ -108,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cache", action="store_true",
                    help="recompute even if the trace store (KVLENS_STORE_DIR) holds this run")
     p.set_defaults(func=cmd_run)
+    add_sweep_parser(sub)
     return parser
 
 

@@ -27,3 +27,16 @@ def test_tova_small_budget_keeps_first_token_and_scores_real_text(default_lm, in
     ppl = {name: float(np.exp(-t.logprobs.mean())) for name, t in (("tova", tova), ("window", window), ("full", full))}
     assert ppl["full"] < ppl["tova"] < ppl["window"], ppl
     assert ppl["tova"] < 1.5 * ppl["full"], ppl
+
+
+def test_sparq_top_k_agreement_rises_with_r(default_lm, inaugural_text):
+    """SparQ App. G: more query components, better agreement between approximate and exact top-k."""
+    from backend.policies import SparQ
+
+    ids = default_lm.tokenizer(inaugural_text).input_ids[:160]
+    rs = (2, 8, 32, 64)
+    traces, _ = run(default_lm, [f"sparq:r={r}" for r in rs], [SparQ(budget=32, r=r) for r in rs], ids,
+                    record_layers=())
+    agreement = [float(t.stats["topk_agreement"][:, 32:].mean()) for t in traces]
+    assert agreement == sorted(agreement) and agreement[0] < agreement[-1], agreement
+    assert agreement[-1] == 1.0  # r = d: the approximate scores are the exact ones

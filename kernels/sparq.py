@@ -1,0 +1,662 @@
+"""SparQ Attention for single-query decode (Ribar et al., "SparQ Attention", arXiv:2312.04985).
+
+Shapes (one new query per sequence, grouped-query attention):
+
+- ``q``       [B, H_q, d]      the new query of every sequence
+- ``K``, ``V`` [B, H_kv, S, d]  the cache; query head ``h`` reads KV head ``h // G``, ``G = H_q // H_kv``
+- ``v_mean``  [B, H_kv, d]      running mean of ``V`` over the S cached positions (the paper's v-bar)
+
+The three steps (paper Sec. 2 and App. D, GQA variant of App. B):
+
+1. Per KV head, sum ``|q|`` over the group's query heads and keep the ``r`` largest components
+   ``i1``. Every query head ``h`` of the group approximates its scores with those components,
+   ``s_hat_h = softmax(q_h[i1] . K[:, i1] / tau_h)`` (Eq. D1), with the temperature of Eq. D2,
+   ``tau_h = sqrt(d * ||q_h[i1]||_1 / ||q_h||_1)``. As in App. B, the component set is shared by
+   the group while the L1 ratio of Eq. D2 is taken per query head over that shared set.
+2. Sum ``s_hat`` over the group's query heads and pick ``k`` positions per KV head: the ``l`` most
+   recent positions always (the local window of Table J1, counted inside ``k``), plus the
+   ``k - l`` best other positions by summed approximate score. Exact attention (scale
+   ``1/sqrt(d)``, Eq. D3) over the chosen positions gives ``y``.
+3. ``alpha_h = sum of s_hat_h over the chosen positions`` (Eq. D5, so alpha is per query head, as
+   in App. B), and ``out = alpha * y + (1 - alpha) * v_mean`` (Eq. D4).
+
+Tie rules (identical in the torch reference and the Triton path):
+
+- components: equal summed ``|q|`` -> the lower component index wins;
+- positions: equal summed approximate score -> the earlier position wins.
+
+With ``k >= S`` every position is chosen, ``alpha`` is set to exactly 1 (the mass of all positions is
+1 by definition; this avoids a rounding residue) and the output is dense attention.
+
+Transfer cost per KV head (App. C): ``sparq_transfer_bytes``.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+try:  # Triton is a runtime dependency, but keep the torch path importable without it.
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover
+    HAS_TRITON = False
+
+@dataclass
+class SparQResult:
+    """What one SparQ decode step computed.
+
+    out:        [B, H_q, d] attention output, dtype of ``q``.
+    positions:  [B, H_kv, min(k, S)] int64, ascending: cache positions read in step 2.
+    alpha:      [B, H_q] float32 (float64 for float64 inputs): per *query head* approximate mass
+                of the chosen positions (Eq. D5); exactly 1 when ``k >= S``.
+    scores:     [B, H_q, S] approximate scores ``s_hat`` (Eq. D1), or None if not requested.
+    components: [B, H_kv, min(r, d)] int64, ascending: the query components ``i1`` of step 1.
+    tau:        [B, H_q] softmax temperature of Eq. D2 per query head.
+    """
+
+    out: torch.Tensor
+    positions: torch.Tensor
+    alpha: torch.Tensor
+    scores: Optional[torch.Tensor]
+    components: torch.Tensor
+    tau: torch.Tensor
+
+
+# ----------------------------------------------------------------------------- shared helpers
+
+
+def _shapes(q, K, V, v_mean):
+    if q.dim() != 3 or K.dim() != 4:
+        raise ValueError("expected q [B, H_q, d] and K, V [B, H_kv, S, d]")
+    B, H_q, d = q.shape
+    Bk, H_kv, S, dk = K.shape
+    if Bk != B or dk != d or V.shape != K.shape or v_mean.shape != (B, H_kv, d):
+        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, K {tuple(K.shape)}, "
+                         f"V {tuple(V.shape)}, v_mean {tuple(v_mean.shape)}")
+    if H_q % H_kv:
+        raise ValueError(f"H_q={H_q} is not a multiple of H_kv={H_kv}")
+    if S < 1:
+        raise ValueError("empty cache")
+    return B, H_q, H_kv, H_q // H_kv, S, d
+
+
+def _check_params(k, r, l):
+    if k < 1 or r < 1 or l < 0:
+        raise ValueError(f"need k >= 1, r >= 1, l >= 0 (got k={k}, r={r}, l={l})")
+
+
+def _acc_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _query_components(q, H_kv, r):
+    """Step 1, query side: components ``i1`` per KV head and temperatures ``tau`` (Eq. D2).
+
+    Returns (i1 [B, H_kv, r'] ascending, q_hat [B, H_kv, G, r'], tau [B, H_kv, G]) with r' = min(r, d).
+    The group's summed ``|q|`` ranks the components; a stable sort makes the lower index win ties.
+    """
+    B, H_q, d = q.shape
+    G = H_q // H_kv
+    r = min(r, d)
+    qg = q.to(_acc_dtype(q.dtype)).reshape(B, H_kv, G, d)
+    magnitude = qg.abs().sum(dim=2)  # GQA: sum |q| over the group (paper Sec. 2)
+    i1 = torch.sort(magnitude, dim=-1, descending=True, stable=True).indices[..., :r]
+    i1 = torch.sort(i1, dim=-1).values  # ascending: the set is what matters, keep it readable
+    q_hat = qg.gather(-1, i1[:, :, None, :].expand(B, H_kv, G, r))
+    kept = q_hat.abs().sum(-1)
+    total = qg.abs().sum(-1)
+    # Eq. D2. A head with no mass on i1 has all-zero approximate logits; tau=1 keeps them 0, not NaN.
+    tau = torch.where(kept > 0, torch.sqrt(d * kept / total.clamp_min(torch.finfo(qg.dtype).tiny)),
+                      torch.ones_like(kept))
+    return i1, q_hat, tau
+
+
+def _budget(S, k, l):
+    """(k_eff, l_eff, n_top): positions read, local-window size, positions picked by score."""
+    k_eff = min(k, S)
+    l_eff = min(l, k_eff)
+    return k_eff, l_eff, k_eff - l_eff
+
+
+# ----------------------------------------------------------------------------- torch reference
+
+
+def sparq_attention_reference(q, K, V, v_mean, k, r, l, *, K_t=None, return_scores=True):
+    """SparQ decode attention in plain torch (the spec the Triton kernels are tested against).
+
+    Args:
+        q: [B, H_q, d]; K, V: [B, H_kv, S, d]; v_mean: [B, H_kv, d] (running mean of V).
+        k: positions read per KV head (local window included); r: query components kept;
+        l: local window, the l most recent positions always read.
+        K_t: optional [B, H_kv, d, S] second copy of K (App. I, "storing K twice"); only used by
+            the Triton path, accepted here so both functions share one signature.
+        return_scores: keep the [B, H_q, S] approximate scores in the result.
+
+    Returns a :class:`SparQResult`. Computation is in float32 (float64 for float64 inputs).
+    """
+    _check_params(k, r, l)
+    B, H_q, H_kv, G, S, d = _shapes(q, K, V, v_mean)
+    acc = _acc_dtype(q.dtype)
+
+    # Step 1: approximate scores from r components of q and the same r components of K (Eq. D1).
+    i1, q_hat, tau = _query_components(q, H_kv, r)
+    r_eff = i1.shape[-1]
+    K_hat = K.gather(-1, i1[:, :, None, :].expand(B, H_kv, S, r_eff)).to(acc)  # [B, H_kv, S, r]
+    logits = (q_hat @ K_hat.transpose(-1, -2)) / tau[..., None]  # [B, H_kv, G, S]
+    s_hat = torch.softmax(logits, dim=-1)
+
+    # Step 2: local window + top-(k - l) of the group-summed approximate scores.
+    k_eff, l_eff, n_top = _budget(S, k, l)
+    group_score = s_hat.sum(dim=2)[..., : S - l_eff]  # [B, H_kv, S - l]
+    # Stable descending sort: among equal scores the earlier position comes first.
+    best = torch.sort(group_score, dim=-1, descending=True, stable=True).indices[..., :n_top]
+    window = torch.arange(S - l_eff, S, device=q.device).expand(B, H_kv, l_eff)
+    positions = torch.sort(torch.cat([best, window], dim=-1), dim=-1).values  # [B, H_kv, k_eff]
+
+    gather_rows = positions[..., None].expand(B, H_kv, k_eff, d)
+    K_sel = K.gather(2, gather_rows).to(acc)
+    V_sel = V.gather(2, gather_rows).to(acc)
+    qg = q.to(acc).reshape(B, H_kv, G, d)
+    weights = torch.softmax((qg @ K_sel.transpose(-1, -2)) / math.sqrt(d), dim=-1)  # Eq. D3
+    y = weights @ V_sel  # [B, H_kv, G, d]
+
+    # Step 3: mass of the chosen positions under s_hat (Eq. D5), mixed with the mean value (Eq. D4).
+    if k_eff == S:
+        alpha = torch.ones(B, H_kv, G, dtype=acc, device=q.device)
+    else:
+        alpha = s_hat.gather(-1, positions[:, :, None, :].expand(B, H_kv, G, k_eff)).sum(-1)
+    a = alpha[..., None]
+    out = a * y + (1 - a) * v_mean.to(acc)[:, :, None, :]
+
+    return SparQResult(
+        out=out.reshape(B, H_q, d).to(q.dtype),
+        positions=positions,
+        alpha=alpha.reshape(B, H_q),
+        scores=s_hat.reshape(B, H_q, S) if return_scores else None,
+        components=i1,
+        tau=tau.reshape(B, H_q),
+    )
+
+
+# ----------------------------------------------------------------------------- Triton kernels
+#
+# Pipeline (5 launches, no torch kernels in between, so it can be captured in a CUDA graph):
+#   prep    query side of step 1: components i1, tau (Eq. D2), q[i1] / tau
+#   step1   gather r components of K per block of positions, approximate logits (Eq. D1)
+#   select1 normalise s_hat, sum over the group, keep each block's best n_top positions
+#   select2 merge the block candidates into the row's n_top best, append the local window
+#   step2   gather the chosen rows of K and V, exact attention (Eq. D3), alpha and mixing (D4, D5)
+# Selection compares (score, position) with "higher score first, then earlier position": two
+# binary searches, first on the float bits of the score (non-negative floats order like their
+# bit patterns), then on the position among the scores equal to the threshold.
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _sparq_prep_kernel(
+        q_ptr, stride_qb, stride_qh, stride_qd,
+        comp_ptr, qhat_ptr, tau_ptr,  # [B*H_kv, R] int64, [B*H_kv, G, R] fp32, [B*H_q] fp32
+        H_kv, D, R,
+        G: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr,
+    ):
+        """Step 1, query side: top-r components of the group's summed |q| (lower index wins
+        ties), written in ascending order, tau per query head (Eq. D2) and q[i1] / tau."""
+        pid = tl.program_id(0)
+        b = (pid // H_kv).to(tl.int64)
+        h = pid % H_kv
+        offs_g = tl.arange(0, G_PAD)
+        g_ok = offs_g < G
+        offs_d = tl.arange(0, D_PAD)
+        d_ok = offs_d < D
+        qv = tl.load(q_ptr + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh
+                     + offs_d[None, :] * stride_qd,
+                     mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        aq = tl.abs(qv)
+        mag = tl.where(d_ok, tl.sum(aq, axis=0), -1.0)
+        chosen = offs_d < 0
+        alive = d_ok
+        for _ in range(R):
+            m = tl.max(tl.where(alive, mag, -2.0), axis=0)
+            c = tl.min(tl.where(alive & (mag == m), offs_d, D_PAD), axis=0)
+            chosen = chosen | (offs_d == c)
+            alive = alive & (offs_d != c)
+        slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1  # ascending component order
+        tl.store(comp_ptr + pid.to(tl.int64) * R + slot, offs_d.to(tl.int64), mask=chosen)
+        kept = tl.sum(tl.where(chosen[None, :], aq, 0.0), axis=1)
+        total = tl.maximum(tl.sum(aq, axis=1), 1.1754943508222875e-38)
+        tau = tl.where(kept > 0, tl.sqrt_rn(tl.div_rn(D * kept, total)), 1.0)
+        tl.store(tau_ptr + b * H_kv * G + h * G + offs_g, tau, mask=g_ok)
+        qs = tl.div_rn(qv, tau[:, None])
+        tl.store(qhat_ptr + (pid.to(tl.int64) * G + offs_g[:, None]) * R + slot[None, :], qs,
+                 mask=g_ok[:, None] & chosen[None, :])
+
+    @triton.jit
+    def _sparq_step1_kernel(
+        qhat_ptr, comp_ptr,  # [B*H_kv, G, R] fp32 (q[i1] / tau), [B*H_kv, R] int64
+        k_ptr, stride_kb, stride_kh, stride_ks, stride_kd,
+        logit_ptr, bmax_ptr, bsum_ptr,  # [B*H_q, S], [B*H_q, NB], [B*H_q, NB] fp32
+        H_kv, S, NB,
+        G: tl.constexpr, G_PAD: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr,
+        BLOCK_S: tl.constexpr, S_CONTIG: tl.constexpr,
+    ):
+        """Fused step 1: gather r components of K for a block of positions, approximate logits.
+
+        One program = one KV head x one block of positions; the K tile is read once for the
+        whole query group. Writes logits and per-block softmax partials (max, sum of exp).
+        """
+        pid = tl.program_id(0)
+        blk = tl.program_id(1)
+        b = (pid // H_kv).to(tl.int64)
+        h = pid % H_kv
+        offs_s = blk * BLOCK_S + tl.arange(0, BLOCK_S)
+        s_ok = offs_s < S
+        offs_g = tl.arange(0, G_PAD)
+        g_ok = offs_g < G
+        k_head = k_ptr + b * stride_kb + h * stride_kh  # 64-bit base, 32-bit offsets inside a head
+        qhat_row = qhat_ptr + pid.to(tl.int64) * G * R
+        rows = (b * H_kv + h) * G + offs_g
+        if S_CONTIG:
+            # K_t (S-contiguous copy, App. I): each component is one contiguous row segment.
+            # Outer-product accumulation: every element read once for the whole group, no
+            # cross-thread reduction.
+            acc = tl.zeros([G_PAD, BLOCK_S], tl.float32)
+            for j in tl.static_range(R):
+                c = tl.load(comp_ptr + pid.to(tl.int64) * R + j).to(tl.int32)
+                krow = tl.load(k_head + c * stride_kd + offs_s, mask=s_ok, other=0.0)
+                qcol = tl.load(qhat_row + offs_g * R + j, mask=g_ok, other=0.0)
+                acc += qcol[:, None] * krow.to(tl.float32)[None, :]  # Eq. D1 numerator / tau
+        else:
+            # K only ([S, d] rows): gather an [r, BLOCK_S] tile, one dot per query head.
+            offs_r = tl.arange(0, R_PAD)
+            r_ok = offs_r < R
+            comp = tl.load(comp_ptr + pid.to(tl.int64) * R + offs_r, mask=r_ok, other=0).to(tl.int32)
+            tile = tl.load(k_head + comp[:, None] * stride_kd + offs_s[None, :] * stride_ks,
+                           mask=r_ok[:, None] & s_ok[None, :], other=0.0).to(tl.float32)
+            acc = tl.zeros([G_PAD, BLOCK_S], tl.float32)
+            for g in tl.static_range(G):
+                qv = tl.load(qhat_row + g * R + offs_r, mask=r_ok, other=0.0)
+                logit = tl.sum(tile * qv[:, None], axis=0)
+                acc = tl.where(offs_g[:, None] == g, logit[None, :], acc)
+        acc = tl.where(s_ok[None, :], acc, float("-inf"))
+        tl.store(logit_ptr + rows[:, None] * S + offs_s[None, :], acc,
+                 mask=g_ok[:, None] & s_ok[None, :])
+        m = tl.max(acc, axis=1)
+        tl.store(bmax_ptr + rows * NB + blk, m, mask=g_ok)
+        tl.store(bsum_ptr + rows * NB + blk, tl.sum(tl.exp(acc - m[:, None]), axis=1), mask=g_ok)
+
+    @triton.jit
+    def _softmax_stats(bmax_ptr, bsum_ptr, rows, g_ok, NB, NB_PAD: tl.constexpr):
+        """Merge per-block (max, sum exp) partials into the softmax max and normaliser per row."""
+        offs_nb = tl.arange(0, NB_PAD)
+        msk = g_ok[:, None] & (offs_nb[None, :] < NB)
+        bm = tl.load(bmax_ptr + rows[:, None] * NB + offs_nb[None, :], mask=msk, other=float("-inf"))
+        bs = tl.load(bsum_ptr + rows[:, None] * NB + offs_nb[None, :], mask=msk, other=0.0)
+        m = tl.max(bm, axis=1)
+        m = tl.where(g_ok, m, 0.0)
+        z = tl.sum(bs * tl.exp(bm - m[:, None]), axis=1)
+        z = tl.where(g_ok, z, 1.0)
+        return m, z
+
+    @triton.jit
+    def _top_n_mask(bits, pos, n):
+        """Mask of the n best entries by (bits desc, pos asc); invalid entries have bits < 0.
+
+        bits are float bit patterns of non-negative scores, so they order like the scores.
+        If there are at most n valid entries, all of them are selected.
+        """
+        valid = (bits >= 0) & (bits * 0 + n > 0)  # nothing is valid when n == 0
+        n_valid = tl.sum(valid.to(tl.int32), axis=0)
+        # Threshold T, by binary search on the bits: the n-th largest value, or any value with
+        # exactly n entries >= it (the search stops there early; then no tie needs breaking).
+        lo = tl.min(tl.where(valid, bits, 2147483647), axis=0)
+        hi = tl.max(bits, axis=0)
+        while lo < hi:
+            mid = lo + (hi - lo + 1) // 2
+            cnt = tl.sum((bits >= mid).to(tl.int32), axis=0)
+            lo = tl.where(cnt >= n, mid, lo)
+            hi = tl.where(cnt > n, hi, mid - 1)
+            hi = tl.where(cnt == n, mid, hi)  # exactly n at or above mid: done (mid = T will do)
+        need = n - tl.sum((bits > lo).to(tl.int32), axis=0)
+        # Among entries equal to T keep the `need` earliest positions.
+        eq = bits == lo
+        plo = tl.min(tl.where(eq, pos, 2147483647), axis=0)
+        phi = tl.max(tl.where(eq, pos, -1), axis=0)
+        while plo < phi:
+            mid = plo + (phi - plo) // 2
+            ok = tl.sum((eq & (pos <= mid)).to(tl.int32), axis=0) >= need
+            phi = tl.where(ok, mid, phi)
+            plo = tl.where(ok, plo, mid + 1)
+        picked = (bits > lo) | (eq & (pos <= plo))
+        return tl.where(n_valid > n, picked & valid, valid)
+
+    @triton.jit
+    def _sparq_select1_kernel(
+        logit_ptr, bmax_ptr, bsum_ptr, score_ptr,
+        cbits_ptr, cpos_ptr,  # [B*H_kv, NBS, N_CAND] int32 candidates, -1 where unused
+        H_kv, S, S_TOP, NB, NBS, N_CAND,
+        G: tl.constexpr, G_PAD: tl.constexpr, NB_PAD: tl.constexpr, BLOCK: tl.constexpr,
+        N_PAD: tl.constexpr, WRITE_SCORES: tl.constexpr,
+    ):
+        """Normalise s_hat (Eq. D1), sum it over the group (paper Sec. 2, GQA) and keep this
+        block's N_CAND best positions outside the local window, compacted in position order."""
+        pid = tl.program_id(0)
+        blk = tl.program_id(1)
+        b = (pid // H_kv).to(tl.int64)
+        h = pid % H_kv
+        offs_g = tl.arange(0, G_PAD)
+        g_ok = offs_g < G
+        rows = (b * H_kv + h) * G + offs_g
+        m, z = _softmax_stats(bmax_ptr, bsum_ptr, rows, g_ok, NB, NB_PAD)
+        offs_s = blk * BLOCK + tl.arange(0, BLOCK)
+        msk = g_ok[:, None] & (offs_s < S)[None, :]
+        x = tl.load(logit_ptr + rows[:, None] * S + offs_s[None, :], mask=msk, other=float("-inf"))
+        p = tl.exp(x - m[:, None]) / z[:, None]  # s_hat per query head
+        if WRITE_SCORES:
+            tl.store(score_ptr + rows[:, None] * S + offs_s[None, :], p, mask=msk)
+        group = tl.sum(p, axis=0)
+        bits = tl.where(offs_s < S_TOP, group.to(tl.int32, bitcast=True), -1)
+        sel = _top_n_mask(bits, offs_s, N_CAND)
+        slot = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+        base = (pid.to(tl.int64) * NBS + blk) * N_CAND
+        tl.store(cbits_ptr + base + slot, bits, mask=sel)
+        tl.store(cpos_ptr + base + slot, offs_s, mask=sel)
+        offs_n = tl.arange(0, N_PAD)
+        unused = (offs_n >= tl.sum(sel.to(tl.int32), axis=0)) & (offs_n < N_CAND)
+        tl.store(cbits_ptr + base + offs_n, tl.full([N_PAD], -1, tl.int32), mask=unused)
+
+    @triton.jit
+    def _count(cbits_ptr, cpos_ptr, base, C, T, P, MODE: tl.constexpr, CHUNK: tl.constexpr):
+        """Count candidates of one row: MODE 0: bits >= T; 1: bits > T; 2: bits == T, pos <= P."""
+        total = 0
+        for start in range(0, C, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            bt = tl.load(cbits_ptr + base + offs, mask=offs < C, other=-1)
+            if MODE == 0:
+                hit = bt >= T
+            elif MODE == 1:
+                hit = bt > T
+            else:
+                ps = tl.load(cpos_ptr + base + offs, mask=offs < C, other=0)
+                hit = (bt == T) & (ps <= P)
+            total += tl.sum(hit.to(tl.int32), axis=0)
+        return total
+
+    @triton.jit
+    def _sparq_select2_kernel(
+        cbits_ptr, cpos_ptr, pos_ptr,  # candidates [B*H_kv, C]; out [B*H_kv, N_SEL] int64
+        C, S, N_TOP, N_SEL,
+        CHUNK: tl.constexpr,
+    ):
+        """Merge block candidates into the row's N_TOP best (same order and tie rule as
+        _top_n_mask, chunked so C may exceed a register tile), write them in ascending position
+        order (candidates are stored in position order), then the local window."""
+        pid = tl.program_id(0)
+        base = pid.to(tl.int64) * C
+        lo = 2147483647
+        hi = -1
+        n_valid = 0
+        for start in range(0, C, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            bt = tl.load(cbits_ptr + base + offs, mask=offs < C, other=-1)
+            lo = tl.minimum(lo, tl.min(tl.where(bt >= 0, bt, 2147483647), axis=0))
+            hi = tl.maximum(hi, tl.max(bt, axis=0))
+            n_valid += tl.sum((bt >= 0).to(tl.int32), axis=0)
+        while lo < hi:
+            mid = lo + (hi - lo + 1) // 2
+            cnt = _count(cbits_ptr, cpos_ptr, base, C, mid, 0, 0, CHUNK)
+            lo = tl.where(cnt >= N_TOP, mid, lo)
+            hi = tl.where(cnt > N_TOP, hi, mid - 1)
+            hi = tl.where(cnt == N_TOP, mid, hi)  # exactly N_TOP at or above mid: done
+        need = N_TOP - _count(cbits_ptr, cpos_ptr, base, C, lo, 0, 1, CHUNK)
+        plo = 2147483647
+        phi = -1
+        for start in range(0, C, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            bt = tl.load(cbits_ptr + base + offs, mask=offs < C, other=-1)
+            ps = tl.load(cpos_ptr + base + offs, mask=offs < C, other=0)
+            plo = tl.minimum(plo, tl.min(tl.where(bt == lo, ps, 2147483647), axis=0))
+            phi = tl.maximum(phi, tl.max(tl.where(bt == lo, ps, -1), axis=0))
+        while plo < phi:
+            mid = plo + (phi - plo) // 2
+            ok = _count(cbits_ptr, cpos_ptr, base, C, lo, mid, 2, CHUNK) >= need
+            phi = tl.where(ok, mid, phi)
+            plo = tl.where(ok, plo, mid + 1)
+        take_all = n_valid <= N_TOP
+        out = pos_ptr + pid.to(tl.int64) * N_SEL
+        written = 0
+        for start in range(0, C, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            bt = tl.load(cbits_ptr + base + offs, mask=offs < C, other=-1)
+            ps = tl.load(cpos_ptr + base + offs, mask=offs < C, other=0)
+            sel = (bt > lo) | ((bt == lo) & (ps <= plo))
+            sel = tl.where(take_all, bt >= 0, sel) & (bt >= 0) & (bt * 0 + N_TOP > 0)
+            slot = written + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+            tl.store(out + slot, ps.to(tl.int64), mask=sel)
+            written += tl.sum(sel.to(tl.int32), axis=0)
+        for start in range(N_TOP, N_SEL, CHUNK):  # local window, after every other position
+            offs = start + tl.arange(0, CHUNK)
+            tl.store(out + offs, (S - N_SEL + offs).to(tl.int64), mask=offs < N_SEL)
+
+    @triton.jit
+    def _sparq_step2_kernel(
+        q_ptr, stride_qb, stride_qh, stride_qd,
+        k_ptr, v_ptr, stride_kb, stride_kh, stride_ks, stride_kd,
+        vm_ptr, stride_mb, stride_mh, stride_md,
+        pos_ptr, logit_ptr, bmax_ptr, bsum_ptr, out_ptr, alpha_ptr,
+        H_kv, S, D, NB, N_SEL, sm_scale,
+        G: tl.constexpr, G_PAD: tl.constexpr, NB_PAD: tl.constexpr,
+        BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, FULL: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        """Fused steps 2 + 3 for one KV head: gather the chosen K/V rows, exact attention
+        (online softmax, Eq. D3), alpha from the step-1 logits (Eq. D5), mean-value mix (Eq. D4).
+
+        IEEE: float32 inputs, exact float32 products. Otherwise (16-bit inputs) the two products
+        run on tensor cores in the input dtype with float32 accumulation; q.k products of 16-bit
+        numbers are exact in float32, and the probabilities are rounded to the input dtype
+        before p @ V, as flash attention does (an error below the 16-bit output's own rounding).
+        """
+        pid = tl.program_id(0)
+        b = (pid // H_kv).to(tl.int64)
+        h = pid % H_kv
+        offs_g = tl.arange(0, G_PAD)
+        g_ok = offs_g < G
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D
+        hq = h * G + offs_g
+        rows = b * H_kv * G + hq
+        qv = tl.load(q_ptr + b * stride_qb + hq[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                     mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+        if IEEE:
+            qv = qv.to(tl.float32)
+        m_hat, z_hat = _softmax_stats(bmax_ptr, bsum_ptr, rows, g_ok, NB, NB_PAD)
+
+        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
+        mass = tl.zeros([G_PAD], tl.float32)
+        k_head = k_ptr + b * stride_kb + h * stride_kh
+        v_head = v_ptr + b * stride_kb + h * stride_kh
+        for start in range(0, N_SEL, BLOCK_K):
+            offs_k = start + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < N_SEL
+            pos = tl.load(pos_ptr + pid.to(tl.int64) * N_SEL + offs_k, mask=k_ok, other=0).to(tl.int32)
+            # K tile loaded transposed ([d, k]) so the first product needs no layout change.
+            kt = tl.load(k_head + offs_d[:, None] * stride_kd + pos[None, :] * stride_ks,
+                         mask=d_ok[:, None] & k_ok[None, :], other=0.0)
+            kv_msk = k_ok[:, None] & d_ok[None, :]
+            vt = tl.load(v_head + pos[:, None] * stride_ks + offs_d[None, :] * stride_kd,
+                         mask=kv_msk, other=0.0)
+            if IEEE:
+                s = tl.dot(qv, kt.to(tl.float32), input_precision="ieee")
+            else:
+                s = tl.dot(qv, kt)
+            s = tl.where(k_ok[None, :], s * sm_scale, float("-inf"))  # [G_PAD, BLOCK_K]
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            corr = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * corr + tl.sum(p, axis=1)
+            if IEEE:
+                pv = tl.dot(p, vt.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(vt.dtype), vt)
+            acc = acc * corr[:, None] + pv
+            m_i = m_new
+
+            lg = tl.load(logit_ptr + rows[:, None] * S + pos[None, :],
+                         mask=g_ok[:, None] & k_ok[None, :], other=float("-inf"))
+            mass += tl.sum(tl.exp(lg - m_hat[:, None]) / z_hat[:, None], axis=1)
+
+        y = acc / l_i[:, None]
+        if FULL:
+            alpha = tl.full([G_PAD], 1.0, tl.float32)
+        else:
+            alpha = mass
+        vm = tl.load(vm_ptr + b * stride_mb + h * stride_mh + offs_d * stride_md,
+                     mask=d_ok, other=0.0).to(tl.float32)
+        out = alpha[:, None] * y + (1.0 - alpha[:, None]) * vm[None, :]
+        tl.store(out_ptr + rows[:, None] * D + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+        tl.store(alpha_ptr + rows, alpha, mask=g_ok)
+
+
+def _next_pow2(n):
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+# Warps per program of each kernel (tuned on an H100 with benchmarks/kernels_bench.py shapes).
+_LAUNCH = dict(step1_warps=4, select1_warps=4, select2_warps=4, step2_warps=4)
+
+
+def sparq_attention_triton(q, K, V, v_mean, k, r, l, *, K_t=None, return_scores=True,
+                           block_s=1024, select_block=None, row_chunk=1024):
+    """SparQ decode attention with Triton kernels; same arguments and result as the reference.
+
+    K_t: optional [B, H_kv, d, S] S-contiguous copy of K (App. I). Step 1 then reads r contiguous
+        rows instead of r strided components per position; values must equal ``K``.
+    block_s: positions per program in step 1. select_block: positions per program of the first
+        selection pass (default: 16 x (k - l) rounded up to a power of two, within 1024..2048).
+    row_chunk: candidates per loop iteration of the second selection pass.
+    Inputs may be float16, bfloat16 or float32 (arithmetic in float32); float64 is not supported.
+    Launches only Triton kernels (no host synchronisation), so a decode step can be graph-captured.
+    """
+    if not HAS_TRITON:  # pragma: no cover
+        raise RuntimeError("triton is not installed")
+    _check_params(k, r, l)
+    B, H_q, H_kv, G, S, d = _shapes(q, K, V, v_mean)
+    if q.dtype == torch.float64:
+        raise TypeError("the Triton path computes in float32; use the reference for float64")
+    if K.stride() != V.stride():
+        raise ValueError("K and V must share strides")  # one set of strides for both gathers
+    if S * d >= 2 ** 31:
+        raise ValueError("one KV head must have fewer than 2^31 elements")
+    dev = q.device
+    f32 = torch.float32
+    n_rows = B * H_kv
+    r_eff = min(r, d)
+    k_eff, l_eff, n_top = _budget(S, k, l)
+    s_top = S - l_eff
+    g_pad = _next_pow2(G)
+
+    # prep: components, tau, q[i1] / tau.
+    comps = torch.empty(B, H_kv, r_eff, dtype=torch.int64, device=dev)
+    qhat = torch.empty(n_rows, G, r_eff, dtype=f32, device=dev)
+    tau = torch.empty(B, H_q, dtype=f32, device=dev)
+    _sparq_prep_kernel[(n_rows,)](
+        q, *q.stride(), comps, qhat, tau, H_kv, d, r_eff,
+        G=G, G_PAD=g_pad, D_PAD=_next_pow2(d), num_warps=1,
+    )
+
+    # step 1: approximate logits and per-block softmax partials.
+    if K_t is not None:
+        if K_t.shape != (B, H_kv, d, S):
+            raise ValueError(f"K_t must be [B, H_kv, d, S], got {tuple(K_t.shape)}")
+        k1 = K_t.transpose(-1, -2)  # a [B, H_kv, S, d] view with S-contiguous strides
+    else:
+        k1 = K
+    nb = triton.cdiv(S, block_s)
+    logits = torch.empty(B * H_q, S, dtype=f32, device=dev)
+    bmax = torch.empty(B * H_q, nb, dtype=f32, device=dev)
+    bsum = torch.empty(B * H_q, nb, dtype=f32, device=dev)
+    _sparq_step1_kernel[(n_rows, nb)](
+        qhat, comps, k1, *k1.stride(), logits, bmax, bsum, H_kv, S, nb,
+        G=G, G_PAD=g_pad, R=r_eff, R_PAD=_next_pow2(r_eff), BLOCK_S=block_s,
+        S_CONTIG=(k1.stride(2) == 1), num_warps=_LAUNCH["step1_warps"],
+    )
+
+    # selection, pass 1: per block of positions, its best n_top candidates.
+    nb_pad = _next_pow2(nb)
+    if select_block is None:
+        select_block = min(2048, max(1024, 16 * _next_pow2(max(n_top, 1))))
+    nbs = triton.cdiv(S, select_block)
+    n_cand = min(n_top, select_block)
+    cbits = torch.empty(n_rows, nbs, max(n_cand, 1), dtype=torch.int32, device=dev)
+    cpos = torch.empty_like(cbits)
+    scores = torch.empty(B * H_q, S, dtype=f32, device=dev) if return_scores else logits
+    _sparq_select1_kernel[(n_rows, nbs)](
+        logits, bmax, bsum, scores, cbits, cpos, H_kv, S, s_top, nb, nbs, n_cand,
+        G=G, G_PAD=g_pad, NB_PAD=nb_pad, BLOCK=select_block, N_PAD=_next_pow2(max(n_cand, 1)),
+        WRITE_SCORES=return_scores, num_warps=_LAUNCH["select1_warps"],
+    )
+    # selection, pass 2: merge into the row's n_top best (ascending), then the local window.
+    positions = torch.empty(B, H_kv, k_eff, dtype=torch.int64, device=dev)
+    _sparq_select2_kernel[(n_rows,)](
+        cbits, cpos, positions, nbs * n_cand, S, n_top, k_eff, CHUNK=row_chunk,
+        num_warps=_LAUNCH["select2_warps"],
+    )
+
+    # steps 2 + 3: gather, exact attention, mean-value mixing.
+    out = torch.empty(B, H_q, d, dtype=q.dtype, device=dev)
+    alpha = torch.empty(B, H_q, dtype=f32, device=dev)
+    block_d = max(16, _next_pow2(d))
+    _sparq_step2_kernel[(n_rows,)](
+        q, *q.stride(), K, V, *K.stride(), v_mean, *v_mean.stride(),
+        positions, logits, bmax, bsum, out, alpha,
+        H_kv, S, d, nb, k_eff, 1.0 / math.sqrt(d),
+        G=G, G_PAD=max(16, g_pad), NB_PAD=nb_pad, BLOCK_K=128 if block_d <= 64 else 64,
+        BLOCK_D=block_d, FULL=(k_eff == S), IEEE=(q.dtype == torch.float32),
+        num_warps=_LAUNCH["step2_warps"],
+    )
+    return SparQResult(
+        out=out,
+        positions=positions,
+        alpha=alpha,
+        scores=scores.view(B, H_q, S) if return_scores else None,
+        components=comps,
+        tau=tau,
+    )
+
+
+# ----------------------------------------------------------------------------- dispatch & cost
+
+
+def triton_enabled(t: torch.Tensor) -> bool:
+    """Triton runs on CUDA tensors, or anywhere under TRITON_INTERPRET=1 (the tests)."""
+    return HAS_TRITON and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def sparq_attention(q, K, V, v_mean, k, r, l, *, K_t=None, return_scores=True):
+    """SparQ decode attention: the Triton kernels where they can run, else the torch reference."""
+    if triton_enabled(q) and q.dtype != torch.float64:
+        return sparq_attention_triton(q, K, V, v_mean, k, r, l, K_t=K_t, return_scores=return_scores)
+    return sparq_attention_reference(q, K, V, v_mean, k, r, l, K_t=K_t, return_scores=return_scores)
+
+
+def sparq_transfer_bytes(S, d, k, r, *, n_kv_heads=1, batch=1, bytes_per_element=2):
+    """Attention memory transfer of one decode step, dense vs SparQ (App. C, Eqs. C1 and C2).
+
+    Per KV head, in elements: dense ``2*S*d + 2*d`` (read K and V, write the new k and v);
+    SparQ ``S*r + 2*k*d + 4*d`` (r components of K at every position, k full rows of K and V,
+    write the new k and v and read/write v_mean). ``k`` and ``r`` are capped at ``S`` and ``d``.
+    Query reads are not counted (as in the paper). Returns a dict of bytes and their ratio.
+    """
+    k, r = min(k, S), min(r, d)
+    scale = n_kv_heads * batch * bytes_per_element
+    dense = (2 * S * d + 2 * d) * scale
+    sparq = (S * r + 2 * k * d + 4 * d) * scale
+    return {"dense": dense, "sparq": sparq, "ratio": sparq / dense}

@@ -1,0 +1,120 @@
+"""The running app in a real browser (Debian's Chromium driven by Playwright)."""
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+POLICIES = ("sinks", "h2o", "tova")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def app_url(tmp_path_factory):
+    port = free_port()
+    env = {**os.environ, "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port),
+           "KVLENS_STORE_DIR": str(tmp_path_factory.mktemp("store")), "GRADIO_ANALYTICS_ENABLED": "False"}
+    log = open(tmp_path_factory.mktemp("log") / "app.log", "w")
+    proc = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/"
+    deadline = time.time() + 120
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            break
+        except OSError:
+            if proc.poll() is not None or time.time() > deadline:
+                proc.kill()
+                pytest.fail(f"the app did not start: see {log.name}")
+            time.sleep(0.5)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def page(app_url):
+    executable = shutil.which("chromium")
+    if executable is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is not installed (.ci/run installs Debian's chromium)")
+        pytest.skip("Debian's chromium is not installed here: apt-get install chromium")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=executable,
+                                    args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        page = browser.new_page(viewport={"width": 1500, "height": 1100})
+        page.goto(app_url)
+        page.wait_for_selector("#run", timeout=60_000)
+        yield page
+        browser.close()
+
+
+def plot_titles(page, elem_id):
+    return page.locator(f"#{elem_id} .js-plotly-plot").first.evaluate(
+        "el => [el.layout.title && el.layout.title.text, ...(el.layout.annotations || []).map(a => a.text)]")
+
+
+def test_run_three_policies_and_every_view_renders(page):
+    checkboxes = page.locator("#policies label")
+    for i in range(checkboxes.count()):
+        label = checkboxes.nth(i)
+        box = label.locator("input")
+        if box.is_checked() != (label.inner_text().strip() in POLICIES):
+            label.click()
+    page.locator("#run").click()
+    page.wait_for_selector("#heatmap .js-plotly-plot", timeout=180_000)
+
+    titles = " ".join(map(str, plot_titles(page, "heatmap")))
+    for name in POLICIES:
+        assert f"{name}:budget=24" in titles
+    summary = page.locator("#summary").inner_text()
+    assert all(f"{name}:budget=24" in summary for name in POLICIES)
+
+    page.get_by_role("tab", name="Kept tokens").click()
+    kept = page.locator("#kept")
+    for name in POLICIES:
+        assert f"{name}:budget=24" in kept.inner_text()
+
+    page.get_by_role("tab", name="A2S vs A2SF").click()
+    assert "A2S vs A2SF" in " ".join(map(str, plot_titles(page, "curves")))
+
+    page.get_by_role("tab", name="Divergence from Full").click()
+    page.wait_for_selector("#divergence .js-plotly-plot")
+    continuations = page.locator("#continuations").inner_text()
+    assert all(f"{name}:budget=24" in continuations for name in POLICIES)
+
+    page.get_by_role("tab", name="Retention").click()
+    page.wait_for_selector("#retention .js-plotly-plot")
+
+    page.get_by_role("tab", name="Attention masks").click()
+    page.screenshot(path=str(ROOT / "docs" / "screenshot.png"), full_page=False)
+
+
+def test_switching_layer_and_budget_rerenders(page):
+    layer = page.locator("#layer input")
+    layer.click()
+    page.get_by_role("option", name="0", exact=True).click()
+    page.wait_for_function(
+        "() => document.querySelector('#heatmap .js-plotly-plot').layout.title.text.includes('layer 0')",
+        timeout=60_000)
+
+    budget = page.locator("#budget input[type=number]")
+    budget.fill("16")
+    budget.press("Enter")
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('#heatmap .js-plotly-plot')].some(el => "
+        "(el.layout.annotations || []).some(a => a.text.includes('tova:budget=16')))",
+        timeout=180_000)

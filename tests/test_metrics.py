@@ -1,0 +1,269 @@
+"""Metrics on small hand-made traces whose answers are worked out by hand (plus RoPE vs transformers)."""
+import numpy as np
+import pytest
+import torch
+
+from backend import metrics
+from backend.policies import A2SF
+from backend.trace import FORMAT_VERSION, Trace
+
+
+def make_trace(n, *, evicted_at=None, selected=None, attention=None, keys=None, recorded_layers=(), budget=None,
+               mode="prompt", n_prompt=None, logprobs=None, top1_ids=None, kl=None, generated_ids=None,
+               scored_ids=None, tokens=None, n_layers=1, n_kv_heads=1, policy="test", rope_inv_freq=None,
+               scaling=1.0):
+    """A Trace of ``n`` tokens with just the arrays a test needs (the rest zero)."""
+    tokens = np.arange(n, dtype=np.int32) if tokens is None else np.asarray(tokens, np.int32)
+    scored = tokens if scored_ids is None else np.asarray(scored_ids, np.int32)
+    s = len(scored)
+    n_prompt = n if n_prompt is None else n_prompt
+    meta = {"format_version": FORMAT_VERSION, "spec": policy, "policy": policy,
+            "params": {} if budget is None else {"budget": budget}, "kind": "eviction", "mode": mode,
+            "model": "hand", "model_fingerprint": "hand", "n_layers": n_layers, "n_kv_heads": n_kv_heads,
+            "n_heads": n_kv_heads, "n_prompt": n_prompt, "score_start": 0 if mode == "prompt" else n_prompt - 1,
+            "token_texts": [f"<{t}>" for t in tokens], "recorded_layers": list(recorded_layers),
+            "rope_attention_scaling": scaling}
+
+    def arr(values, dtype, default):
+        return np.asarray(values if values is not None else default, dtype)
+
+    return Trace(meta=meta, tokens=tokens, scored_ids=scored,
+                 logprobs=arr(logprobs, np.float32, np.zeros(s - 1)),
+                 top1_ids=arr(top1_ids, np.int32, np.zeros(s - 1)),
+                 kl_to_full=arr(kl, np.float32, np.zeros(s - 1)),
+                 evicted_at=None if evicted_at is None else np.asarray(evicted_at, np.int32),
+                 selected=None if selected is None else np.asarray(selected, bool),
+                 generated_ids=None if generated_ids is None else np.asarray(generated_ids, np.int32),
+                 attention=None if attention is None else np.asarray(attention, np.float16),
+                 keys=None if keys is None else np.asarray(keys, np.float16),
+                 rope_inv_freq=None if rope_inv_freq is None else np.asarray(rope_inv_freq, np.float32))
+
+
+def rows(*sets, n):
+    """bool [n_rows, n]: row t is True at the positions in sets[t]."""
+    out = np.zeros((len(sets), n), bool)
+    for t, positions in enumerate(sets):
+        out[t, list(positions)] = True
+    return out
+
+
+# Window, budget 2, 4 tokens: step t drops t-1, so token j leaves at j+2 (token 3 never does).
+WINDOW_2 = [[[2, 3, 4, -1]]]  # reads: {0} {0,1} {1,2} {2,3}
+# Oracle, budget 2, 4 tokens: every query reads token 0 and itself.
+ORACLE_2 = rows({0}, {0, 1}, {0, 2}, {0, 3}, n=4)[None, None]
+
+
+# --- Per-step divergence from Full ---------------------------------------------------------------------
+
+def test_kl_per_step_counts_only_fulls_continuation_in_generate_mode():
+    prompt = make_trace(4, kl=[0.1, 0.2, 0.3])
+    assert metrics.kl_per_step(prompt) == pytest.approx([0.1, 0.2, 0.3])
+    generated = make_trace(4, mode="generate", n_prompt=2, kl=[0.1, 0.2, 0.3])  # score_start = 1
+    assert metrics.kl_per_step(generated) == pytest.approx([0.2, 0.3])
+    assert metrics.kl_per_step(generated).mean() == pytest.approx(metrics.mean_kl_to_full(generated))
+
+
+def test_top1_match_per_step_marks_positions_where_fulls_top_token_is_kept():
+    full = make_trace(5, top1_ids=[5, 0, 7, 0])
+    policy = make_trace(5, top1_ids=[5, 6, 7, 8])
+    assert metrics.top1_match_per_step(policy, full).tolist() == [True, False, True, False]
+    assert metrics.top1_match_per_step(policy, full).mean() == metrics.top1_agreement(policy, full)
+    full_g = make_trace(5, mode="generate", n_prompt=2, top1_ids=[5, 0, 7, 0])
+    policy_g = make_trace(5, mode="generate", n_prompt=2, top1_ids=[5, 6, 7, 8])
+    assert metrics.top1_match_per_step(policy_g, full_g).tolist() == [False, True, False]
+    with pytest.raises(ValueError, match="same text"):
+        metrics.top1_match_per_step(make_trace(5, scored_ids=[9, 1, 2, 3, 4]), full)
+
+
+def test_first_divergence_is_the_index_of_the_first_different_generated_token():
+    def gen(continuation, prompt=(1, 2, 3)):
+        tokens = list(prompt) + list(continuation)
+        return make_trace(len(tokens), tokens=tokens, mode="generate", n_prompt=len(prompt),
+                          generated_ids=continuation)
+
+    full = gen([4, 5, 6])
+    assert metrics.first_divergence(gen([4, 5, 7]), full) == 2
+    assert metrics.first_divergence(gen([9, 5, 6]), full) == 0
+    assert metrics.first_divergence(gen([4, 5, 6]), full) is None
+    assert metrics.first_divergence(gen([4, 5]), full) == 2  # a strict prefix diverges where it stops
+    with pytest.raises(ValueError, match="same prompt"):
+        metrics.first_divergence(gen([4, 5, 6], prompt=(1, 2, 8)), full)
+    with pytest.raises(ValueError, match="generate-mode"):
+        metrics.first_divergence(make_trace(6), full)
+
+
+# --- Similarity to the oracle --------------------------------------------------------------------------
+
+def test_mask_similarity_is_the_row_cosine_of_read_masks_per_layer():
+    # Layer 0: Window vs Oracle rows: {0}/{0} -> 1, {0,1}/{0,1} -> 1, {1,2}/{0,2} -> 1/2, {2,3}/{0,3} -> 1/2.
+    # Layer 1: the policy reads exactly what the oracle reads -> 1.
+    evicted = [WINDOW_2[0], [[5, 5, 5, -1]]]  # layer 1: nothing ever dropped before the end
+    policy = make_trace(4, evicted_at=evicted, n_layers=2)
+    oracle_reads = np.concatenate([ORACLE_2, np.tril(np.ones((4, 4), bool))[None, None]])
+    oracle = make_trace(4, selected=oracle_reads, n_layers=2)
+    sim = metrics.mask_similarity(policy, oracle)
+    assert sim["layers"] == [0, 1]
+    assert sim["per_layer"] == pytest.approx([0.75, 1.0])
+    assert sim["overall"] == pytest.approx(0.875)
+    assert metrics.mask_similarity(policy, oracle, from_step=2)["per_layer"] == pytest.approx([0.5, 1.0])
+
+
+def test_mask_similarity_of_full_to_oracle_counts_the_extra_reads():
+    full = make_trace(4)  # reads everything up to t
+    oracle = make_trace(4, selected=ORACLE_2)
+    # rows: 1, 1, |{0,2}| / sqrt(3 * 2), |{0,3}| / sqrt(4 * 2)
+    expected = (1 + 1 + 2 / np.sqrt(6) + 2 / np.sqrt(8)) / 4
+    assert metrics.mask_similarity(full, oracle)["overall"] == pytest.approx(expected)
+
+
+def test_similarities_refuse_traces_on_different_tokens():
+    a = make_trace(4, evicted_at=WINDOW_2)
+    b = make_trace(4, selected=ORACLE_2, tokens=[0, 1, 2, 9])
+    with pytest.raises(ValueError, match="same tokens"):
+        metrics.mask_similarity(a, b)
+    with pytest.raises(ValueError, match="same tokens"):
+        metrics.attention_similarity(a, b)
+
+
+def test_attention_similarity_uses_the_layers_both_traces_recorded():
+    # Layer 3 recorded by both: rows t0 [1, 0] vs [1, 0] -> 1; t1 [.6, .8] vs [.8, .6] -> .96; mean .98.
+    attn_a = np.array([[[[1, 0], [0.6, 0.8]]], [[[1, 0], [0, 1]]]])  # layers 0 and 3
+    attn_b = np.array([[[[1, 0], [0.8, 0.6]]]])  # layer 3 only
+    a = make_trace(2, attention=attn_a, recorded_layers=(0, 3), n_layers=4)
+    a.attention[1] = attn_a[0]  # the policy's layer 3 is the [.6, .8] example
+    b = make_trace(2, attention=attn_b, recorded_layers=(3,), n_layers=4)
+    sim = metrics.attention_similarity(a, b)
+    assert sim["layers"] == [3]
+    assert sim["per_layer"] == pytest.approx([0.98], abs=1e-3)  # float16 storage
+    assert sim["overall"] == pytest.approx(0.98, abs=1e-3)
+    with pytest.raises(ValueError, match="no recorded layer in common"):
+        metrics.attention_similarity(make_trace(2, attention=attn_b, recorded_layers=(0,), n_layers=4), b)
+    with pytest.raises(ValueError, match="recorded attention"):
+        metrics.attention_similarity(make_trace(2, n_layers=4), b)
+
+
+# --- Retention -----------------------------------------------------------------------------------------
+
+def test_lifetimes_count_the_steps_each_token_was_read():
+    window = make_trace(4, evicted_at=WINDOW_2)
+    assert metrics.lifetimes(window).tolist() == [[[2, 2, 2, 1]]]  # evicted_at - j; the last one T - j
+    assert metrics.lifetimes(make_trace(4)).tolist() == [[[4, 3, 2, 1]]]  # Full: T - j
+    assert metrics.lifetimes(make_trace(4, selected=ORACLE_2)).tolist() == [[[4, 1, 1, 1]]]  # reads per column
+
+
+def test_mean_lifetime_by_position_averages_layers_and_heads():
+    trace = make_trace(4, evicted_at=[[[2, 3, 4, -1], [-1, -1, -1, -1]]], n_kv_heads=2)  # head 1 keeps all
+    assert metrics.mean_lifetime_by_position(trace) == pytest.approx([3, 2.5, 2, 1])
+
+
+def test_first_token_retention_is_the_share_of_steps_since_arrival():
+    trace = make_trace(4, evicted_at=[[[2, 3, 4, -1], [-1, -1, -1, -1]]], n_kv_heads=2)
+    # head 0: [2/4, 2/3]; head 1: [4/4, 3/3]; mean over heads
+    assert np.allclose(metrics.first_token_retention(trace, i=2), [[0.75, 5 / 6]])
+    assert metrics.first_token_retention(trace).shape == (1, 1)
+    with pytest.raises(ValueError):
+        metrics.first_token_retention(trace, i=0)
+
+
+def test_non_recent_share_counts_reads_older_than_the_budget_window():
+    # TOVA-like, budget 2, 5 tokens: reads {0} {0,1} {0,2} {0,3} {3,4}. Steps t >= 2 and old = j <= t-2:
+    # t2: {0} of 2 -> 1/2; t3: {0} of 2 -> 1/2; t4: none -> 0. Mean 1/3.
+    keeper = make_trace(5, evicted_at=[[[4, 2, 3, 5, -1]]], budget=2)
+    share = metrics.non_recent_share(keeper)
+    assert share["budget"] == 2
+    assert share["per_layer"] == pytest.approx([1 / 3]) and share["overall"] == pytest.approx(1 / 3)
+    window = make_trace(5, evicted_at=[[[2, 3, 4, 5, -1]]], budget=2)
+    assert metrics.non_recent_share(window)["overall"] == 0.0
+    # Full with budget=2: t2 1/3, t3 2/4, t4 3/5
+    assert metrics.non_recent_share(make_trace(5), budget=2)["overall"] == pytest.approx((1 / 3 + 1 / 2 + 3 / 5) / 3)
+    with pytest.raises(ValueError, match="no budget"):
+        metrics.non_recent_share(make_trace(5))
+    with pytest.raises(ValueError, match="longer than the budget"):
+        metrics.non_recent_share(make_trace(2, evicted_at=[[[-1, -1]]], budget=2))
+
+
+# --- A2S vs A2SF score curves --------------------------------------------------------------------------
+
+# Values exact in float16, so the hand sums are exact.
+S = [[1, 0, 0], [0.5, 0.5, 0], [0.125, 0.25, 0.625]]
+
+
+def curves_trace(attention, layer=2):
+    attention = np.asarray(attention)
+    return make_trace(len(attention), attention=attention[None, None], recorded_layers=(layer,), n_layers=3)
+
+
+def test_score_curves_accumulate_with_and_without_forgetting():
+    c = metrics.score_curves(curves_trace(S), layer=2, head=0, alpha=0.25, budget=2)
+    # A2S = column sums so far; A2SF: A_t = 0.25 * A_(t-1) + S_t.
+    assert c.a2s.tolist() == [[1, 0, 0], [1.5, 0.5, 0], [1.625, 0.75, 0.625]]
+    assert c.a2sf.tolist() == [[1, 0, 0], [0.75, 0.5, 0], [0.3125, 0.375, 0.625]]
+    # Budget 2 at step 2: A2S keeps the old tokens {0, 1}, A2SF the ones attended lately {1, 2}.
+    assert c.keep_a2s.tolist() == [[True, False, False], [True, True, False], [True, True, False]]
+    assert c.keep_a2sf.tolist() == [[True, False, False], [True, True, False], [False, True, True]]
+    assert c.attention.tolist() == S
+
+
+def test_score_curves_match_the_a2sf_policys_own_recurrence():
+    rng = np.random.default_rng(0)
+    n = 30
+    raw = np.tril(rng.random((n, n)))
+    attention = (raw / raw.sum(1, keepdims=True)).astype(np.float16)
+    c = metrics.score_curves(curves_trace(attention), 2, 0, alpha=0.3, budget=8)
+    policy, state = A2SF(budget=8, alpha=0.3), A2SF(budget=8, alpha=0.3).init_state(1)
+    for t in range(n):
+        state = policy.update(state, attention[t:t + 1, : t + 1].astype(np.float64), t)
+        assert c.a2sf[t, : t + 1] == pytest.approx(state["score"][0], rel=1e-12)
+    assert np.allclose(metrics.score_curves(curves_trace(attention), 2, 0, 1.0, 8).a2sf, c.a2s)
+    assert np.allclose(metrics.score_curves(curves_trace(attention), 2, 0, 0.0, 8).a2sf, c.attention)
+    assert (c.keep_a2s.sum(1) == np.minimum(np.arange(n) + 1, 8)).all()
+
+
+def test_score_curves_need_a_recorded_layer():
+    with pytest.raises(ValueError, match="recorded"):
+        metrics.score_curves(curves_trace(S, layer=2), layer=1, head=0, alpha=0.5, budget=2)
+    with pytest.raises(ValueError, match="recorded"):
+        metrics.score_curves(make_trace(3), layer=0, head=0, alpha=0.5, budget=2)
+
+
+# --- K cache before/after RoPE -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("scaling", [1.0, 1.25])
+def test_unrotate_keys_inverts_transformers_rope(scaling):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    torch.manual_seed(0)
+    n, d = 12, 16
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    angle = torch.arange(n, dtype=torch.float64)[:, None] * inv_freq[None]
+    emb = torch.cat([angle, angle], -1)[None]  # [1, T, d], transformers' layout
+    cos, sin = emb.cos() * scaling, emb.sin() * scaling
+    k = torch.randn(1, 2, n, d, dtype=torch.float64)
+    _, k_rot = apply_rotary_pos_emb(k, k, cos, sin)
+    back = metrics.unrotate_keys(k_rot[0].numpy(), inv_freq.numpy(), scaling)
+    assert np.allclose(back, k[0].numpy(), atol=1e-10)
+    assert not np.allclose(k_rot[0].numpy(), k[0].numpy(), atol=1e-3)  # the rotation did something
+
+
+def test_key_samples_recover_the_models_keys_before_rope():
+    from backend.runner import run
+    from backend.policies import parse_spec
+    from tests.conftest import make_tiny
+    lm = make_tiny()
+    ids = list(range(3, 43))
+    captured = {}
+    def keep_output(module, inputs, output):
+        captured["k"] = output[1].detach().double().numpy()  # batch row 1 = the window (row 0 is Full)
+
+    hook = lm.model.model.layers[1].self_attn.k_proj.register_forward_hook(keep_output)
+    try:
+        traces, _ = run(lm, ["window:budget=8"], [parse_spec("window:budget=8")], ids, record_layers=(1,))
+    finally:
+        hook.remove()
+    samples = metrics.key_samples(traces[0], layer=1, head=1)
+    d = samples.after_rope.shape[-1]
+    before = captured["k"].reshape(len(ids), -1, d)[:, 1]  # k_proj output of KV head 1, before RoPE
+    assert np.allclose(samples.before_rope, before, atol=2e-2 * np.abs(before).max())
+    assert not np.allclose(samples.after_rope, before, atol=2e-2 * np.abs(before).max())
+    assert samples.kept.tolist() == [False] * 32 + [True] * 8  # the window's last 8 tokens
+    with pytest.raises(ValueError, match="recorded"):
+        metrics.key_samples(traces[0], layer=0, head=0)

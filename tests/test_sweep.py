@@ -1,0 +1,161 @@
+"""Perplexity-vs-budget sweep on the tiny model: the table, the files, and the command line."""
+import argparse
+import json
+from types import SimpleNamespace
+
+import pandas as pd
+import pytest
+import torch
+
+from backend import metrics, sweep as sweep_module
+from backend.cli import CliError
+from backend.policies import SpecError, parse_spec
+from backend.runner import run
+from backend.sweep import add_sweep_parser, budget_spec, parse_budgets, split_policies, sweep, write_sweep
+from tests.conftest import TinyTokenizer, make_tiny
+
+IDS = torch.randint(0, 101, (24,), generator=torch.Generator().manual_seed(3)).tolist()
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return make_tiny()
+
+
+@pytest.fixture(scope="module")
+def table(lm):
+    return sweep(lm, IDS, ["window", "sinks:sinks=2", "tova", "full"], [6, 12, 64])
+
+
+def test_budget_spec_adds_the_budget_and_keeps_other_parameters():
+    assert budget_spec("tova", 64) == "tova:budget=64"
+    assert budget_spec("tova:heads=head,sinks=1", 8) == "tova:budget=8,heads=head,sinks=1"
+    with pytest.raises(SpecError, match="leave budget out"):
+        budget_spec("tova:budget=4", 8)
+
+
+def test_split_policies_keeps_parameters_with_their_policy():
+    assert split_policies("window, tova:heads=head,sinks=2,h2o") == ["window", "tova:heads=head,sinks=2", "h2o"]
+    assert split_policies(" ,") == []
+
+
+def test_parse_budgets_wants_positive_integers():
+    assert parse_budgets("16, 32,64") == [16, 32, 64]
+    for bad in ("16,x", "0,4", ""):
+        with pytest.raises(ValueError):
+            parse_budgets(bad)
+
+
+def test_sweep_has_a_row_per_policy_and_budget_and_fulls_topline(lm, table):
+    assert list(table.columns) == ["policy", "budget", "spec", "ppl", "kl_to_full", "top1_agreement", "tokens"]
+    assert table["spec"].tolist() == ["window:budget=6", "window:budget=12", "window:budget=64",
+                                      "sinks:budget=6,sinks=2", "sinks:budget=12,sinks=2", "sinks:budget=64,sinks=2",
+                                      "tova:budget=6", "tova:budget=12", "tova:budget=64", "full"]
+    full = table[table["policy"] == "full"].iloc[0]
+    assert pd.isna(full["budget"]) and full["kl_to_full"] == 0 and full["top1_agreement"] == 1
+    _, reference = run(lm, ["full"], [parse_spec("full")], IDS, record_layers=())
+    assert full["ppl"] == pytest.approx(metrics.perplexity(reference))
+    # A budget of at least the text length drops nothing: every policy is Full there.
+    at_64 = table[table["budget"] == 64]
+    assert at_64["ppl"].tolist() == pytest.approx([full["ppl"]] * 3)
+    # A small budget loses something.
+    assert (table[table["budget"] == 6]["kl_to_full"] > 0).all()
+
+
+def test_sweep_rows_equal_running_each_policy_alone(lm, table):
+    traces, _ = run(lm, ["tova:budget=6"], [parse_spec("tova:budget=6")], IDS, record_layers=())
+    row = table[table["spec"] == "tova:budget=6"].iloc[0]
+    assert row["ppl"] == pytest.approx(metrics.perplexity(traces[0]), rel=1e-9)
+
+
+def test_splitting_into_smaller_batches_gives_the_same_table(lm, table):
+    calls = []
+    small = sweep(lm, IDS, ["window", "sinks:sinks=2", "tova"], [6, 12, 64], max_rows=4,
+                  progress=lambda frac, what: calls.append((frac, what)))
+    pd.testing.assert_frame_equal(small, table)
+    assert {what.split(":")[0] for _, what in calls} == {"sweep 1/3", "sweep 2/3", "sweep 3/3"}
+    assert calls[-1][0] == pytest.approx(1.0) and all(0 <= f <= 1 for f, _ in calls)
+
+
+def test_sweep_checks_every_spec_before_running(lm):
+    with pytest.raises(SpecError, match="sinks"):
+        sweep(lm, IDS, ["window", "sinks"], [4, 8])  # sinks=4 needs budget > 4
+    with pytest.raises(SpecError, match="unknown policy"):
+        sweep(lm, IDS, ["lru"], [8])
+
+
+def test_write_sweep_writes_csv_json_and_a_plot(table, tmp_path):
+    paths = write_sweep(table, tmp_path / "out")
+    assert sorted(p.name for p in paths.values()) == ["sweep.csv", "sweep.html", "sweep.json"]
+    csv = pd.read_csv(paths["csv"])
+    assert csv["spec"].tolist() == table["spec"].tolist()
+    assert csv["ppl"].tolist() == pytest.approx(table["ppl"].tolist())
+    records = json.loads(paths["json"].read_text())
+    assert records[-1]["policy"] == "full" and records[-1]["budget"] is None
+    assert records[0] == {**records[0], "policy": "window", "budget": 6}
+    html = paths["html"].read_text()
+    assert "plotly" in html.lower() and '"name":"tova"' in html and "Full " in html
+    fig = sweep_module.sweep_figure(table)
+    assert [t.name for t in fig.data] == ["window", "sinks:sinks=2", "tova"]
+    assert fig.layout.xaxis.type == "log" and list(fig.layout.xaxis.tickvals) == [6, 12, 64]
+
+
+# --- Command line --------------------------------------------------------------------------------------
+
+def parse(*argv):
+    parser = argparse.ArgumentParser()
+    add_sweep_parser(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["sweep", *argv])
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    path = tmp_path / "text.txt"
+    path.write_text("the quick brown fox jumps over the lazy dog")
+    return path
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--budgets", "8,x"], "--budgets: budgets must be comma-separated integers"),
+    (["--budgets", "0"], "--budgets: budgets must be integers >= 1"),
+    (["--policies", ","], "--policies: give at least one policy"),
+    (["--policies", "lru"], "unknown policy 'lru'"),
+    (["--policies", "tova:budget=8"], "leave budget out"),
+    (["--policies", "sinks", "--budgets", "4"], "sinks: need 0 <= sinks < budget"),
+    (["--max-tokens", "1"], "--max-tokens must be >= 2"),
+])
+def test_bad_sweep_arguments_are_one_line_cli_errors(text_file, tmp_path, args, message):
+    ns = parse("--text", str(text_file), "--out", str(tmp_path / "o"), *args)
+    with pytest.raises(CliError, match=message.replace("(", r"\(")):
+        ns.func(ns)
+    assert not (tmp_path / "o").exists()
+
+
+def test_missing_text_and_unknown_model_are_cli_errors(text_file, tmp_path):
+    ns = parse("--text", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "o"))
+    with pytest.raises(CliError, match="text file not found"):
+        ns.func(ns)
+    ns = parse("--text", str(text_file), "--out", str(tmp_path / "o"), "--model", "gpt-5")
+    with pytest.raises(CliError, match="unknown model"):
+        ns.func(ns)
+
+
+class CharTokenizer(TinyTokenizer):
+    chat_template = None
+
+    def __call__(self, text):
+        return SimpleNamespace(input_ids=[ord(c) % 101 for c in text])
+
+
+def test_sweep_command_writes_the_files(text_file, tmp_path, monkeypatch, capsys):
+    tiny = make_tiny()
+    tiny.tokenizer = CharTokenizer()
+    monkeypatch.setattr(sweep_module, "load_model", lambda name: tiny)
+    ns = parse("--text", str(text_file), "--out", str(tmp_path / "o"), "--policies", "window,tova:heads=head",
+               "--budgets", "8,16", "--max-tokens", "30")
+    assert ns.func(ns) == 0
+    out = capsys.readouterr().out
+    assert "tova:budget=16,heads=head" in out and "30 tokens; wrote sweep.csv, sweep.json, sweep.html" in out
+    csv = pd.read_csv(tmp_path / "o" / "sweep.csv")
+    assert csv["policy"].tolist() == ["window", "window", "tova:heads=head", "tova:heads=head", "full"]
+    assert (csv["tokens"] == 30).all()
