@@ -15,8 +15,9 @@ from viz import panels
 ROOT = Path(__file__).resolve().parent
 EXAMPLES = {path.stem.replace("_", " "): path.read_text().strip() for path in sorted((ROOT / "assets" / "examples").glob("*.txt"))}
 FIRST_EXAMPLE = next(name for name in ("needle", "story", *EXAMPLES) if name in EXAMPLES)
-POLICY_CHOICES = ["full", "window", "sinks", "h2o", "tova", "a2sf", "oracle"]
-DEFAULT_POLICIES = ["sinks", "h2o", "tova", "a2sf"]
+POLICY_CHOICES = ["full", "window", "sinks", "h2o", "tova", "a2sf", "oracle", "sparq", "reattention"]
+DEFAULT_POLICIES = ["sinks", "tova", "a2sf", "reattention"]
+DEFAULT_BUDGET = 40
 STORE = TraceStore()
 NOTES = {name: (ROOT / "assets" / "notes" / f"{name}.md").read_text() for name in
          ("masks", "kept", "curves", "tsne", "divergence", "retention", "sweep")}
@@ -33,6 +34,8 @@ def specs_from_controls(names, budget, sinks, alpha, heads, custom):
             params["alpha"] = round(float(alpha), 3)
         if name in ("h2o", "tova", "a2sf", "oracle") and heads != "paper default":
             params["heads"] = heads
+        if name == "reattention" and budget < DEFAULT_BUDGET:  # shrink its parts so a small scope still fits
+            params.update(global_size=min(4, budget // 8), span=max(1, budget // 8), chunk=max(1, budget // 4))
         specs.append(name + (":" + ",".join(f"{k}={v}" for k, v in params.items()) if params else ""))
     specs += [line.strip() for line in (custom or "").splitlines() if line.strip()]
     return specs
@@ -123,10 +126,10 @@ def build() -> gr.Blocks:
                             label="Examples")
                 mode = gr.Radio([("Generate a continuation", "generate"), ("Score the text (teacher-forced)", "prompt")],
                                 value="generate", label="Mode")
-                max_new = gr.Slider(4, session.MAX_NEW_TOKENS, value=40, step=4, label="Max new tokens")
+                max_new = gr.Slider(4, session.MAX_NEW_TOKENS, value=24, step=4, label="Max new tokens")
                 names = gr.CheckboxGroup(POLICY_CHOICES, value=DEFAULT_POLICIES, label="Policies, side by side",
                                          elem_id="policies")
-                budget = gr.Slider(4, 128, value=24, step=4, label="Budget: cached tokens each query reads",
+                budget = gr.Slider(4, 128, value=DEFAULT_BUDGET, step=4, label="Budget: cached tokens each query reads",
                                    elem_id="budget")
                 with gr.Accordion("Policy parameters", open=False):
                     sinks = gr.Slider(0, 16, value=4, step=1, label="sinks: attention sinks kept (Window+i)")

@@ -47,6 +47,7 @@ try:  # Triton is a runtime dependency, but keep the torch path importable witho
 except ImportError:  # pragma: no cover
     HAS_TRITON = False
 
+
 @dataclass
 class SparQResult:
     """What one SparQ decode step computed.
@@ -542,8 +543,9 @@ def sparq_attention_triton(q, K, V, v_mean, k, r, l, *, K_t=None, return_scores=
     block_s: positions per program in step 1. select_block: positions per program of the first
         selection pass (default: 16 x (k - l) rounded up to a power of two, within 1024..2048).
     row_chunk: candidates per loop iteration of the second selection pass.
-    Inputs may be float16, bfloat16 or float32 (arithmetic in float32); float64 is not supported.
-    Launches only Triton kernels (no host synchronisation), so a decode step can be graph-captured.
+    Inputs may be float16, bfloat16 or float32; float64 is not supported. Scores, softmaxes and
+    selection run in float32; with 16-bit inputs the two step-2 products use tensor cores (see
+    _sparq_step2_kernel). Launches only Triton kernels (no host synchronisation), so a decode step can be graph-captured.
     """
     if not HAS_TRITON:  # pragma: no cover
         raise RuntimeError("triton is not installed")

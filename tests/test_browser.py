@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-POLICIES = ("sinks", "h2o", "tova")
+POLICIES = ("sinks", "tova", "reattention")
 
 
 def free_port() -> int:
@@ -79,14 +79,14 @@ def test_run_three_policies_and_every_view_renders(page):
 
     titles = " ".join(map(str, plot_titles(page, "heatmap")))
     for name in POLICIES:
-        assert f"{name}:budget=24" in titles
+        assert f"{name}:budget=40" in titles
     summary = page.locator("#summary").inner_text()
-    assert all(f"{name}:budget=24" in summary for name in POLICIES)
+    assert all(f"{name}:budget=40" in summary for name in POLICIES)
 
     page.get_by_role("tab", name="Kept tokens").click()
     kept = page.locator("#kept")
     for name in POLICIES:
-        assert f"{name}:budget=24" in kept.inner_text()
+        assert f"{name}:budget=40" in kept.inner_text()
 
     page.get_by_role("tab", name="A2S vs A2SF").click()
     assert "A2S vs A2SF" in " ".join(map(str, plot_titles(page, "curves")))
@@ -94,7 +94,7 @@ def test_run_three_policies_and_every_view_renders(page):
     page.get_by_role("tab", name="Divergence from Full").click()
     page.wait_for_selector("#divergence .js-plotly-plot")
     continuations = page.locator("#continuations").inner_text()
-    assert all(f"{name}:budget=24" in continuations for name in POLICIES)
+    assert all(f"{name}:budget=40" in continuations for name in POLICIES)
 
     page.get_by_role("tab", name="Retention").click()
     page.wait_for_selector("#retention .js-plotly-plot")

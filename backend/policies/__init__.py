@@ -8,12 +8,13 @@ from .base import EvictionPolicy, FullPolicy, Policy, SelectionPolicy
 from .full import Full
 from .h2o import H2O
 from .oracle import Oracle
+from .reattention import ReAttention
 from .sinks import Sinks
 from .sparq import SparQ
 from .tova import TOVA
 from .window import Window
 
-POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Full, Window, Sinks, H2O, TOVA, A2SF, Oracle, SparQ)}
+POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Full, Window, Sinks, H2O, TOVA, A2SF, Oracle, SparQ, ReAttention)}
 
 
 class SpecError(ValueError):

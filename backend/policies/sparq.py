@@ -58,15 +58,16 @@ class SparQ(AttendingPolicy):
             attend = sparq_attention if keys.is_cuda else sparq_attention_reference
             res = attend(block.q[None, :, i], keys, values, values.mean(2), self.budget, self.r, self.window)
             outs.append(res.out[0])
-            chosen = res.positions[0].numpy()  # [H_kv, k]
+            chosen = res.positions[0].cpu().numpy()  # [H_kv, k]
             np.put_along_axis(reads[:, i], chosen, True, axis=-1)
             exact = torch.softmax(block.q[:, i].double().view(n_kv_heads, group, dim)
                                   @ keys[0].double().transpose(-1, -2) * block.scaling, -1)  # [H_kv, G, t+1]
+            exact = exact.cpu()
             mass = (exact * torch.from_numpy(reads[:, i, : t + 1])[:, None]).numpy()
             attn[:, i, : t + 1] = (mass / mass.sum(-1, keepdims=True)).mean(1)
-            approx = res.scores[0].view(n_kv_heads, group, t + 1).sum(1)
+            approx = res.scores[0].cpu().view(n_kv_heads, group, t + 1).sum(1)
             agreement.append(_topk_agreement(approx, exact.sum(1), min(self.budget, t + 1)))
-            alpha.append(res.alpha[0].float().numpy())
+            alpha.append(res.alpha[0].float().cpu().numpy())
             cost = sparq_transfer_bytes(t + 1, dim, self.budget, self.r, n_kv_heads=n_kv_heads)
             transfer.append(np.array([cost["sparq"], cost["dense"]], np.float64))
         stats = {"alpha": np.stack(alpha), "topk_agreement": np.stack(agreement),
