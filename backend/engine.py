@@ -64,7 +64,7 @@ class RowLayerState:
         weights = None
         if kind == "selection" or policy.uses_attention or self.record:
             # exp(score - row max) once for the block; each step then only masks and normalises.
-            s = scores.double().numpy()
+            s = scores.double().cpu().numpy()  # the policy's per-step decisions run in numpy
             s = np.where(causal[None, None], s, -np.inf)
             weights = np.exp(s - s.max(-1, keepdims=True))
         if kind == "full":
@@ -169,7 +169,8 @@ class PolicyCache(DynamicCache):
             else:
                 reads.append(state.run_block(scores[b], total - n))
         reads = np.stack(reads)
-        bias = torch.zeros(reads.shape, dtype=scores.dtype).masked_fill_(torch.from_numpy(~reads), float("-inf"))
+        bias = torch.zeros(reads.shape, dtype=scores.dtype, device=scores.device).masked_fill_(
+            torch.from_numpy(~reads).to(scores.device), float("-inf"))
         probs = torch.softmax(scores + bias[:, :, None], dim=-1)
         out = torch.matmul(probs, value.unsqueeze(2)).reshape(batch, n_q_heads, n, dim).transpose(1, 2).contiguous()
         for b, own in own_outputs.items():
@@ -199,7 +200,7 @@ class PolicyCache(DynamicCache):
 
     def recorded_keys(self, row: int) -> np.ndarray:
         """Keys after RoPE, float32 [R, H_kv, T, d], for the recorded layers."""
-        return np.stack([self.layers[layer].keys[row].float().numpy() for layer in self.record_layers])
+        return np.stack([self.layers[layer].keys[row].float().cpu().numpy() for layer in self.record_layers])
 
 
 class PreRopeCapture:

@@ -64,7 +64,7 @@ def new_cache(lm: LoadedModel, rows: Sequence[Policy], record_layers: Sequence[i
 
 def _forward(lm: LoadedModel, cache: PolicyCache, ids: torch.Tensor, start: int) -> torch.Tensor:
     """Feed ids [B, n] at positions start..start+n-1; return the last hidden states [B, n, D]."""
-    positions = torch.arange(start, start + ids.shape[1]).expand(ids.shape[0], -1)
+    positions = torch.arange(start, start + ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
     out = lm.model.model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True,
                          kv_lens=cache)
     return out.last_hidden_state
@@ -85,8 +85,8 @@ def score_text(lm: LoadedModel, ids: Sequence[int], policies: Sequence[Policy], 
     rows, index = _rows(policies, reference)
     n = len(ids)
     cache = new_cache(lm, rows, record_layers)
-    batch = torch.tensor(ids, dtype=torch.long).expand(len(rows), -1)
-    targets = torch.tensor(ids[1:], dtype=torch.long)
+    batch = torch.tensor(ids, dtype=torch.long, device=lm.model.device).expand(len(rows), -1)
+    targets = torch.tensor(ids[1:], dtype=torch.long, device=lm.model.device)
     stats = {"logprobs": np.zeros((len(rows), n - 1), np.float32),
              "top1_ids": np.zeros((len(rows), n - 1), np.int32),
              "kl_to_full": np.zeros((len(rows), n - 1), np.float32)}
@@ -99,10 +99,11 @@ def score_text(lm: LoadedModel, ids: Sequence[int], policies: Sequence[Policy], 
                 if hi <= lo:
                     break
                 logp = _log_softmax(lm, hidden[:, sub:sub + hi - lo])
-                stats["logprobs"][:, lo:hi] = logp.gather(-1, targets[lo:hi].expand(len(rows), -1)[..., None])[..., 0]
-                stats["top1_ids"][:, lo:hi] = logp.argmax(-1)
+                picked = logp.gather(-1, targets[lo:hi].expand(len(rows), -1)[..., None])[..., 0]
                 full = logp[0:1]
-                stats["kl_to_full"][:, lo:hi] = (full.exp() * (full - logp)).sum(-1)
+                stats["logprobs"][:, lo:hi] = picked.cpu().numpy()
+                stats["top1_ids"][:, lo:hi] = logp.argmax(-1).cpu().numpy()
+                stats["kl_to_full"][:, lo:hi] = (full.exp() * (full - logp)).sum(-1).cpu().numpy()
             if progress:
                 progress(min(start + chunk, n) / n, "scoring")
     return cache, stats, index
@@ -115,7 +116,7 @@ def generate(lm: LoadedModel, prompt_ids: Sequence[int], policies: Sequence[Poli
     rows, index = _rows(policies, reference)
     cache = new_cache(lm, rows, record_layers)
     eos = lm.tokenizer.eos_token_id
-    batch = torch.tensor(prompt_ids, dtype=torch.long).expand(len(rows), -1)
+    batch = torch.tensor(prompt_ids, dtype=torch.long, device=lm.model.device).expand(len(rows), -1)
     outputs: list[list[int]] = [[] for _ in rows]
     done = np.zeros(len(rows), bool)
     with torch.inference_mode(), cache.capture_prerope(lm.model):
@@ -150,7 +151,7 @@ def _recorded(lm: LoadedModel, cache: PolicyCache, row: int, length: int) -> dic
     rope = lm.model.model.rotary_emb
     return {"attention": cache.recorded_attention(row)[..., :length, :length].astype(np.float16),
             "keys": cache.recorded_keys(row)[:, :, :length].astype(np.float16),
-            "rope_inv_freq": rope.inv_freq.float().numpy().astype(np.float32)}
+            "rope_inv_freq": rope.inv_freq.float().cpu().numpy().astype(np.float32)}
 
 
 def _meta(lm: LoadedModel, spec: str, policy: Policy, mode: str, tokens: Sequence[int], n_prompt: int,

@@ -62,7 +62,7 @@ class ReAttention(AttendingPolicy):
         n_q_heads, n, dim = block.q.shape
         n_kv_heads, total, _ = block.k.shape
         group = n_q_heads // n_kv_heads
-        out = torch.empty(n, n_q_heads, dim, dtype=block.q.dtype)
+        out = torch.empty(n, n_q_heads, dim, dtype=block.q.dtype, device=block.q.device)
         reads = np.zeros((n_kv_heads, n, total), bool)
         attn = np.zeros((n_kv_heads, n, total), np.float32)
         for s, e in self.chunks(block.first, n):
@@ -76,17 +76,17 @@ class ReAttention(AttendingPolicy):
             for h in range(n_kv_heads):
                 middle = torch.arange(lo, hi) if chosen is None else chosen.row(0, h).cpu()
                 kept = torch.cat([torch.arange(lo), middle, torch.arange(hi, e)])  # original positions
-                at = torch.arange(len(kept))  # Eq. 3: renumbered 0..L-1
+                at = torch.arange(len(kept), device=block.q.device)  # Eq. 3: renumbered 0..L-1
                 keys = block.rope(block.k_pre[h, kept][None], at)[0]
                 positions = torch.arange(s, e)
-                own = len(kept) - (e - positions)  # each query's own key sits in the local tail
+                own = (len(kept) - (e - positions)).to(block.q.device)  # each query's own key: the local tail
                 q = block.rope(block.q_pre[h * group:(h + 1) * group, s - block.first: e - block.first], own)
                 visible = kept[None, :] <= positions[:, None]  # causal within the chunk
-                scores = (q @ keys.T * block.scaling).masked_fill(~visible, float("-inf"))
+                scores = (q @ keys.T * block.scaling).masked_fill(~visible.to(q.device), float("-inf"))
                 weights = torch.softmax(scores, dim=-1)  # [G, n_c, L]
                 rows = slice(s - block.first, e - block.first)
                 out[rows, h * group:(h + 1) * group] = (weights @ block.v[h, kept]).transpose(0, 1)
                 cells = np.ix_(np.arange(s - block.first, e - block.first), kept.numpy())
                 reads[h][cells] = visible.numpy()
-                attn[h][cells] = weights.mean(0).float().numpy()
+                attn[h][cells] = weights.mean(0).float().cpu().numpy()
         return state, BlockResult(out=out, reads=reads, attn=attn)
