@@ -16,7 +16,9 @@ import pandas as pd
 from . import metrics
 from .models import DEFAULT_MODEL, ModelError, load_model
 from .policies import SpecError, parse_spec
-from .runner import Progress, run
+from .runner import Progress
+from .service import run_policies
+from .store import TraceStore
 
 DEFAULT_POLICIES = "window,sinks,h2o,tova"
 DEFAULT_BUDGETS = "16,32,64,128"
@@ -60,13 +62,16 @@ def parse_budgets(text: str) -> list[int]:
 
 
 def sweep(lm, text_ids: Sequence[int], policy_names: Sequence[str], budgets: Sequence[int],
-          progress: Progress | None = None, max_rows: int = MAX_ROWS) -> pd.DataFrame:
+          progress: Progress | None = None, max_rows: int = MAX_ROWS, store: TraceStore | None = None
+          ) -> pd.DataFrame:
     """Perplexity (and KL to Full, top-1 agreement) of every policy at every budget on ``text_ids``.
 
     ``policy_names`` are registry names, optionally with parameters other than the budget
     (``tova:heads=head``); ``full`` among them is ignored, Full is always the topline row
     (``policy="full"``, ``budget`` empty). Rows come in the order policies x budgets. Raises SpecError
     for a bad policy or a policy/budget pair its parameters do not allow (before running anything).
+    With a ``store`` every trace is stored (and replayed when present), so the app's budget slider and a
+    second sweep only replay.
     """
     ids = [int(i) for i in text_ids]
     if len(ids) < 2:
@@ -96,8 +101,9 @@ def sweep(lm, text_ids: Sequence[int], policy_names: Sequence[str], budgets: Seq
                 if progress:
                     progress(bar.n / total, f"sweep {number + 1}/{len(batches)}: {what}")
 
-            traces, full = run(lm, [jobs[i][2] for i in batch], [policies[i] for i in batch], ids, "prompt",
-                               progress=report, record_layers=())
+            result = run_policies(lm, [jobs[i][2] for i in batch], [policies[i] for i in batch], ids, "prompt",
+                                  store=store, progress=report, record_layers=())
+            traces, full = result.traces, result.full
             if full_row is None:
                 full_row = {"policy": "full", "budget": None, "spec": "full", **metrics.summary_row(full, full),
                             "tokens": len(ids)}
@@ -113,30 +119,6 @@ def sweep(lm, text_ids: Sequence[int], policy_names: Sequence[str], budgets: Seq
     return frame
 
 
-def sweep_figure(df: pd.DataFrame):
-    """Plotly figure: perplexity vs budget (log2-spaced x ticks at the budgets), a line per policy, Full
-    as a dashed horizontal line."""
-    import plotly.graph_objects as go
-
-    fig = go.Figure()
-    curves = df[df["policy"] != "full"]
-    for name, part in curves.groupby("policy", sort=False):
-        part = part.sort_values("budget")
-        fig.add_trace(go.Scatter(x=part["budget"].astype(float), y=part["ppl"], mode="lines+markers", name=name,
-                                 hovertemplate="%{fullData.name} budget %{x}: ppl %{y:.3f}<extra></extra>"))
-    full = df[df["policy"] == "full"]
-    if len(full):
-        fig.add_hline(y=float(full["ppl"].iloc[0]), line_dash="dash", line_color="black",
-                      annotation_text=f"Full {float(full['ppl'].iloc[0]):.2f}", annotation_position="bottom right")
-    budgets = sorted(int(b) for b in curves["budget"].dropna().unique())
-    tokens = int(df["tokens"].iloc[0]) if len(df) else 0
-    fig.update_layout(title=f"Perplexity vs budget ({tokens} tokens)", template="plotly_white",
-                      xaxis={"type": "log", "title": "budget (tokens each query reads, log2 scale)",
-                             "tickvals": budgets, "ticktext": [str(b) for b in budgets]},
-                      yaxis={"type": "log", "title": "perplexity (log scale)"})
-    return fig
-
-
 def write_sweep(df: pd.DataFrame, out_dir) -> dict[str, Path]:
     """Write ``sweep.csv``, ``sweep.json`` (one record per row) and ``sweep.html`` (plotly, works offline)."""
     out = Path(out_dir)
@@ -144,6 +126,8 @@ def write_sweep(df: pd.DataFrame, out_dir) -> dict[str, Path]:
     paths = {"csv": out / "sweep.csv", "json": out / "sweep.json", "html": out / "sweep.html"}
     df.to_csv(paths["csv"], index=False)
     df.to_json(paths["json"], orient="records", indent=1)
+    from viz.sweep import sweep_figure  # plotting lives in viz/
+
     sweep_figure(df).write_html(paths["html"], include_plotlyjs=True, full_html=True)
     return paths
 
@@ -176,7 +160,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     except ModelError as err:
         raise CliError(str(err)) from None
     ids = encode(lm, text, "prompt", False, args.max_tokens)
-    df = sweep(lm, ids, names, budgets, max_rows=args.max_rows)
+    try:
+        store = None if args.no_cache else TraceStore()
+    except ValueError as err:
+        raise CliError(str(err)) from None
+    df = sweep(lm, ids, names, budgets, max_rows=args.max_rows, store=store)
     paths = write_sweep(df, args.out)
     with pd.option_context("display.width", 200, "display.max_rows", 500):
         print(df.drop(columns=["tokens"]).to_string(index=False, float_format=lambda v: f"{v:.3f}"))
@@ -202,5 +190,6 @@ def add_sweep_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"one of: {', '.join(ALLOWED_MODELS)}")
     p.add_argument("--max-rows", type=int, default=MAX_ROWS,
                    help=f"policy/budget pairs per batched forward (default {MAX_ROWS}; lower it to save memory)")
+    p.add_argument("--no-cache", action="store_true", help="recompute even if the trace store holds these runs")
     p.set_defaults(func=cmd_sweep)
     return p

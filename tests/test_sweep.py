@@ -13,6 +13,7 @@ from backend.policies import SpecError, parse_spec
 from backend.runner import run
 from backend.sweep import add_sweep_parser, budget_spec, parse_budgets, split_policies, sweep, write_sweep
 from tests.conftest import TinyTokenizer, make_tiny
+from viz.sweep import sweep_figure
 
 IDS = torch.randint(0, 101, (24,), generator=torch.Generator().manual_seed(3)).tolist()
 
@@ -95,7 +96,7 @@ def test_write_sweep_writes_csv_json_and_a_plot(table, tmp_path):
     assert records[0] == {**records[0], "policy": "window", "budget": 6}
     html = paths["html"].read_text()
     assert "plotly" in html.lower() and '"name":"tova"' in html and "Full " in html
-    fig = sweep_module.sweep_figure(table)
+    fig = sweep_figure(table)
     assert [t.name for t in fig.data] == ["window", "sinks:sinks=2", "tova"]
     assert fig.layout.xaxis.type == "log" and list(fig.layout.xaxis.tickvals) == [6, 12, 64]
 

@@ -22,7 +22,7 @@ from .divergence import divergence_figure, summary_table as summary_frame
 from .heatmap import attention_zmax, mask_heatmaps
 from .highlight import continuations_html, first_divergence, kept_tokens_html
 from .retention import lifetime_by_position_figure, pos_table
-from .style import finish
+from .sweep import sweep_figure as sweep_plot
 from .tsne import tsne_figure
 
 SWEEP_BUDGETS = (8, 16, 24, 32, 48, 64, 96, 128)
@@ -194,20 +194,9 @@ def share_markdown(run) -> str:
 
 
 def sweep_figure(run) -> go.Figure:
-    """Perplexity against budget, one line per policy (parameters other than budget kept apart)."""
-    lines: dict[str, list[tuple[int, float]]] = {}
-    for trace in run.traces:
-        params = {k: v for k, v in trace.meta["params"].items() if k != "budget"}
-        name = trace.meta["policy"] + "".join(f",{k}={v}" for k, v in params.items())
-        if _budget(trace):
-            lines.setdefault(name, []).append((_budget(trace), metrics.perplexity(trace)))
-    colors = policy_colors(list(lines))
-    fig = go.Figure()
-    for name, points in lines.items():
-        points.sort()
-        fig.add_scatter(x=[b for b, _ in points], y=[p for _, p in points], name=name, mode="lines+markers",
-                        line={"color": colors[name]})
-    fig.add_hline(y=metrics.perplexity(run.full), line_dash="dash", annotation_text="Full")
-    fig.update_xaxes(type="log", title="budget (cached tokens per query)", tickvals=list(SWEEP_BUDGETS))
-    fig.update_yaxes(title="perplexity of the scored tokens")
-    return finish(fig, "Perplexity vs budget (TOVA Fig. 3)")
+    """Perplexity against budget for a run that holds each policy at several budgets."""
+    rows = [{"policy": t.meta["policy"] + "".join(f",{k}={v}" for k, v in t.meta["params"].items() if k != "budget"),
+             "budget": _budget(t), "ppl": metrics.perplexity(t), "tokens": len(t.scored_ids)}
+            for t in run.traces if _budget(t)]
+    rows.append({"policy": "full", "budget": None, "ppl": metrics.perplexity(run.full), "tokens": len(run.full.scored_ids)})
+    return sweep_plot(pd.DataFrame(rows))
