@@ -149,7 +149,7 @@ def build() -> gr.Blocks:
                     head = gr.Dropdown(panels.head_choices(), value="all", label="KV head", elem_id="head")
                     step = gr.Slider(0, 64, value=64, step=1, label="Step (for kept tokens and score curves)")
                 with gr.Tabs():
-                    with gr.Tab("Attention masks"):
+                    with gr.Tab("Masks"):
                         gr.Markdown(NOTES["masks"])
                         heatmap = gr.Plot(elem_id="heatmap")
                     with gr.Tab("Kept tokens"):
@@ -159,13 +159,13 @@ def build() -> gr.Blocks:
                         gr.Markdown(NOTES["curves"])
                         curve_alpha = gr.Slider(0.0, 1.0, value=0.3, step=0.05, label="alpha for A2SF")
                         curves = gr.Plot(elem_id="curves")
-                    with gr.Tab("K cache t-SNE"):
+                    with gr.Tab("K-cache t-SNE"):
                         gr.Markdown(NOTES["tsne"])
                         with gr.Row():
                             tsne_policy = gr.Dropdown(POLICY_CHOICES, value="tova", label="Policy")
                             tsne_button = gr.Button("Compute t-SNE")
                         tsne_plot = gr.Plot(elem_id="tsne")
-                    with gr.Tab("Divergence from Full"):
+                    with gr.Tab("Divergence"):
                         gr.Markdown(NOTES["divergence"])
                         divergence_plot = gr.Plot(elem_id="divergence")
                         continuations = gr.HTML(elem_id="continuations")
@@ -173,12 +173,12 @@ def build() -> gr.Blocks:
                         gr.Markdown(NOTES["retention"])
                         retention_plot = gr.Plot(elem_id="retention")
                         pos_table = gr.Dataframe(label="Mean lifetime by part of speech", interactive=False)
-                    with gr.Tab("Budget sweep"):
+                    with gr.Tab("Sweep"):
                         gr.Markdown(NOTES["sweep"])
                         sweep_button = gr.Button("Compute every budget")
                         sweep_status = gr.Markdown()
                         sweep_plot = gr.Plot(elem_id="sweep")
-                    with gr.Tab("Share and export"):
+                    with gr.Tab("Share"):
                         share = gr.Markdown(elem_id="share")
                         export_button = gr.Button("Download traces (zip of npz + json)")
                         export_file = gr.File(label="Traces")

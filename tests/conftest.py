@@ -13,9 +13,13 @@ from backend.models import LoadedModel
 
 
 class TinyTokenizer:
-    """Just enough tokenizer for the runner: one text piece per id, no EOS."""
+    """Just enough tokenizer for the runner and the app: one character per id, no EOS, no chat template."""
 
     eos_token_id = None
+    chat_template = None
+
+    def __call__(self, text):
+        return SimpleNamespace(input_ids=[ord(c) % 101 for c in text])
 
     def decode(self, ids):
         return "".join(f"<{i}>" for i in ids)

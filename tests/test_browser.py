@@ -91,7 +91,7 @@ def test_run_three_policies_and_every_view_renders(page):
     page.get_by_role("tab", name="A2S vs A2SF").click()
     assert "A2S vs A2SF" in " ".join(map(str, plot_titles(page, "curves")))
 
-    page.get_by_role("tab", name="Divergence from Full").click()
+    page.get_by_role("tab", name="Divergence").click()
     page.wait_for_selector("#divergence .js-plotly-plot")
     continuations = page.locator("#continuations").inner_text()
     assert all(f"{name}:budget=40" in continuations for name in POLICIES)
@@ -99,8 +99,26 @@ def test_run_three_policies_and_every_view_renders(page):
     page.get_by_role("tab", name="Retention").click()
     page.wait_for_selector("#retention .js-plotly-plot")
 
-    page.get_by_role("tab", name="Attention masks").click()
+    page.get_by_role("tab", name="K-cache t-SNE").click()
+    page.get_by_role("button", name="Compute t-SNE").click()
+    page.wait_for_selector("#tsne .js-plotly-plot", timeout=120_000)
+    assert "keys of layer" in " ".join(map(str, plot_titles(page, "tsne")))
+
+    page.get_by_role("tab", name="Masks").click()
+    page.evaluate("window.scrollTo(0, 0)")
     page.screenshot(path=str(ROOT / "docs" / "screenshot.png"), full_page=False)
+
+
+def test_deep_link_reopens_the_run_from_the_store(page, app_url):
+    page.get_by_role("tab", name="Share").click()
+    share = page.locator("#share").inner_text()
+    run_id = share.split("Run id:")[1].strip().split()[0]
+    other = page.context.browser.new_page()
+    other.goto(f"{app_url}?run={run_id}")
+    other.wait_for_selector("#heatmap .js-plotly-plot", timeout=60_000)
+    assert "shared run" in other.locator("#status").inner_text()
+    assert "reattention:budget=40" in other.locator("#summary").inner_text()
+    other.close()
 
 
 def test_switching_layer_and_budget_rerenders(page):

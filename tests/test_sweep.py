@@ -160,3 +160,17 @@ def test_sweep_command_writes_the_files(text_file, tmp_path, monkeypatch, capsys
     csv = pd.read_csv(tmp_path / "o" / "sweep.csv")
     assert csv["policy"].tolist() == ["window", "window", "tova:heads=head", "tova:heads=head", "full"]
     assert (csv["tokens"] == 30).all()
+
+
+def test_sweep_stores_every_budget_so_the_app_replays(tmp_path):
+    from backend.policies import parse_spec
+    from backend.service import run_policies
+    from backend.store import TraceStore
+
+    lm = make_tiny()
+    ids = list(range(3, 40))
+    store = TraceStore(tmp_path / "store")
+    sweep_module.sweep(lm, ids, ["tova", "window"], [4, 8], store=store)
+    specs = ["tova:budget=4", "tova:budget=8", "window:budget=4", "window:budget=8"]
+    result = run_policies(lm, specs, [parse_spec(s) for s in specs], ids, "prompt", store=store, record_layers=())
+    assert result.replayed == [True] * 4

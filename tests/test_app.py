@@ -1,0 +1,92 @@
+"""The app's helpers without a browser: controls -> specs, requests, run ids, deep links, export."""
+import io
+import json
+import zipfile
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import app
+from backend import session
+from backend.models import DEFAULT_MODEL
+from backend.policies import parse_spec
+from backend.session import RequestError, RunRequest
+from backend.store import TraceStore
+
+
+@pytest.fixture
+def tiny_session(tiny, tmp_path, monkeypatch):
+    """The app's session with the tiny model standing in for the default one, and a private store."""
+    monkeypatch.setitem(session._models, DEFAULT_MODEL, tiny)
+    store = TraceStore(tmp_path / "store")
+    monkeypatch.setattr(app, "STORE", store)
+    return store
+
+
+def test_controls_become_specs_every_policy_accepts():
+    specs = app.specs_from_controls(app.POLICY_CHOICES, 40, 4, 0.3, "paper default", "tova:budget=8,heads=head\n")
+    assert specs[:3] == ["full", "window:budget=40", "sinks:budget=40,sinks=4"]
+    assert "a2sf:budget=40,alpha=0.3" in specs and specs[-1] == "tova:budget=8,heads=head"
+    for budget in (4, 8, 12, 40, 128):
+        for spec in app.specs_from_controls(app.POLICY_CHOICES, budget, 8, 0.1, "head", ""):
+            parse_spec(spec)  # small budgets shrink sinks and ReAttention's parts instead of failing
+    assert "tova:budget=40,heads=layer" in app.specs_from_controls(["tova"], 40, 4, 0.1, "layer", "")
+
+
+@pytest.mark.parametrize("request_, message", [
+    (RunRequest(prompt="  ", specs=["tova"]), "Type a prompt"),
+    (RunRequest(prompt="hi", specs=[]), "Pick at least one policy"),
+    (RunRequest(prompt="hi", specs=["tova"] * 9), "At most 8 policies"),
+    (RunRequest(prompt="hi", specs=["tova:budget=0"]), "budget must be an integer >= 1"),
+    (RunRequest(prompt="hi", specs=["lru"]), "unknown policy"),
+    (RunRequest(prompt="hi", specs=["tova"], max_new_tokens=0), "Max new tokens"),
+    (RunRequest(prompt="hi", specs=["tova"], model="../../etc/passwd"), "unknown model"),
+])
+def test_bad_requests_are_messages_not_tracebacks(tmp_path, request_, message):
+    with pytest.raises(RequestError, match=message):
+        session.execute(request_, TraceStore(tmp_path))
+
+
+def test_run_reopens_from_its_id_and_exports(tiny_session):
+    request = RunRequest(prompt="the cat sat on the mat, the dog sat on the log", specs=["tova:budget=6", "h2o:budget=6"],
+                         mode="generate", max_new_tokens=5)
+    run = session.execute(request, tiny_session)
+    again = session.reopen(run.run_id, tiny_session)
+    assert [t.spec for t in again.traces] == ["tova:budget=6", "h2o:budget=6"]
+    np.testing.assert_array_equal(again.traces[0].evicted_at, run.traces[0].evicted_at)
+    with zipfile.ZipFile(io.BytesIO(session.export_zip(again))) as z:
+        names = z.namelist()
+        assert "run.json" in names and "00-tova-budget-6.npz" in names and "02-full.json" in names
+        with np.load(io.BytesIO(z.read("00-tova-budget-6.npz")), allow_pickle=False) as npz:
+            assert npz["evicted_at"].shape == run.traces[0].evicted_at.shape
+        assert json.loads(z.read("01-h2o-budget-6.json"))["policy"] == "h2o"
+
+
+@pytest.mark.parametrize("run_id, message", [("../../etc/passwd", "does not name a run"), ("0" * 64, "no longer stored")])
+def test_deep_links_to_nothing_say_so(tiny_session, run_id, message):
+    with pytest.raises(RequestError, match=message):
+        session.reopen(run_id, tiny_session)
+    returned_id, status = app.on_load(SimpleNamespace(query_params={"run": run_id}))
+    assert returned_id is None and message in status
+
+
+def test_deep_link_and_views_render_a_stored_run(tiny_session):
+    run = session.execute(RunRequest(prompt="one two three four five six seven eight nine ten",
+                                     specs=["tova:budget=6", "oracle:budget=6", "sparq:budget=6"], mode="prompt"),
+                          tiny_session)
+    app.panels._runs.clear()
+    run_id, status = app.on_load(SimpleNamespace(query_params={"run": run.run_id}))
+    assert run_id == run.run_id and "shared run" in status
+    summary, divergence, continuations, retention, pos_table, share = app.render_run(run_id)
+    assert list(summary["Policy"]) == ["tova:budget=6", "oracle:budget=6", "sparq:budget=6"]
+    assert run.run_id in share and "no continuations" in continuations
+    heatmap, kept, curves = app.render_views(run_id, "1", "0", 30, 0.3)
+    assert len(heatmap.data) == 3 and kept.count("at step 30") == 3 and curves.data
+    assert app.on_tsne(run_id, "tova", "1", "0").data
+
+
+def test_too_long_prompt_is_refused(tiny_session, monkeypatch):
+    monkeypatch.setattr(session, "MAX_PROMPT_TOKENS", 10)
+    with pytest.raises(RequestError, match="limit here is 10"):
+        session.execute(RunRequest(prompt="x" * 11, specs=["tova"], mode="prompt"), tiny_session)
