@@ -94,11 +94,13 @@ def on_tsne(run_id, policy, layer, head):
     return panels.tsne(load_run(run_id), policy, layer, head)
 
 
-def on_export(run_id):
+def on_export(run_id, layer, head, step, alpha):
     if not run_id:
         raise gr.Error("Run something first.", print_exception=False)
+    run = load_run(run_id)
+    figures = panels.figures_html(run, layer, head, panels.clamp_step(run, step), alpha)
     path = Path(tempfile.mkdtemp(prefix="kvlens-")) / f"kvlens-{run_id[:12]}.zip"
-    path.write_bytes(session.export_zip(load_run(run_id)))
+    path.write_bytes(session.export_zip(run, {"figures.html": figures}))
     return str(path)
 
 
@@ -180,7 +182,10 @@ def build() -> gr.Blocks:
                         sweep_plot = gr.Plot(elem_id="sweep")
                     with gr.Tab("Share"):
                         share = gr.Markdown(elem_id="share")
-                        export_button = gr.Button("Download traces (zip of npz + json)")
+                        gr.Markdown("The zip holds every trace (npz arrays + json metadata, as `docs/trace-format.md` "
+                                    "describes) and `figures.html` with the current views; each plot's camera "
+                                    "button saves a PNG.")
+                        export_button = gr.Button("Download traces and figures (zip)")
                         export_file = gr.File(label="Traces")
 
         run_views = [summary, divergence_plot, continuations, retention_plot, pos_table, share]
@@ -197,7 +202,7 @@ def build() -> gr.Blocks:
         tsne_button.click(on_tsne, [run_id, tsne_policy, layer, head], tsne_plot)
         sweep_button.click(on_sweep, [prompt, mode, max_new, names, sinks, alpha, heads, custom, model],
                            [sweep_plot, sweep_status], concurrency_id="model")
-        export_button.click(on_export, run_id, export_file)
+        export_button.click(on_export, selectors, export_file)
         demo.load(on_load, None, [run_id, status]).then(render_run, run_id, run_views).then(
             render_views, selectors, views)
     return demo

@@ -133,10 +133,12 @@ def reopen(run_id: str, store: TraceStore) -> Run:
     return Run(run_id=run_id, request=RunRequest(**manifest["request"]), result=result)
 
 
-def export_zip(run: Run) -> bytes:
-    """Every trace of the run (npz + json) and a manifest, as one zip."""
+def export_zip(run: Run, extra_files: dict[str, str | bytes] | None = None) -> bytes:
+    """Every trace of the run (npz + json), a manifest and any ``extra_files`` (e.g. figures), as one zip."""
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+        for name, content in (extra_files or {}).items():
+            z.writestr(name, content)
         z.writestr("run.json", json.dumps({"run_id": run.run_id, "request": run.request.__dict__}, indent=1))
         for index, trace in enumerate([*run.traces, run.full]):
             stem = file_stem(index, trace.spec)

@@ -84,6 +84,10 @@ def test_deep_link_and_views_render_a_stored_run(tiny_session):
     heatmap, kept, curves = app.render_views(run_id, "1", "0", 30, 0.3)
     assert len(heatmap.data) == 3 and kept.count("at step 30") == 3 and curves.data
     assert app.on_tsne(run_id, "tova", "1", "0").data
+    assert list(summary.columns[-2:]) == ["Token 0 kept", "Non-recent share"]
+    with zipfile.ZipFile(app.on_export(run_id, "all", "all", 5, 0.3)) as z:
+        figures = z.read("figures.html").decode()
+        assert figures.count("plotly-graph-div") >= 4 and "tova:budget=6" in figures
 
 
 def test_too_long_prompt_is_refused(tiny_session, monkeypatch):

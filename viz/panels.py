@@ -91,15 +91,25 @@ def _nearest_recorded(trace: Trace, layer: str) -> int:
 
 
 def summary_table(run) -> pd.DataFrame:
+    """Per policy: perplexity, KL and top-1 agreement vs Full, similarity to the oracle's masks (when an
+    oracle ran on the same tokens), how long token 0 stayed (TOVA Fig. 8) and the non-recent share of
+    what was read (TOVA Sec. 6.1)."""
     oracle = next((t for t in run.traces if t.meta["policy"] == "oracle"), None)
-    rows = []
+    rows, first_token, non_recent = [], [], []
     for trace in run.traces:
         row = {"policy": trace.spec, **metrics.summary_row(trace, run.full)}
-        if oracle is not None and np.array_equal(trace.tokens, oracle.tokens) and _budget(trace):
+        budget = _budget(trace)
+        if oracle is not None and np.array_equal(trace.tokens, oracle.tokens) and budget:
             row["oracle_similarity"] = metrics.mask_similarity(trace, oracle, from_step=min(
-                _budget(trace), len(trace.tokens) - 1))["overall"]
+                budget, len(trace.tokens) - 1))["overall"]
         rows.append(row)
-    return summary_frame(rows)
+        first_token.append(f"{metrics.first_token_retention(trace)[:, 0].mean():.0%}")
+        share = metrics.non_recent_share(trace)["overall"] if budget and len(trace.tokens) > budget else None
+        non_recent.append("—" if share is None else f"{share:.0%}")
+    frame = summary_frame(rows)
+    frame["Token 0 kept"] = first_token
+    frame["Non-recent share"] = non_recent
+    return frame
 
 
 def heatmaps(run, layer: str, head: str) -> go.Figure:
@@ -185,6 +195,16 @@ def retention(run) -> tuple[go.Figure, pd.DataFrame]:
         return figure, pd.DataFrame({"note": [str(err)]})
     return figure, pos_table(pd.DataFrame(columns)).rename(columns=lambda c: c if c in ("tag", "pos") else
                                                           f"{c} (mean steps kept)")
+
+
+def figures_html(run, layer: str, head: str, step: int, alpha: float) -> str:
+    """Every figure of the run for the given selectors, in one offline HTML page (plotly.js inlined once)."""
+    figures = [heatmaps(run, layer, head), score_curves(run, layer, head, alpha, step), divergence(run)[0],
+               retention(run)[0]]
+    parts = [fig.to_html(full_html=False, include_plotlyjs=(i == 0)) for i, fig in enumerate(figures)]
+    title = html.escape(f"KV Lens run {run.run_id[:12]}: {', '.join(t.spec for t in run.traces)}")
+    return f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title></head><body><h2>{title}</h2>" + \
+        "".join(parts) + "</body></html>"
 
 
 def share_markdown(run) -> str:
