@@ -42,7 +42,10 @@ def specs_from_controls(names, budget, sinks, alpha, heads, custom):
 
 
 def load_run(run_id):
-    return panels.cached_run(run_id, lambda: session.reopen(run_id, STORE))
+    try:
+        return panels.cached_run(run_id, lambda: session.reopen(run_id, STORE))
+    except RequestError as err:  # e.g. the run was evicted from the store since
+        raise gr.Error(str(err), print_exception=False) from None
 
 
 def render_run(run_id):
@@ -82,7 +85,8 @@ def on_sweep(prompt, mode, max_new, names, sinks, alpha, heads, custom, model, p
              for spec in specs_from_controls(names, budget, sinks, alpha, heads, "")]
     request = session.RunRequest(prompt=prompt, specs=specs, mode=mode, max_new_tokens=int(max_new), model=model)
     try:
-        run = session.execute(request, STORE, lambda frac, what: progress(frac, desc=what))
+        run = session.execute(request, STORE, lambda frac, what: progress(frac, desc=what),
+                              max_policies=session.MAX_POLICIES * len(panels.SWEEP_BUDGETS))
     except RequestError as err:
         raise gr.Error(str(err), print_exception=False) from None
     return panels.sweep_figure(run), "Budgets stored: moving the budget slider now replays them instantly."
@@ -91,7 +95,10 @@ def on_sweep(prompt, mode, max_new, names, sinks, alpha, heads, custom, model, p
 def on_tsne(run_id, policy, layer, head):
     if not run_id:
         raise gr.Error("Run something first.", print_exception=False)
-    return panels.tsne(load_run(run_id), policy, layer, head)
+    try:
+        return panels.tsne(load_run(run_id), policy, layer, head)
+    except ValueError as err:  # e.g. that policy is not part of this run
+        raise gr.Error(str(err), print_exception=False) from None
 
 
 def on_export(run_id, layer, head, step, alpha):

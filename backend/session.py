@@ -72,7 +72,7 @@ class Run:
         return self.result.full
 
 
-def validate(request: RunRequest) -> list:
+def validate(request: RunRequest, max_policies: int = MAX_POLICIES) -> list:
     """Parsed policies, or RequestError with a message for the user."""
     if not request.prompt or not request.prompt.strip():
         raise RequestError("Type a prompt (or pick an example) first.")
@@ -83,16 +83,18 @@ def validate(request: RunRequest) -> list:
     specs = [s.strip() for s in request.specs if s and s.strip()]
     if not specs:
         raise RequestError("Pick at least one policy.")
-    if len(specs) > MAX_POLICIES:
-        raise RequestError(f"At most {MAX_POLICIES} policies side by side, got {len(specs)}.")
+    if len(specs) > max_policies:
+        raise RequestError(f"At most {max_policies} policies side by side, got {len(specs)}.")
     try:
         return [parse_spec(s) for s in specs]
     except SpecError as err:
         raise RequestError(f"Policy: {err}") from None
 
 
-def execute(request: RunRequest, store: TraceStore, progress: Progress | None = None) -> Run:
-    policies = validate(request)
+def execute(request: RunRequest, store: TraceStore, progress: Progress | None = None,
+            max_policies: int = MAX_POLICIES) -> Run:
+    """Run (or replay) a request through the store and remember it under a run id."""
+    policies = validate(request, max_policies)
     request.specs = [s.strip() for s in request.specs if s and s.strip()]
     lm = get_model(request.model)
     ids = lm.encode(request.prompt, chat=request.chat and request.mode == "generate")

@@ -94,3 +94,13 @@ def test_too_long_prompt_is_refused(tiny_session, monkeypatch):
     monkeypatch.setattr(session, "MAX_PROMPT_TOKENS", 10)
     with pytest.raises(RequestError, match="limit here is 10"):
         session.execute(RunRequest(prompt="x" * 11, specs=["tova"], mode="prompt"), tiny_session)
+
+
+def test_budget_sweep_stores_every_budget_and_the_slider_replays(tiny_session):
+    prompt = "the quick brown fox jumps over the lazy dog and runs away"
+    figure, message = app.on_sweep(prompt, "prompt", 8, ["tova", "sinks", "reattention"], 4, 0.1, "paper default", "",
+                                   DEFAULT_MODEL, progress=lambda *a, **k: None)
+    assert len(figure.data) == 3 and "replays" in message
+    run_id, status, _ = app.on_run(prompt, "prompt", 8, ["tova", "sinks", "reattention"], 16, 4, 0.1, "paper default",
+                                   "", DEFAULT_MODEL, progress=lambda *a, **k: None)
+    assert "replayed from the store" in status

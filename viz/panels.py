@@ -214,9 +214,16 @@ def share_markdown(run) -> str:
 
 
 def sweep_figure(run) -> go.Figure:
-    """Perplexity against budget for a run that holds each policy at several budgets."""
-    rows = [{"policy": t.meta["policy"] + "".join(f",{k}={v}" for k, v in t.meta["params"].items() if k != "budget"),
-             "budget": _budget(t), "ppl": metrics.perplexity(t), "tokens": len(t.scored_ids)}
-            for t in run.traces if _budget(t)]
+    """Perplexity against budget for a run that holds each policy at several budgets. A line per policy
+    name (its other parameters may follow the budget, as the app scales sinks and ReAttention's parts);
+    variants of one policy at the same budget get a line each."""
+    swept = [t for t in run.traces if _budget(t)]
+    labels = [t.meta["policy"] for t in swept]
+    pairs = [(label, _budget(t)) for label, t in zip(labels, swept)]
+    if len(set(pairs)) < len(pairs):
+        labels = [t.meta["policy"] + "".join(f",{k}={v}" for k, v in t.meta["params"].items() if k != "budget")
+                  for t in swept]
+    rows = [{"policy": label, "budget": _budget(t), "ppl": metrics.perplexity(t), "tokens": len(t.scored_ids)}
+            for label, t in zip(labels, swept)]
     rows.append({"policy": "full", "budget": None, "ppl": metrics.perplexity(run.full), "tokens": len(run.full.scored_ids)})
     return sweep_plot(pd.DataFrame(rows))
