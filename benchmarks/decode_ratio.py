@@ -21,6 +21,7 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--budget", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--policies", default="full,window,sinks,h2o,tova,a2sf,oracle", help="comma-separated")
     args = parser.parse_args()
     lm = model()
     ids = lm.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
@@ -30,7 +31,7 @@ def main() -> None:
     plain = best_of(lambda: lm.model.generate(x, max_new_tokens=args.new, do_sample=False), args.repeat)
     print(f"prompt {len(ids)} tokens; plain generate(): {produced} new tokens in {plain:.3f} s")
     print("| policy | instrumented (s) | new tokens | ratio to generate() |\n|---|---|---|---|")
-    for name in ("full", "window", "sinks", "h2o", "tova", "a2sf", "oracle"):
+    for name in args.policies.split(","):
         policy = parse_spec(name if name == "full" else f"{name}:budget={args.budget}")
         out = []
         t = best_of(lambda: out.append(generate(lm, ids, [policy], args.new, reference=False)[1][0]), args.repeat)
