@@ -191,6 +191,7 @@ def retention(run) -> tuple[go.Figure, pd.DataFrame]:
         return figure, pd.DataFrame({"note": ["Pick an eviction policy to see which parts of speech it keeps."]})
     try:
         columns = {t.spec: pos.pos_lifetimes(t).set_index("tag")["mean_lifetime"] for t in evicting}
+        columns = {spec: col.rename(index={"\n": "\\n (line break)"}) for spec, col in columns.items()}
     except pos.TaggerUnavailable as err:
         return figure, pd.DataFrame({"note": [str(err)]})
     return figure, pos_table(pd.DataFrame(columns)).rename(columns=lambda c: c if c in ("tag", "pos") else
