@@ -2,6 +2,8 @@
 
     python -m benchmarks.kernels_bench            # full sweep on CUDA, smoke run on CPU
     python -m benchmarks.kernels_bench --quick    # fewer configurations
+    python -m benchmarks.kernels_bench --sparq-only   # skip the ReAttention table
+    python -m benchmarks.kernels_bench --tune [--baseline PATH]   # SparQ block sizes and warps
 
 SparQ: one decode step (one query per sequence), our default model's attention shape (9 query
 heads sharing 3 KV heads, head dim 64), float16, k=128, r=16 (plus r=8, 32 at the largest
@@ -17,6 +19,9 @@ faster of eager and graph.
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
+import sys
 import time
 
 import torch
@@ -209,10 +214,111 @@ def print_reattention(rows, use_triton):
           "(inputs excluded).")
 
 
+def _profile_graph(fn, reps=20):
+    """Mean GPU time per kernel (us) over graph replays of ``fn``, by kernel name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = torch.cuda.CUDAGraph()
+    fn()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    times = {}
+    for ev in prof.events():
+        if ev.device_type.name == "CUDA":
+            times[ev.name] = times.get(ev.name, 0.0) + ev.time_range.elapsed_us() / reps
+    return {k: v for k, v in sorted(times.items(), key=lambda kv: -kv[1])}
+
+
+def tune_sparq(baseline=None, best_out=None, S=16384, B=64, r=R):
+    """Block sizes and warps of the Triton SparQ step at one shape (float16, K_t given):
+    CUDA-graph replay time, agreement with the reference, registers and spills, and a per-kernel
+    profile of the fastest (and of the baseline, a sparq.py given by path)."""
+    from kernels import sparq
+
+    cuda = torch.cuda.is_available()  # CPU (TRITON_INTERPRET=1): a dry run of this function
+    dev, dtype = ("cuda", torch.float16) if cuda else ("cpu", torch.float32)
+    q, K, V, vm = make(B, S, dtype, dev)
+    K_t = K.transpose(-1, -2).contiguous()
+    args = (q, K, V, vm, K_SEL, r, L_WIN)
+    ref = sparq_attention_reference(*args)
+    t_dense = min(graph_ms(lambda: dense_grouped(q, K, V)), graph_ms(lambda: dense_enable_gqa(q, K, V)))
+    print(f"tune: S={S} B={B} r={r} k={K_SEL} l={L_WIN} fp16; dense SDPA (graph) {t_dense * 1e3:.1f} us")
+    if baseline:
+        spec = importlib.util.spec_from_file_location("sparq_baseline", baseline)
+        base = importlib.util.module_from_spec(spec)
+        sys.modules["sparq_baseline"] = base  # dataclasses look their module up
+        spec.loader.exec_module(base)
+        for name, kt in (("2xK", K_t), ("1xK", None)):
+            t = graph_ms(lambda: base.sparq_attention_triton(*args, K_t=kt, return_scores=False))
+            print(f"baseline {name}: {t * 1e3:.1f} us  ({t_dense / t:.2f}x)")
+        prof = _profile_graph(lambda: base.sparq_attention_triton(*args, K_t=K_t, return_scores=False))
+        print("  baseline 2xK profile (us):", {k[:28]: round(v, 1) for k, v in prof.items()})
+    saved = dict(sparq._LAUNCH)
+    # (step-1 positions per program, its warps, selection chunk, its warps): the H100 sweep of
+    # docs/results.md. A fused one-kernel schedule measured 218 us here (removed).
+    configs = [dict(block_s=bs, step1_warps=w1, select_max=sm, select_warps=ws)
+               for bs, w1, sm, ws in ((1024, 4, 2048, 4), (2048, 4, 2048, 4), (2048, 8, 2048, 4),
+                                      (1024, 4, 1024, 2), (1024, 4, 2048, 2), (1024, 4, 4096, 4),
+                                      (1024, 4, 4096, 8), (1024, 4, 1024, 4))]
+    results = []
+    for cfg in configs:
+        sparq._LAUNCH.clear()
+        sparq._LAUNCH.update(saved)
+        sparq._LAUNCH.update(cfg)
+        try:
+            got = sparq_attention_triton(*args, K_t=K_t)
+            same = torch.equal(got.positions, ref.positions)
+            err = (got.out.float() - ref.out.float()).abs().max().item()
+            aerr = (got.alpha - ref.alpha).abs().max().item()
+            serr = (got.scores - ref.scores).abs().max().item()
+            t = graph_ms(lambda: sparq_attention_triton(*args, K_t=K_t, return_scores=False))
+            regs = {k: (getattr(v, "n_regs", "?"), getattr(v, "n_spills", "?"))
+                    for k, v in sparq._LAST.items()}
+            if same and err < 1e-3:
+                results.append((t, cfg))
+            print(f"{t * 1e3:7.1f} us {t_dense / t:5.2f}x same={same} err={err:.1e} "
+                  f"alpha={aerr:.1e} scores={serr:.1e} regs/spills={regs} {cfg}", flush=True)
+        except Exception as exc:  # a configuration that does not compile or fit
+            print(f"FAILED {cfg}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+    if best_out and results:
+        with open(best_out, "w") as f:
+            json.dump(min(results, key=lambda x: x[0])[1], f)
+    if results:
+        t, cfg = min(results, key=lambda x: x[0])
+        sparq._LAUNCH.clear()
+        sparq._LAUNCH.update(saved)
+        sparq._LAUNCH.update(cfg)
+        prof = _profile_graph(lambda: sparq_attention_triton(*args, K_t=K_t, return_scores=False))
+        print(f"best: 2xK {t * 1e3:.1f} us ({t_dense / t:.2f}x) {cfg}")
+        print("  profile (us):", {k[:28]: round(v, 1) for k, v in prof.items()})
+    sparq._LAUNCH.clear()
+    sparq._LAUNCH.update(saved)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer configurations")
+    ap.add_argument("--sparq-only", action="store_true", help="skip the ReAttention table")
+    ap.add_argument("--tune", action="store_true", help="SparQ block-size / warps sweep (CUDA)")
+    ap.add_argument("--baseline", help="with --tune: a sparq.py to time as the baseline")
+    ap.add_argument("--best-out", help="with --tune: write the fastest settings here (JSON)")
+    ap.add_argument("--launch", help="JSON file of kernels.sparq._LAUNCH settings to use")
     opts = ap.parse_args()
+    if opts.launch:
+        from kernels import sparq
+
+        sparq._LAUNCH.update(json.load(open(opts.launch)))
+        print("SparQ launch settings:", sparq._LAUNCH)
+    if opts.tune:
+        tune_sparq(opts.baseline, opts.best_out)
+        return
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     import triton
@@ -235,6 +341,8 @@ def main():
     configs = [(S, B, R) for S in seqs for B in batches] + extra
     rows = bench_sparq(configs, device, dtype, use_triton)
     print_sparq(rows, use_triton)
+    if opts.sparq_only:
+        return
     re_rows = bench_reattention(re_seqs, device, dtype, use_triton, [None, 4])
     print_reattention(re_rows, use_triton)
 

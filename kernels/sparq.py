@@ -187,12 +187,18 @@ def sparq_attention_reference(q, K, V, v_mean, k, r, l, *, K_t=None, return_scor
 
 # ----------------------------------------------------------------------------- Triton kernels
 #
-# Pipeline (5 launches, no torch kernels in between, so it can be captured in a CUDA graph):
-#   prep    query side of step 1: components i1, tau (Eq. D2), q[i1] / tau
-#   step1   gather r components of K per block of positions, approximate logits (Eq. D1)
-#   select1 normalise s_hat, sum over the group, keep each block's best n_top positions
-#   select2 merge the block candidates into the row's n_top best, append the local window
-#   step2   gather the chosen rows of K and V, exact attention (Eq. D3), alpha and mixing (D4, D5)
+# Device functions (no torch kernels in between, so a decode step can be captured in a CUDA graph):
+#   prep    query side of step 1: components i1 (rank of the group's summed |q|), tau (Eq. D2),
+#           q[i1] / tau
+#   step1   per KV head x block of positions: gather r components of K, approximate logits
+#           (Eq. D1), per-block softmax partials (max, sum of exp)
+#   select  per KV head x chunk of positions: normalise s_hat, sum it over the group, keep the
+#           chunk's best n_top positions as candidates
+#   finish  per KV head: merge the candidates into the n_top best, append the local window, exact
+#           attention over the chosen rows (Eq. D3), alpha and mean-value mixing (Eqs. D4, D5)
+#
+# Four launches, one per phase (a fused variant, in which the last program of a row to finish
+# step 1 ran that row's select and finish, measured slower: see docs/results.md, "Kernels").
 # Selection compares (score, position) with "higher score first, then earlier position": two
 # binary searches, first on the float bits of the score (non-negative floats order like their
 # bit patterns), then on the position among the scores equal to the threshold.
@@ -220,13 +226,12 @@ if HAS_TRITON:
                      mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
         aq = tl.abs(qv)
         mag = tl.where(d_ok, tl.sum(aq, axis=0), -1.0)
-        chosen = offs_d < 0
-        alive = d_ok
-        for _ in range(R):
-            m = tl.max(tl.where(alive, mag, -2.0), axis=0)
-            c = tl.min(tl.where(alive & (mag == m), offs_d, D_PAD), axis=0)
-            chosen = chosen | (offs_d == c)
-            alive = alive & (offs_d != c)
+        # Rank of component i = number of components that beat it (larger summed |q|, or equal
+        # and a lower index): one comparison matrix instead of r rounds of argmax.
+        beats = (mag[None, :] > mag[:, None]) | ((mag[None, :] == mag[:, None])
+                                                 & (offs_d[None, :] < offs_d[:, None]))
+        rank = tl.sum(beats.to(tl.int32), axis=1)
+        chosen = d_ok & (rank < R)
         slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1  # ascending component order
         tl.store(comp_ptr + pid.to(tl.int64) * R + slot, offs_d.to(tl.int64), mask=chosen)
         kept = tl.sum(tl.where(chosen[None, :], aq, 0.0), axis=1)
@@ -238,37 +243,34 @@ if HAS_TRITON:
                  mask=g_ok[:, None] & chosen[None, :])
 
     @triton.jit
-    def _sparq_step1_kernel(
+    def _step1_block(
         qhat_ptr, comp_ptr,  # [B*H_kv, G, R] fp32 (q[i1] / tau), [B*H_kv, R] int64
         k_ptr, stride_kb, stride_kh, stride_ks, stride_kd,
         logit_ptr, bmax_ptr, bsum_ptr,  # [B*H_q, S], [B*H_q, NB], [B*H_q, NB] fp32
-        H_kv, S, NB,
+        row, blk, H_kv, S, NB,
         G: tl.constexpr, G_PAD: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr,
         BLOCK_S: tl.constexpr, S_CONTIG: tl.constexpr,
     ):
-        """Fused step 1: gather r components of K for a block of positions, approximate logits.
-
-        One program = one KV head x one block of positions; the K tile is read once for the
-        whole query group. Writes logits and per-block softmax partials (max, sum of exp).
-        """
-        pid = tl.program_id(0)
-        blk = tl.program_id(1)
-        b = (pid // H_kv).to(tl.int64)
-        h = pid % H_kv
+        """Step 1 for one KV head (row = b * H_kv + h) x one block of positions: gather r
+        components of K, approximate logits (Eq. D1). The K tile is read once for the whole
+        query group. Writes logits and per-block softmax partials (max, sum of exp)."""
+        row64 = row.to(tl.int64)
+        b = row64 // H_kv
+        h = row64 % H_kv
         offs_s = blk * BLOCK_S + tl.arange(0, BLOCK_S)
         s_ok = offs_s < S
         offs_g = tl.arange(0, G_PAD)
         g_ok = offs_g < G
         k_head = k_ptr + b * stride_kb + h * stride_kh  # 64-bit base, 32-bit offsets inside a head
-        qhat_row = qhat_ptr + pid.to(tl.int64) * G * R
-        rows = (b * H_kv + h) * G + offs_g
+        qhat_row = qhat_ptr + row64 * G * R
+        rows = row64 * G + offs_g
         if S_CONTIG:
             # K_t (S-contiguous copy, App. I): each component is one contiguous row segment.
             # Outer-product accumulation: every element read once for the whole group, no
             # cross-thread reduction.
             acc = tl.zeros([G_PAD, BLOCK_S], tl.float32)
             for j in tl.static_range(R):
-                c = tl.load(comp_ptr + pid.to(tl.int64) * R + j).to(tl.int32)
+                c = tl.load(comp_ptr + row64 * R + j).to(tl.int32)
                 krow = tl.load(k_head + c * stride_kd + offs_s, mask=s_ok, other=0.0)
                 qcol = tl.load(qhat_row + offs_g * R + j, mask=g_ok, other=0.0)
                 acc += qcol[:, None] * krow.to(tl.float32)[None, :]  # Eq. D1 numerator / tau
@@ -276,7 +278,7 @@ if HAS_TRITON:
             # K only ([S, d] rows): gather an [r, BLOCK_S] tile, one dot per query head.
             offs_r = tl.arange(0, R_PAD)
             r_ok = offs_r < R
-            comp = tl.load(comp_ptr + pid.to(tl.int64) * R + offs_r, mask=r_ok, other=0).to(tl.int32)
+            comp = tl.load(comp_ptr + row64 * R + offs_r, mask=r_ok, other=0).to(tl.int32)
             tile = tl.load(k_head + comp[:, None] * stride_kd + offs_s[None, :] * stride_ks,
                            mask=r_ok[:, None] & s_ok[None, :], other=0.0).to(tl.float32)
             acc = tl.zeros([G_PAD, BLOCK_S], tl.float32)
@@ -296,8 +298,10 @@ if HAS_TRITON:
         """Merge per-block (max, sum exp) partials into the softmax max and normaliser per row."""
         offs_nb = tl.arange(0, NB_PAD)
         msk = g_ok[:, None] & (offs_nb[None, :] < NB)
-        bm = tl.load(bmax_ptr + rows[:, None] * NB + offs_nb[None, :], mask=msk, other=float("-inf"))
-        bs = tl.load(bsum_ptr + rows[:, None] * NB + offs_nb[None, :], mask=msk, other=0.0)
+        bm = tl.load(bmax_ptr + rows[:, None] * NB + offs_nb[None, :], mask=msk,
+                     other=float("-inf"), cache_modifier=".cg")
+        bs = tl.load(bsum_ptr + rows[:, None] * NB + offs_nb[None, :], mask=msk, other=0.0,
+                     cache_modifier=".cg")
         m = tl.max(bm, axis=1)
         m = tl.where(g_ok, m, 0.0)
         z = tl.sum(bs * tl.exp(bm - m[:, None]), axis=1)
@@ -337,39 +341,43 @@ if HAS_TRITON:
         return tl.where(n_valid > n, picked & valid, valid)
 
     @triton.jit
-    def _sparq_select1_kernel(
+    def _select_chunk(
         logit_ptr, bmax_ptr, bsum_ptr, score_ptr,
-        cbits_ptr, cpos_ptr,  # [B*H_kv, NBS, N_CAND] int32 candidates, -1 where unused
-        H_kv, S, S_TOP, NB, NBS, N_CAND,
-        G: tl.constexpr, G_PAD: tl.constexpr, NB_PAD: tl.constexpr, BLOCK: tl.constexpr,
-        N_PAD: tl.constexpr, WRITE_SCORES: tl.constexpr,
+        cbits_ptr, cpos_ptr, cand_base,  # candidates: N_CAND int32 slots at cand_base, -1 if unused
+        row, blk, S, S_TOP, NB, N_CAND,
+        G: tl.constexpr, NB_PAD: tl.constexpr, BLOCK: tl.constexpr, N_PAD: tl.constexpr,
+        WRITE_SCORES: tl.constexpr,
     ):
         """Normalise s_hat (Eq. D1), sum it over the group (paper Sec. 2, GQA) and keep this
-        block's N_CAND best positions outside the local window, compacted in position order."""
-        pid = tl.program_id(0)
-        blk = tl.program_id(1)
-        b = (pid // H_kv).to(tl.int64)
-        h = pid % H_kv
-        offs_g = tl.arange(0, G_PAD)
-        g_ok = offs_g < G
-        rows = (b * H_kv + h) * G + offs_g
-        m, z = _softmax_stats(bmax_ptr, bsum_ptr, rows, g_ok, NB, NB_PAD)
+        chunk's N_CAND best positions outside the local window, compacted in position order.
+        One query head at a time, so only [BLOCK] vectors are live."""
         offs_s = blk * BLOCK + tl.arange(0, BLOCK)
-        msk = g_ok[:, None] & (offs_s < S)[None, :]
-        x = tl.load(logit_ptr + rows[:, None] * S + offs_s[None, :], mask=msk, other=float("-inf"))
-        p = tl.exp(x - m[:, None]) / z[:, None]  # s_hat per query head
-        if WRITE_SCORES:
-            tl.store(score_ptr + rows[:, None] * S + offs_s[None, :], p, mask=msk)
-        group = tl.sum(p, axis=0)
+        s_ok = offs_s < S
+        offs_nb = tl.arange(0, NB_PAD)
+        nb_ok = offs_nb < NB
+        group = tl.zeros([BLOCK], tl.float32)
+        for g in tl.static_range(G):
+            hrow = row.to(tl.int64) * G + g
+            bm = tl.load(bmax_ptr + hrow * NB + offs_nb, mask=nb_ok, other=float("-inf"),
+                         cache_modifier=".cg")
+            bs = tl.load(bsum_ptr + hrow * NB + offs_nb, mask=nb_ok, other=0.0,
+                         cache_modifier=".cg")
+            m = tl.max(bm, axis=0)
+            z = tl.sum(bs * tl.exp(bm - m), axis=0)
+            x = tl.load(logit_ptr + hrow * S + offs_s, mask=s_ok, other=float("-inf"),
+                        cache_modifier=".cg")
+            p = tl.exp(x - m) / z  # s_hat of query head g
+            if WRITE_SCORES:
+                tl.store(score_ptr + hrow * S + offs_s, p, mask=s_ok)
+            group += p
         bits = tl.where(offs_s < S_TOP, group.to(tl.int32, bitcast=True), -1)
         sel = _top_n_mask(bits, offs_s, N_CAND)
         slot = tl.cumsum(sel.to(tl.int32), axis=0) - 1
-        base = (pid.to(tl.int64) * NBS + blk) * N_CAND
-        tl.store(cbits_ptr + base + slot, bits, mask=sel)
-        tl.store(cpos_ptr + base + slot, offs_s, mask=sel)
+        tl.store(cbits_ptr + cand_base + slot, bits, mask=sel)
+        tl.store(cpos_ptr + cand_base + slot, offs_s, mask=sel)
         offs_n = tl.arange(0, N_PAD)
         unused = (offs_n >= tl.sum(sel.to(tl.int32), axis=0)) & (offs_n < N_CAND)
-        tl.store(cbits_ptr + base + offs_n, tl.full([N_PAD], -1, tl.int32), mask=unused)
+        tl.store(cbits_ptr + cand_base + offs_n, tl.full([N_PAD], -1, tl.int32), mask=unused)
 
     @triton.jit
     def _count(cbits_ptr, cpos_ptr, base, C, T, P, MODE: tl.constexpr, CHUNK: tl.constexpr):
@@ -389,16 +397,28 @@ if HAS_TRITON:
         return total
 
     @triton.jit
-    def _sparq_select2_kernel(
-        cbits_ptr, cpos_ptr, pos_ptr,  # candidates [B*H_kv, C]; out [B*H_kv, N_SEL] int64
-        C, S, N_TOP, N_SEL,
-        CHUNK: tl.constexpr,
-    ):
-        """Merge block candidates into the row's N_TOP best (same order and tie rule as
-        _top_n_mask, chunked so C may exceed a register tile), write them in ascending position
-        order (candidates are stored in position order), then the local window."""
-        pid = tl.program_id(0)
-        base = pid.to(tl.int64) * C
+    def _merge_candidates(cbits_ptr, cpos_ptr, base, C, out, S, N_TOP, N_SEL,
+                          CHUNK: tl.constexpr, ONE_TILE: tl.constexpr):
+        """Merge a row's chunk candidates into its N_TOP best (same order and tie rule as
+        _top_n_mask), write them in ascending position order (candidates are stored in position
+        order), then the local window. ONE_TILE (C <= CHUNK): all candidates in registers, one
+        _top_n_mask. Otherwise chunked, so C may exceed a register tile; with at most N_TOP
+        valid candidates both searches are skipped."""
+        if ONE_TILE:
+            offs = tl.arange(0, CHUNK)
+            bt = tl.load(cbits_ptr + base + offs, mask=offs < C, other=-1)
+            ps = tl.load(cpos_ptr + base + offs, mask=offs < C, other=0)
+            sel = _top_n_mask(bt, ps, N_TOP)
+            slot = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+            tl.store(out + slot, ps.to(tl.int64), mask=sel)
+        else:
+            _merge_chunked(cbits_ptr, cpos_ptr, base, C, out, N_TOP, CHUNK)
+        for start in range(N_TOP, N_SEL, CHUNK):  # local window, after every other position
+            offs = start + tl.arange(0, CHUNK)
+            tl.store(out + offs, (S - N_SEL + offs).to(tl.int64), mask=offs < N_SEL)
+
+    @triton.jit
+    def _merge_chunked(cbits_ptr, cpos_ptr, base, C, out, N_TOP, CHUNK: tl.constexpr):
         lo = 2147483647
         hi = -1
         n_valid = 0
@@ -408,6 +428,8 @@ if HAS_TRITON:
             lo = tl.minimum(lo, tl.min(tl.where(bt >= 0, bt, 2147483647), axis=0))
             hi = tl.maximum(hi, tl.max(bt, axis=0))
             n_valid += tl.sum((bt >= 0).to(tl.int32), axis=0)
+        take_all = n_valid <= N_TOP
+        hi = tl.where(take_all, lo, hi)  # at most N_TOP valid: take them all, skip the searches
         while lo < hi:
             mid = lo + (hi - lo + 1) // 2
             cnt = _count(cbits_ptr, cpos_ptr, base, C, mid, 0, 0, CHUNK)
@@ -423,13 +445,12 @@ if HAS_TRITON:
             ps = tl.load(cpos_ptr + base + offs, mask=offs < C, other=0)
             plo = tl.minimum(plo, tl.min(tl.where(bt == lo, ps, 2147483647), axis=0))
             phi = tl.maximum(phi, tl.max(tl.where(bt == lo, ps, -1), axis=0))
+        phi = tl.where(take_all, plo, phi)
         while plo < phi:
             mid = plo + (phi - plo) // 2
             ok = _count(cbits_ptr, cpos_ptr, base, C, lo, mid, 2, CHUNK) >= need
             phi = tl.where(ok, mid, phi)
             plo = tl.where(ok, plo, mid + 1)
-        take_all = n_valid <= N_TOP
-        out = pos_ptr + pid.to(tl.int64) * N_SEL
         written = 0
         for start in range(0, C, CHUNK):
             offs = start + tl.arange(0, CHUNK)
@@ -440,37 +461,34 @@ if HAS_TRITON:
             slot = written + tl.cumsum(sel.to(tl.int32), axis=0) - 1
             tl.store(out + slot, ps.to(tl.int64), mask=sel)
             written += tl.sum(sel.to(tl.int32), axis=0)
-        for start in range(N_TOP, N_SEL, CHUNK):  # local window, after every other position
-            offs = start + tl.arange(0, CHUNK)
-            tl.store(out + offs, (S - N_SEL + offs).to(tl.int64), mask=offs < N_SEL)
 
     @triton.jit
-    def _sparq_step2_kernel(
+    def _attend(
         q_ptr, stride_qb, stride_qh, stride_qd,
         k_ptr, v_ptr, stride_kb, stride_kh, stride_ks, stride_kd,
         vm_ptr, stride_mb, stride_mh, stride_md,
         pos_ptr, logit_ptr, bmax_ptr, bsum_ptr, out_ptr, alpha_ptr,
-        H_kv, S, D, NB, N_SEL, sm_scale,
+        row, H_kv, S, D, NB, N_SEL, sm_scale,
         G: tl.constexpr, G_PAD: tl.constexpr, NB_PAD: tl.constexpr,
         BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, FULL: tl.constexpr, IEEE: tl.constexpr,
     ):
-        """Fused steps 2 + 3 for one KV head: gather the chosen K/V rows, exact attention
-        (online softmax, Eq. D3), alpha from the step-1 logits (Eq. D5), mean-value mix (Eq. D4).
+        """Steps 2 + 3 for one KV head: gather the chosen K/V rows, exact attention (online
+        softmax, Eq. D3), alpha from the step-1 logits (Eq. D5), mean-value mix (Eq. D4).
 
         IEEE: float32 inputs, exact float32 products. Otherwise (16-bit inputs) the two products
         run on tensor cores in the input dtype with float32 accumulation; q.k products of 16-bit
         numbers are exact in float32, and the probabilities are rounded to the input dtype
         before p @ V, as flash attention does (an error below the 16-bit output's own rounding).
         """
-        pid = tl.program_id(0)
-        b = (pid // H_kv).to(tl.int64)
-        h = pid % H_kv
+        row64 = row.to(tl.int64)
+        b = row64 // H_kv
+        h = row64 % H_kv
         offs_g = tl.arange(0, G_PAD)
         g_ok = offs_g < G
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
         hq = h * G + offs_g
-        rows = b * H_kv * G + hq
+        rows = row64 * G + offs_g
         qv = tl.load(q_ptr + b * stride_qb + hq[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                      mask=g_ok[:, None] & d_ok[None, :], other=0.0)
         if IEEE:
@@ -486,7 +504,7 @@ if HAS_TRITON:
         for start in range(0, N_SEL, BLOCK_K):
             offs_k = start + tl.arange(0, BLOCK_K)
             k_ok = offs_k < N_SEL
-            pos = tl.load(pos_ptr + pid.to(tl.int64) * N_SEL + offs_k, mask=k_ok, other=0).to(tl.int32)
+            pos = tl.load(pos_ptr + row64 * N_SEL + offs_k, mask=k_ok, other=0).to(tl.int32)
             # K tile loaded transposed ([d, k]) so the first product needs no layout change.
             kt = tl.load(k_head + offs_d[:, None] * stride_kd + pos[None, :] * stride_ks,
                          mask=d_ok[:, None] & k_ok[None, :], other=0.0)
@@ -510,7 +528,8 @@ if HAS_TRITON:
             m_i = m_new
 
             lg = tl.load(logit_ptr + rows[:, None] * S + pos[None, :],
-                         mask=g_ok[:, None] & k_ok[None, :], other=float("-inf"))
+                         mask=g_ok[:, None] & k_ok[None, :], other=float("-inf"),
+                         cache_modifier=".cg")
             mass += tl.sum(tl.exp(lg - m_hat[:, None]) / z_hat[:, None], axis=1)
 
         y = acc / l_i[:, None]
@@ -525,27 +544,84 @@ if HAS_TRITON:
                  out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
         tl.store(alpha_ptr + rows, alpha, mask=g_ok)
 
+    # ------------------------------------------------------------------ kernels
+
+    @triton.jit
+    def _sparq_step1_kernel(
+        qhat_ptr, comp_ptr, k_ptr, stride_kb, stride_kh, stride_ks, stride_kd,
+        logit_ptr, bmax_ptr, bsum_ptr, H_kv, S, NB,
+        G: tl.constexpr, G_PAD: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr,
+        BLOCK_S: tl.constexpr, S_CONTIG: tl.constexpr,
+    ):
+        _step1_block(qhat_ptr, comp_ptr, k_ptr, stride_kb, stride_kh, stride_ks, stride_kd,
+                     logit_ptr, bmax_ptr, bsum_ptr, tl.program_id(0), tl.program_id(1), H_kv, S, NB,
+                     G, G_PAD, R, R_PAD, BLOCK_S, S_CONTIG)
+
+    @triton.jit
+    def _sparq_select_kernel(
+        logit_ptr, bmax_ptr, bsum_ptr, score_ptr, cbits_ptr, cpos_ptr,
+        S, S_TOP, NB, NCH, N_CAND,
+        G: tl.constexpr, NB_PAD: tl.constexpr, BLOCK: tl.constexpr, N_PAD: tl.constexpr,
+        WRITE_SCORES: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        blk = tl.program_id(1)
+        _select_chunk(logit_ptr, bmax_ptr, bsum_ptr, score_ptr, cbits_ptr, cpos_ptr,
+                      (row.to(tl.int64) * NCH + blk) * N_CAND, row, blk, S, S_TOP, NB, N_CAND,
+                      G, NB_PAD, BLOCK, N_PAD, WRITE_SCORES)
+
+    @triton.jit
+    def _sparq_finish_kernel(
+        q_ptr, stride_qb, stride_qh, stride_qd,
+        k_ptr, v_ptr, stride_kb, stride_kh, stride_ks, stride_kd,
+        vm_ptr, stride_mb, stride_mh, stride_md,
+        cbits_ptr, cpos_ptr, pos_ptr, logit_ptr, bmax_ptr, bsum_ptr, out_ptr, alpha_ptr,
+        H_kv, S, D, NB, C, N_TOP, N_SEL, sm_scale,
+        G: tl.constexpr, G_DOT: tl.constexpr, NB_PAD: tl.constexpr, CHUNK: tl.constexpr,
+        ONE_TILE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+        FULL: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        _merge_candidates(cbits_ptr, cpos_ptr, row.to(tl.int64) * C, C,
+                          pos_ptr + row.to(tl.int64) * N_SEL, S, N_TOP, N_SEL, CHUNK, ONE_TILE)
+        tl.debug_barrier()  # positions were written by other threads of this program
+        _attend(q_ptr, stride_qb, stride_qh, stride_qd,
+                k_ptr, v_ptr, stride_kb, stride_kh, stride_ks, stride_kd,
+                vm_ptr, stride_mb, stride_mh, stride_md,
+                pos_ptr, logit_ptr, bmax_ptr, bsum_ptr, out_ptr, alpha_ptr,
+                row, H_kv, S, D, NB, N_SEL, sm_scale,
+                G, G_DOT, NB_PAD, BLOCK_K, BLOCK_D, FULL, IEEE)
+
 
 def _next_pow2(n):
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-# Warps per program of each kernel (tuned on an H100 with benchmarks/kernels_bench.py shapes).
-_LAUNCH = dict(step1_warps=4, select1_warps=4, select2_warps=4, step2_warps=4)
+# Launch settings, tuned on an H100 at S=16384, B=64 (`benchmarks/kernels_bench.py --tune`).
+# select_max: largest selection chunk (a row is selected in chunks of min(next_pow2(S), select_max)
+# positions); select_warps None: from the chunk size (16 positions per thread, 2 to 16 warps).
+_LAUNCH = dict(block_s=1024, select_max=1024, step1_warps=4, select_warps=None, finish_warps=4)
+_LAST = {}  # the last compiled kernels launched, by name (registers and spills for the benchmark)
+
+
+def _select_warps(select_block):
+    return max(2, min(16, select_block // 512))
 
 
 def sparq_attention_triton(q, K, V, v_mean, k, r, l, *, K_t=None, return_scores=True,
-                           block_s=1024, select_block=None, row_chunk=1024):
+                           block_s=None, select_block=None, row_chunk=None):
     """SparQ decode attention with Triton kernels; same arguments and result as the reference.
 
     K_t: optional [B, H_kv, d, S] S-contiguous copy of K (App. I). Step 1 then reads r contiguous
         rows instead of r strided components per position; values must equal ``K``.
-    block_s: positions per program in step 1. select_block: positions per program of the first
-        selection pass (default: 16 x (k - l) rounded up to a power of two, within 1024..2048).
-    row_chunk: candidates per loop iteration of the second selection pass.
+    block_s: positions per program in step 1. select_block: positions per selection chunk
+        (default: the whole row up to ``_LAUNCH['select_max']``). row_chunk: candidates per loop
+        iteration when merging the chunks' candidates (default: all of them, up to 4096, in one
+        register tile).
     Inputs may be float16, bfloat16 or float32; float64 is not supported. Scores, softmaxes and
     selection run in float32; with 16-bit inputs the two step-2 products use tensor cores (see
-    _sparq_step2_kernel). Launches only Triton kernels (no host synchronisation), so a decode step can be graph-captured.
+    _attend). Launches only Triton kernels (no host synchronisation), so a decode step can be
+    graph-captured.
     """
     if not HAS_TRITON:  # pragma: no cover
         raise RuntimeError("triton is not installed")
@@ -557,6 +633,8 @@ def sparq_attention_triton(q, K, V, v_mean, k, r, l, *, K_t=None, return_scores=
         raise ValueError("K and V must share strides")  # one set of strides for both gathers
     if S * d >= 2 ** 31:
         raise ValueError("one KV head must have fewer than 2^31 elements")
+    if K_t is not None and K_t.shape != (B, H_kv, d, S):
+        raise ValueError(f"K_t must be [B, H_kv, d, S], got {tuple(K_t.shape)}")
     dev = q.device
     f32 = torch.float32
     n_rows = B * H_kv
@@ -564,6 +642,13 @@ def sparq_attention_triton(q, K, V, v_mean, k, r, l, *, K_t=None, return_scores=
     k_eff, l_eff, n_top = _budget(S, k, l)
     s_top = S - l_eff
     g_pad = _next_pow2(G)
+    block_s = block_s or _LAUNCH["block_s"]
+    select_block = select_block or min(_next_pow2(S), _LAUNCH["select_max"])
+    nb = triton.cdiv(S, block_s)
+    nch = triton.cdiv(S, select_block)
+    n_cand = min(n_top, select_block)
+    k1 = K_t.transpose(-1, -2) if K_t is not None else K  # [B, H_kv, S, d] view
+    s_contig = k1.stride(2) == 1
 
     # prep: components, tau, q[i1] / tau.
     comps = torch.empty(B, H_kv, r_eff, dtype=torch.int64, device=dev)
@@ -574,55 +659,38 @@ def sparq_attention_triton(q, K, V, v_mean, k, r, l, *, K_t=None, return_scores=
         G=G, G_PAD=g_pad, D_PAD=_next_pow2(d), num_warps=1,
     )
 
-    # step 1: approximate logits and per-block softmax partials.
-    if K_t is not None:
-        if K_t.shape != (B, H_kv, d, S):
-            raise ValueError(f"K_t must be [B, H_kv, d, S], got {tuple(K_t.shape)}")
-        k1 = K_t.transpose(-1, -2)  # a [B, H_kv, S, d] view with S-contiguous strides
-    else:
-        k1 = K
-    nb = triton.cdiv(S, block_s)
     logits = torch.empty(B * H_q, S, dtype=f32, device=dev)
     bmax = torch.empty(B * H_q, nb, dtype=f32, device=dev)
     bsum = torch.empty(B * H_q, nb, dtype=f32, device=dev)
-    _sparq_step1_kernel[(n_rows, nb)](
-        qhat, comps, k1, *k1.stride(), logits, bmax, bsum, H_kv, S, nb,
-        G=G, G_PAD=g_pad, R=r_eff, R_PAD=_next_pow2(r_eff), BLOCK_S=block_s,
-        S_CONTIG=(k1.stride(2) == 1), num_warps=_LAUNCH["step1_warps"],
-    )
-
-    # selection, pass 1: per block of positions, its best n_top candidates.
-    nb_pad = _next_pow2(nb)
-    if select_block is None:
-        select_block = min(2048, max(1024, 16 * _next_pow2(max(n_top, 1))))
-    nbs = triton.cdiv(S, select_block)
-    n_cand = min(n_top, select_block)
-    cbits = torch.empty(n_rows, nbs, max(n_cand, 1), dtype=torch.int32, device=dev)
-    cpos = torch.empty_like(cbits)
     scores = torch.empty(B * H_q, S, dtype=f32, device=dev) if return_scores else logits
-    _sparq_select1_kernel[(n_rows, nbs)](
-        logits, bmax, bsum, scores, cbits, cpos, H_kv, S, s_top, nb, nbs, n_cand,
-        G=G, G_PAD=g_pad, NB_PAD=nb_pad, BLOCK=select_block, N_PAD=_next_pow2(max(n_cand, 1)),
-        WRITE_SCORES=return_scores, num_warps=_LAUNCH["select1_warps"],
-    )
-    # selection, pass 2: merge into the row's n_top best (ascending), then the local window.
+    cbits = torch.empty(n_rows, nch, max(n_cand, 1), dtype=torch.int32, device=dev)
+    cpos = torch.empty_like(cbits)
     positions = torch.empty(B, H_kv, k_eff, dtype=torch.int64, device=dev)
-    _sparq_select2_kernel[(n_rows,)](
-        cbits, cpos, positions, nbs * n_cand, S, n_top, k_eff, CHUNK=row_chunk,
-        num_warps=_LAUNCH["select2_warps"],
-    )
-
-    # steps 2 + 3: gather, exact attention, mean-value mixing.
     out = torch.empty(B, H_q, d, dtype=q.dtype, device=dev)
     alpha = torch.empty(B, H_q, dtype=f32, device=dev)
     block_d = max(16, _next_pow2(d))
-    _sparq_step2_kernel[(n_rows,)](
+    n_cands = nch * n_cand
+    row_chunk = row_chunk or min(4096, _next_pow2(max(n_cands, 16)))
+    attend = dict(G_DOT=max(16, g_pad), NB_PAD=_next_pow2(nb), CHUNK=row_chunk,
+                  ONE_TILE=n_cands <= row_chunk,
+                  BLOCK_K=128 if block_d <= 64 else 64, BLOCK_D=block_d, FULL=(k_eff == S),
+                  IEEE=(q.dtype == torch.float32))
+    sel_warps = _LAUNCH["select_warps"] or _select_warps(select_block)
+    _LAST["step1"] = _sparq_step1_kernel[(n_rows, nb)](
+        qhat, comps, k1, *k1.stride(), logits, bmax, bsum, H_kv, S, nb,
+        G=G, G_PAD=g_pad, R=r_eff, R_PAD=_next_pow2(r_eff), BLOCK_S=block_s,
+        S_CONTIG=s_contig, num_warps=_LAUNCH["step1_warps"],
+    )
+    _LAST["select"] = _sparq_select_kernel[(n_rows, nch)](
+        logits, bmax, bsum, scores, cbits, cpos, S, s_top, nb, nch, n_cand,
+        G=G, NB_PAD=attend["NB_PAD"], BLOCK=select_block, N_PAD=_next_pow2(max(n_cand, 1)),
+        WRITE_SCORES=return_scores, num_warps=sel_warps,
+    )
+    _LAST["finish"] = _sparq_finish_kernel[(n_rows,)](
         q, *q.stride(), K, V, *K.stride(), v_mean, *v_mean.stride(),
-        positions, logits, bmax, bsum, out, alpha,
-        H_kv, S, d, nb, k_eff, 1.0 / math.sqrt(d),
-        G=G, G_PAD=max(16, g_pad), NB_PAD=nb_pad, BLOCK_K=128 if block_d <= 64 else 64,
-        BLOCK_D=block_d, FULL=(k_eff == S), IEEE=(q.dtype == torch.float32),
-        num_warps=_LAUNCH["step2_warps"],
+        cbits, cpos, positions, logits, bmax, bsum, out, alpha,
+        H_kv, S, d, nb, n_cands, n_top, k_eff, 1.0 / math.sqrt(d),
+        G=G, num_warps=_LAUNCH["finish_warps"], **attend,
     )
     return SparQResult(
         out=out,
