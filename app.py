@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 from pathlib import Path
 
 import gradio as gr
@@ -77,7 +78,10 @@ def on_run(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, mo
     steps = len(run.traces[0].tokens)
     replayed = "replayed from the store" if all(run.result.replayed) else "computed"
     status = f"{len(run.traces)} policies, {steps} tokens, {replayed}."
-    return run.run_id, status, gr.update(maximum=steps - 1, value=steps - 1)
+    meta = run.full.meta  # the selectors follow the model's shape (allow-listed models differ)
+    return (run.run_id, status, gr.update(maximum=steps - 1, value=steps - 1),
+            gr.update(choices=panels.layer_choices(meta["n_layers"])),
+            gr.update(choices=panels.head_choices(meta["n_kv_heads"])))
 
 
 def on_sweep(prompt, mode, max_new, names, sinks, alpha, heads, custom, model, progress=gr.Progress()):
@@ -201,7 +205,8 @@ def build() -> gr.Blocks:
         run_inputs = [prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model]
         # Moving the budget re-runs too: replayed from the store when that budget was computed before.
         for trigger in (run_button.click, budget.change):
-            trigger(on_run, run_inputs, [run_id, status, step], concurrency_id="model", trigger_mode="always_last").then(
+            trigger(on_run, run_inputs, [run_id, status, step, layer, head], concurrency_id="model",
+                    trigger_mode="always_last").then(
                 render_run, run_id, run_views).then(render_views, selectors, views)
         for control in (layer, head, curve_alpha):
             control.change(render_views, selectors, views)
@@ -219,6 +224,8 @@ demo = build()
 demo.queue(default_concurrency_limit=1, max_size=32)
 
 if __name__ == "__main__":
+    # Load (and on first use convert) the default model while the page comes up, not on the first click.
+    threading.Thread(target=session.get_model, daemon=True).start()
     demo.launch(server_name=os.environ.get("GRADIO_SERVER_NAME", "0.0.0.0"),
                 server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")),
                 css_paths=[ROOT / "assets" / "style.css"])

@@ -101,6 +101,7 @@ def test_budget_sweep_stores_every_budget_and_the_slider_replays(tiny_session):
     figure, message = app.on_sweep(prompt, "prompt", 8, ["tova", "sinks", "reattention"], 4, 0.1, "paper default", "",
                                    DEFAULT_MODEL, progress=lambda *a, **k: None)
     assert len(figure.data) == 3 and "replays" in message
-    run_id, status, _ = app.on_run(prompt, "prompt", 8, ["tova", "sinks", "reattention"], 16, 4, 0.1, "paper default",
-                                   "", DEFAULT_MODEL, progress=lambda *a, **k: None)
+    run_id, status, _, layers, heads = app.on_run(prompt, "prompt", 8, ["tova", "sinks", "reattention"], 16, 4, 0.1,
+                                                  "paper default", "", DEFAULT_MODEL, progress=lambda *a, **k: None)
     assert "replayed from the store" in status
+    assert layers["choices"] == ["all", "0", "1"] and heads["choices"] == ["all", "0", "1"]  # the tiny model
