@@ -15,7 +15,7 @@ from backend import metrics
 from backend.policies import parse_spec
 from backend.runner import run
 from tests.conftest import make_tiny
-from viz import (continuations_html, divergence_figure, first_divergence, first_token_retention_figure,
+from viz import (continuations_html, divergence_figure, first_token_retention_figure,
                  heatmap_values, kept_tokens_html, lifetime_by_position_figure, mask_heatmap, mask_heatmaps,
                  non_recent_share_figure, policy_colors, pos_table, pos_table_html, score_curves_figure,
                  score_over_steps_figure, summary_table)
@@ -273,8 +273,7 @@ def test_continuations_html_marks_first_divergence_from_full(generate_run, lm):
     rows = [dict(policy="full", tokens=[lm.tokenizer.decode([i]) for i in ref], diverge=None)]
     expected = {}
     for tr in traces:
-        gen = tr.generated_ids.tolist()
-        div = first_divergence(gen, ref)
+        div = metrics.first_divergence(tr, full)
         expected[tr.spec] = div
         rows.append(dict(policy=tr.spec, tokens=texts(tr)[tr.meta["n_prompt"]:], diverge=div))
     assert any(d is not None for d in expected.values())
@@ -287,9 +286,6 @@ def test_continuations_html_marks_first_divergence_from_full(generate_run, lm):
         div = expected.get(name)
         assert positions(spans, "kvl-diverge") == (set() if div is None else {div})
         assert positions(spans, "kvl-after") == (set() if div is None else set(range(div + 1, len(spans))))
-    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
-    assert first_divergence([1, 2, 4], [1, 2, 3]) == 2
-    assert first_divergence([1, 2], [1, 2, 3]) == 2
 
 
 def test_continuations_html_escapes_names_and_tokens():

@@ -14,13 +14,13 @@ from .colors import policy_colors
 from .curves import score_curves_figure, score_over_steps_figure
 from .divergence import divergence_figure, running_agreement, summary_table
 from .heatmap import heatmap_values, mask_heatmap, mask_heatmaps
-from .highlight import continuations_html, first_divergence, kept_tokens_html
+from .highlight import continuations_html, kept_tokens_html
 from .retention import (first_token_retention_figure, lifetime_by_position_figure, non_recent_share_figure,
                         pos_table, pos_table_html)
 from .tsne import tsne_figure
 
 __all__ = [
-    "continuations_html", "divergence_figure", "first_divergence", "first_token_retention_figure", "heatmap_values",
+    "continuations_html", "divergence_figure", "first_token_retention_figure", "heatmap_values",
     "kept_tokens_html", "lifetime_by_position_figure", "mask_heatmap", "mask_heatmaps", "non_recent_share_figure",
     "policy_colors", "pos_table", "pos_table_html", "running_agreement", "score_curves_figure",
     "score_over_steps_figure", "summary_table", "tsne_figure",

@@ -112,23 +112,12 @@ def kept_tokens_html(token_texts: Sequence[str], kept: np.ndarray, step: int, we
     return f'<div class="kvl-text">{legend}<div class="kvl-box" style="{BOX_STYLE}">{"".join(parts)}</div></div>'
 
 
-def first_divergence(ids: Sequence[int], reference: Sequence[int]) -> int | None:
-    """Index of the first token where ``ids`` leaves ``reference``; None when both are identical.
-
-    When one is a strict prefix of the other (a policy stopped early at EOS), the shorter length.
-    """
-    for i, (a, b) in enumerate(zip(ids, reference)):
-        if int(a) != int(b):
-            return i
-    return None if len(ids) == len(reference) else min(len(ids), len(reference))
-
-
 def continuations_html(rows: Sequence[Mapping], colors: Mapping[str, str] | None = None) -> str:
     """Generated continuations side by side, each marked where it first leaves Full's.
 
     ``rows``: one mapping per policy with ``policy`` (name), ``tokens`` (continuation token texts)
     and ``diverge`` (index of the first token that differs from Full's continuation, or None when
-    it never does; ``first_divergence`` computes it from token ids). Tokens before ``diverge`` are
+    it never does; ``backend.metrics.first_divergence`` computes it from the traces). Tokens before ``diverge`` are
     plain, the token at ``diverge`` has class ``kvl-diverge`` (red outline), later ones are tinted.
     """
     names = [str(r["policy"]) for r in rows]

@@ -20,7 +20,7 @@ from .colors import policy_colors
 from .curves import score_curves_figure
 from .divergence import divergence_figure, summary_table as summary_frame
 from .heatmap import attention_zmax, mask_heatmaps
-from .highlight import continuations_html, first_divergence, kept_tokens_html
+from .highlight import continuations_html, kept_tokens_html
 from .retention import lifetime_by_position_figure, pos_table
 from .sweep import sweep_figure as sweep_plot
 from .tsne import tsne_figure
@@ -171,11 +171,9 @@ def divergence(run) -> tuple[go.Figure, str]:
     figure = divergence_figure(series, colors=policy_colors(list(series)))
     if run.full.generated_ids is None:
         return figure, "<p>Teacher-forced scoring: every policy reads the same text, so there are no continuations.</p>"
-    full_ids = [int(i) for i in run.full.generated_ids]
     rows = [{"policy": "full", "tokens": _continuation_texts(run.full), "diverge": None}]
-    for trace in run.traces:
-        ids = [int(i) for i in trace.generated_ids]
-        rows.append({"policy": trace.spec, "tokens": _continuation_texts(trace), "diverge": first_divergence(ids, full_ids)})
+    rows += [{"policy": t.spec, "tokens": _continuation_texts(t), "diverge": metrics.first_divergence(t, run.full)}
+             for t in run.traces]
     return figure, continuations_html(rows)
 
 
