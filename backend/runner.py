@@ -62,6 +62,12 @@ def new_cache(lm: LoadedModel, rows: Sequence[Policy], record_layers: Sequence[i
     return PolicyCache(list(rows), lm.n_layers, lm.n_kv_heads, tuple(record_layers), rope_function(lm))
 
 
+def _block(chunk: int, n: int, rows: Sequence[Policy]) -> int:
+    """Tokens per forward call: ``chunk``, or the whole text when a policy chunks the prompt itself
+    (ReAttention's Algorithm 1 needs all of a chunk's queries in one call to vote together)."""
+    return n if any(getattr(p, "chunks_prompt", False) for p in rows) else chunk
+
+
 def _forward(lm: LoadedModel, cache: PolicyCache, ids: torch.Tensor, start: int) -> torch.Tensor:
     """Feed ids [B, n] at positions start..start+n-1; return the last hidden states [B, n, D]."""
     positions = torch.arange(start, start + ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
@@ -91,8 +97,9 @@ def score_text(lm: LoadedModel, ids: Sequence[int], policies: Sequence[Policy], 
              "top1_ids": np.zeros((len(rows), n - 1), np.int32),
              "kl_to_full": np.zeros((len(rows), n - 1), np.float32)}
     with torch.inference_mode(), cache.capture_prerope(lm.model):
-        for start in range(0, n, chunk):
-            hidden = _forward(lm, cache, batch[:, start:start + chunk], start)
+        block = _block(chunk, n, rows)
+        for start in range(0, n, block):
+            hidden = _forward(lm, cache, batch[:, start:start + block], start)
             for sub in range(0, hidden.shape[1], LM_HEAD_CHUNK):
                 lo = start + sub  # first global position in this piece
                 hi = min(lo + hidden.shape[1] - sub, lo + LM_HEAD_CHUNK, n - 1)
@@ -105,7 +112,7 @@ def score_text(lm: LoadedModel, ids: Sequence[int], policies: Sequence[Policy], 
                 stats["top1_ids"][:, lo:hi] = logp.argmax(-1).cpu().numpy()
                 stats["kl_to_full"][:, lo:hi] = (full.exp() * (full - logp)).sum(-1).cpu().numpy()
             if progress:
-                progress(min(start + chunk, n) / n, "scoring")
+                progress(min(start + block, n) / n, "scoring")
     return cache, stats, index
 
 
@@ -120,8 +127,9 @@ def generate(lm: LoadedModel, prompt_ids: Sequence[int], policies: Sequence[Poli
     outputs: list[list[int]] = [[] for _ in rows]
     done = np.zeros(len(rows), bool)
     with torch.inference_mode(), cache.capture_prerope(lm.model):
-        for start in range(0, len(prompt_ids), chunk):
-            hidden = _forward(lm, cache, batch[:, start:start + chunk], start)
+        block = _block(chunk, len(prompt_ids), rows)
+        for start in range(0, len(prompt_ids), block):
+            hidden = _forward(lm, cache, batch[:, start:start + block], start)
         position = len(prompt_ids)
         for step in range(max_new_tokens):
             next_ids = lm.model.lm_head(hidden[:, -1]).argmax(-1)

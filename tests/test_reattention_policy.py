@@ -64,12 +64,16 @@ def test_ties_go_to_the_earlier_position(tiny):
     assert middle.tolist() == [2]  # every middle key is the same token 7: the earliest wins
 
 
-def test_prompt_in_one_block_equals_chunks_of_one_with_chunk_one(tiny, text_ids):
+def test_decoding_token_by_token_equals_chunks_of_one_on_the_prompt_path(tiny, text_ids):
+    """Algorithm 2 (one token per step) is Algorithm 1 with chunk = 1: generating, then scoring the same
+    text teacher-forced, gives the same selections and the same greedy tokens."""
     policy = ReAttention(budget=20, global_size=2, span=3, topk=2, chunk=1)
-    whole, s_whole, _ = score_text(tiny, text_ids, [policy], chunk=len(text_ids))
-    step, s_step, _ = score_text(tiny, text_ids, [policy], chunk=1)
-    np.testing.assert_array_equal(whole.selected(1), step.selected(1))
-    np.testing.assert_allclose(s_whole["logprobs"], s_step["logprobs"], atol=1e-9)
+    prompt = text_ids[:30]
+    decoded, outputs, _ = generate(tiny, prompt, [policy], max_new_tokens=8)
+    text = prompt + outputs[1]
+    scored, stats, _ = score_text(tiny, text, [policy])
+    np.testing.assert_array_equal(decoded.selected(1), scored.selected(1))
+    assert stats["top1_ids"][1, len(prompt) - 1:].tolist() == outputs[1]
 
 
 def test_bad_parameters_are_clear_errors():
@@ -96,3 +100,11 @@ def test_needle_is_read_at_the_answer_step_on_the_default_model(default_lm):
     layers_reading_needle = reads[:, :, needle].any(axis=(1, 2)).sum()
     assert layers_reading_needle >= 20, layers_reading_needle  # of 30 layers
     assert reads.sum(-1).max() <= policy.budget
+
+
+def test_prompt_path_cuts_its_own_chunks_whatever_the_runner_chunk(tiny, text_ids):
+    policy = ReAttention(budget=20, global_size=2, span=3, topk=2, chunk=4)
+    a, s_a, _ = score_text(tiny, text_ids, [policy], chunk=7)  # 7 does not line up with the policy's chunks
+    b, s_b, _ = score_text(tiny, text_ids, [policy], chunk=len(text_ids))
+    np.testing.assert_array_equal(a.selected(1), b.selected(1))
+    np.testing.assert_array_equal(s_a["logprobs"], s_b["logprobs"])

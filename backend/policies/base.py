@@ -166,6 +166,7 @@ class AttendingPolicy(SelectionPolicy):
     (SparQ mixes in the mean value vector; ReAttention re-rotates the keys it selects)."""
 
     needs_prerope: ClassVar[bool] = False
+    chunks_prompt: ClassVar[bool] = False  # True: give it the whole prompt in one block
 
     def attend_block(self, state: State, block: Block) -> tuple[State, BlockResult]:
         raise NotImplementedError

@@ -30,6 +30,7 @@ class ReAttention(AttendingPolicy):
 
     name = "reattention"
     needs_prerope = True
+    chunks_prompt = True  # the runner hands it the whole prompt; it cuts its own chunks
     budget: int = 64
     global_size: int = 4
     span: int = 8
