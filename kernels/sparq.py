@@ -128,7 +128,7 @@ def _budget(S, k, l):
 # ----------------------------------------------------------------------------- torch reference
 
 
-def sparq_attention_reference(q, K, V, v_mean, k, r, l, *, K_t=None, return_scores=True):
+def sparq_attention_reference(q, K, V, v_mean, k, r, l, *, K_t=None, return_scores=True, lengths=None):
     """SparQ decode attention in plain torch (the spec the Triton kernels are tested against).
 
     Args:
@@ -138,26 +138,39 @@ def sparq_attention_reference(q, K, V, v_mean, k, r, l, *, K_t=None, return_scor
         K_t: optional [B, H_kv, d, S] second copy of K (App. I, "storing K twice"); only used by
             the Triton path, accepted here so both functions share one signature.
         return_scores: keep the [B, H_q, S] approximate scores in the result.
+        lengths: optional [B] ints (reference only): row b's cache is its first lengths[b] positions,
+            the rest of K and V is ignored, so one call serves queries at several positions of one
+            text (a prompt's queries). Each length must be >= min(k, S). Scores of ignored positions
+            are 0; every row then computes exactly what a call on its own truncated cache computes.
 
     Returns a :class:`SparQResult`. Computation is in float32 (float64 for float64 inputs).
     """
     _check_params(k, r, l)
     B, H_q, H_kv, G, S, d = _shapes(q, K, V, v_mean)
     acc = _acc_dtype(q.dtype)
+    k_eff, l_eff, n_top = _budget(S, k, l)
+    if lengths is None:
+        lengths = torch.full((B,), S, device=q.device)
+    lengths = torch.as_tensor(lengths, device=q.device)
+    if lengths.shape != (B,) or int(lengths.min()) < k_eff or int(lengths.max()) > S:
+        raise ValueError(f"lengths must be [B] ints within {k_eff}..{S}, got {lengths.tolist()}")
+    position = torch.arange(S, device=q.device)
 
     # Step 1: approximate scores from r components of q and the same r components of K (Eq. D1).
     i1, q_hat, tau = _query_components(q, H_kv, r)
     r_eff = i1.shape[-1]
     K_hat = K.gather(-1, i1[:, :, None, :].expand(B, H_kv, S, r_eff)).to(acc)  # [B, H_kv, S, r]
     logits = (q_hat @ K_hat.transpose(-1, -2)) / tau[..., None]  # [B, H_kv, G, S]
-    s_hat = torch.softmax(logits, dim=-1)
+    exists = position[None, :] < lengths[:, None]  # [B, S]
+    s_hat = torch.softmax(logits.masked_fill(~exists[:, None, None, :], float("-inf")), dim=-1)
 
     # Step 2: local window + top-(k - l) of the group-summed approximate scores.
-    k_eff, l_eff, n_top = _budget(S, k, l)
-    group_score = s_hat.sum(dim=2)[..., : S - l_eff]  # [B, H_kv, S - l]
+    start = lengths - l_eff  # first position of each row's local window
+    candidate = position[None, :] < start[:, None]  # before the window
+    group_score = s_hat.sum(dim=2).masked_fill(~candidate[:, None, :], float("-inf"))  # [B, H_kv, S]
     # Stable descending sort: among equal scores the earlier position comes first.
     best = torch.sort(group_score, dim=-1, descending=True, stable=True).indices[..., :n_top]
-    window = torch.arange(S - l_eff, S, device=q.device).expand(B, H_kv, l_eff)
+    window = (start[:, None] + torch.arange(l_eff, device=q.device)[None, :])[:, None, :].expand(B, H_kv, l_eff)
     positions = torch.sort(torch.cat([best, window], dim=-1), dim=-1).values  # [B, H_kv, k_eff]
 
     gather_rows = positions[..., None].expand(B, H_kv, k_eff, d)
@@ -168,10 +181,9 @@ def sparq_attention_reference(q, K, V, v_mean, k, r, l, *, K_t=None, return_scor
     y = weights @ V_sel  # [B, H_kv, G, d]
 
     # Step 3: mass of the chosen positions under s_hat (Eq. D5), mixed with the mean value (Eq. D4).
-    if k_eff == S:
-        alpha = torch.ones(B, H_kv, G, dtype=acc, device=q.device)
-    else:
-        alpha = s_hat.gather(-1, positions[:, :, None, :].expand(B, H_kv, G, k_eff)).sum(-1)
+    # A row that reads its whole cache has alpha exactly 1 (no rounding residue).
+    alpha = s_hat.gather(-1, positions[:, :, None, :].expand(B, H_kv, G, k_eff)).sum(-1)
+    alpha = torch.where((lengths == k_eff)[:, None, None], torch.ones_like(alpha), alpha)
     a = alpha[..., None]
     out = a * y + (1 - a) * v_mean.to(acc)[:, :, None, :]
 

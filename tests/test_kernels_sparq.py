@@ -280,3 +280,25 @@ def test_top_n_mask_selects_exactly_n_earliest_on_ties(bits, n, expect):
     out = torch.zeros(8, dtype=torch.int32, device=DEV)
     _top_n_probe[(1,)](b, out, n, N=8)
     assert sorted(torch.nonzero(out).flatten().tolist()) == sorted(expect)
+
+
+def test_reference_rows_with_lengths_equal_calls_on_truncated_caches():
+    """``lengths`` lets one call serve a prompt's queries: each row as if its cache ended at its length."""
+    g = torch.Generator().manual_seed(11)
+    B, H_q, H_kv, S, d, k, r, l = 4, 6, 2, 23, 16, 6, 4, 2
+    q = torch.randn(B, H_q, d, generator=g, dtype=torch.float64)
+    K = torch.randn(1, H_kv, S, d, generator=g, dtype=torch.float64).expand(B, -1, -1, -1)
+    V = torch.randn(1, H_kv, S, d, generator=g, dtype=torch.float64).expand(B, -1, -1, -1)
+    lengths = torch.tensor([6, 9, 17, 23])
+    v_mean = torch.stack([V[b, :, : int(n)].mean(1) for b, n in enumerate(lengths)])
+    batched = sparq.sparq_attention_reference(q, K, V, v_mean, k, r, l, lengths=lengths)
+    for b, n in enumerate(lengths.tolist()):
+        alone = sparq.sparq_attention_reference(q[b:b + 1], K[b:b + 1, :, :n], V[b:b + 1, :, :n], v_mean[b:b + 1],
+                                                k, r, l)
+        torch.testing.assert_close(batched.out[b], alone.out[0])
+        assert torch.equal(batched.positions[b], alone.positions[0])
+        torch.testing.assert_close(batched.alpha[b], alone.alpha[0])
+        torch.testing.assert_close(batched.scores[b, :, :n], alone.scores[0])
+        assert (batched.scores[b, :, n:] == 0).all()
+    with pytest.raises(ValueError, match="lengths"):
+        sparq.sparq_attention_reference(q, K, V, v_mean, k, r, l, lengths=torch.tensor([5, 9, 17, 23]))

@@ -48,31 +48,50 @@ class SparQ(AttendingPolicy):
         n_q_heads, n, dim = block.q.shape
         n_kv_heads, total, _ = block.k.shape
         group = n_q_heads // n_kv_heads
+        steps = torch.arange(block.first, block.first + n)
+        counts = torch.arange(1, total + 1, device=block.v.device)[None, :, None]
+        running_mean = block.v.cumsum(1) / counts  # [H_kv, M, d]: mean of V over positions 0..t
+        # Queries that fit their whole cache in the budget read everything (alpha = 1). On a GPU each
+        # query runs the Triton kernels; on a CPU the later ones share one reference call (``lengths``).
+        short = steps < self.budget
+        calls = [[i] for i in range(n)] if block.k.is_cuda else \
+            [[i] for i in torch.nonzero(short).flatten().tolist()] + [torch.nonzero(~short).flatten().tolist()]
+        out = torch.empty(n, n_q_heads, dim, dtype=block.q.dtype, device=block.q.device)
         reads = np.zeros((n_kv_heads, n, total), bool)
         attn = np.zeros((n_kv_heads, n, total), np.float32)
-        outs, alpha, agreement, transfer = [], [], [], []
-        for i in range(n):
-            t = block.first + i
-            keys, values = block.k[None, :, : t + 1], block.v[None, :, : t + 1]
-            # Triton kernels on GPU, the torch reference on CPU (kernels/sparq.py tests them against each other).
-            attend = sparq_attention if keys.is_cuda else sparq_attention_reference
-            res = attend(block.q[None, :, i], keys, values, values.mean(2), self.budget, self.r, self.window)
-            outs.append(res.out[0])
-            chosen = res.positions[0].cpu().numpy()  # [H_kv, k]
-            np.put_along_axis(reads[:, i], chosen, True, axis=-1)
-            exact = torch.softmax(block.q[:, i].double().view(n_kv_heads, group, dim)
-                                  @ keys[0].double().transpose(-1, -2) * block.scaling, -1)  # [H_kv, G, t+1]
-            exact = exact.cpu()
-            mass = (exact * torch.from_numpy(reads[:, i, : t + 1])[:, None]).numpy()
-            attn[:, i, : t + 1] = (mass / mass.sum(-1, keepdims=True)).mean(1)
-            approx = res.scores[0].cpu().view(n_kv_heads, group, t + 1).sum(1)
-            agreement.append(_topk_agreement(approx, exact.sum(1), min(self.budget, t + 1)))
-            alpha.append(res.alpha[0].float().cpu().numpy())
-            cost = sparq_transfer_bytes(t + 1, dim, self.budget, self.r, n_kv_heads=n_kv_heads)
-            transfer.append(np.array([cost["sparq"], cost["dense"]], np.float64))
-        stats = {"alpha": np.stack(alpha), "topk_agreement": np.stack(agreement),
-                 "transfer_bytes": np.stack(transfer)}
-        return state, BlockResult(out=torch.stack(outs, 1).transpose(0, 1), reads=reads, attn=attn, stats=stats)
+        alpha = np.zeros((n, n_q_heads), np.float32)
+        agreement = np.zeros((n, n_kv_heads), np.float32)
+        for rows in filter(None, calls):
+            t = steps[rows]
+            length = int(t.max()) + 1
+            keys = block.k[None, :, :length].expand(len(rows), -1, -1, -1)
+            values = block.v[None, :, :length].expand(len(rows), -1, -1, -1)
+            means = running_mean[:, t].transpose(0, 1)
+            query = block.q[:, rows].transpose(0, 1)  # [m, H_q, d]
+            if len(rows) == 1:
+                res = (sparq_attention if keys.is_cuda else sparq_attention_reference)(
+                    query, keys, values, means, self.budget, self.r, self.window)
+            else:
+                res = sparq_attention_reference(query, keys, values, means, self.budget, self.r, self.window,
+                                                lengths=t + 1)
+            out[rows] = res.out
+            chosen = np.zeros((len(rows), n_kv_heads, length), bool)
+            np.put_along_axis(chosen, res.positions.cpu().numpy(), True, axis=-1)
+            reads[:, rows, :length] = chosen.transpose(1, 0, 2)
+            exists = torch.arange(length)[None, :] <= t[:, None].cpu()  # [m, length]
+            logits = query.view(-1, n_kv_heads, group, dim) @ block.k[:, :length].transpose(-1, -2) * block.scaling
+            exact = torch.softmax(logits.double().cpu().masked_fill(~exists[:, None, None], float("-inf")), -1)
+            mass = exact * torch.from_numpy(chosen)[:, :, None]
+            attn[:, rows, :length] = (mass / mass.sum(-1, keepdim=True)).mean(2).numpy().transpose(1, 0, 2)
+            approx = res.scores.cpu().view(-1, n_kv_heads, group, length).sum(2)
+            for j, row in enumerate(rows):
+                agreement[row] = _topk_agreement(approx[j], exact[j].sum(1), min(self.budget, int(t[j]) + 1))
+            alpha[rows] = res.alpha.float().cpu().numpy()
+        transfer = np.array([[cost["sparq"], cost["dense"]] for cost in
+                             (sparq_transfer_bytes(int(t) + 1, dim, self.budget, self.r, n_kv_heads=n_kv_heads)
+                              for t in steps)], np.float64)
+        stats = {"alpha": alpha, "topk_agreement": agreement, "transfer_bytes": transfer}
+        return state, BlockResult(out=out, reads=reads, attn=attn, stats=stats)
 
 
 def _topk_agreement(approx: torch.Tensor, exact: torch.Tensor, k: int) -> np.ndarray:
