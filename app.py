@@ -52,7 +52,7 @@ def load_run(run_id):
 def render_run(run_id):
     """The views that depend on the run alone."""
     if not run_id:
-        return [None] * 6
+        return [None] * 8
     run = load_run(run_id)
     return [panels.summary_table(run), *panels.divergence(run), *panels.retention(run), panels.share_markdown(run)]
 
@@ -60,11 +60,11 @@ def render_run(run_id):
 def render_views(run_id, layer, head, step, alpha):
     """The views that follow the layer, head and step selectors (t-SNE is computed on demand)."""
     if not run_id:
-        return [None] * 3
+        return [None] * 4
     run = load_run(run_id)
     step = panels.clamp_step(run, step)
     return [panels.heatmaps(run, layer, head), panels.kept_tokens(run, step, layer, head),
-            panels.score_curves(run, layer, head, alpha, step)]
+            *panels.score_curves(run, layer, head, alpha, step)]
 
 
 def on_run(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model, progress=gr.Progress()):
@@ -172,6 +172,7 @@ def build() -> gr.Blocks:
                         gr.Markdown(NOTES["curves"])
                         curve_alpha = gr.Slider(0.0, 1.0, value=0.3, step=0.05, label="alpha for A2SF")
                         curves = gr.Plot(elem_id="curves")
+                        curves_steps = gr.Plot(elem_id="curves-steps")
                     with gr.Tab("K-cache t-SNE"):
                         gr.Markdown(NOTES["tsne"])
                         with gr.Row():
@@ -184,6 +185,8 @@ def build() -> gr.Blocks:
                         continuations = gr.HTML(elem_id="continuations")
                     with gr.Tab("Retention"):
                         gr.Markdown(NOTES["retention"])
+                        first_token_plot = gr.Plot(elem_id="first-token")
+                        non_recent_plot = gr.Plot(elem_id="non-recent")
                         retention_plot = gr.Plot(elem_id="retention")
                         pos_table = gr.Dataframe(label="Mean lifetime by part of speech", interactive=False)
                     with gr.Tab("Sweep"):
@@ -199,8 +202,9 @@ def build() -> gr.Blocks:
                         export_button = gr.Button("Download traces and figures (zip)")
                         export_file = gr.File(label="Traces")
 
-        run_views = [summary, divergence_plot, continuations, retention_plot, pos_table, share]
-        views = [heatmap, kept, curves]
+        run_views = [summary, divergence_plot, continuations, first_token_plot, non_recent_plot, retention_plot,
+                     pos_table, share]
+        views = [heatmap, kept, curves, curves_steps]
         selectors = [run_id, layer, head, step, curve_alpha]
         run_inputs = [prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model]
         # Moving the budget re-runs too: replayed from the store when that budget was computed before.

@@ -78,16 +78,18 @@ def test_deep_link_and_views_render_a_stored_run(tiny_session):
     app.panels._runs.clear()
     run_id, status = app.on_load(SimpleNamespace(query_params={"run": run.run_id}))
     assert run_id == run.run_id and "shared run" in status
-    summary, divergence, continuations, retention, pos_table, share = app.render_run(run_id)
+    summary, divergence, continuations, first_token, non_recent, by_position, pos_table, share = app.render_run(run_id)
+    assert {d.name for d in first_token.data} == {"tova:budget=6", "oracle:budget=6", "sparq:budget=6"}
+    assert len(first_token.data[0].y) == 2 and len(non_recent.data) == 3  # per layer of the tiny model
     assert list(summary["Policy"]) == ["tova:budget=6", "oracle:budget=6", "sparq:budget=6"]
     assert run.run_id in share and "no continuations" in continuations
-    heatmap, kept, curves = app.render_views(run_id, "1", "0", 30, 0.3)
-    assert len(heatmap.data) == 3 and kept.count("at step 30") == 3 and curves.data
+    heatmap, kept, curves, curves_steps = app.render_views(run_id, "1", "0", 30, 0.3)
+    assert len(heatmap.data) == 3 and kept.count("at step 30") == 3 and curves.data and curves_steps.data
     assert app.on_tsne(run_id, "tova", "1", "0").data
     assert list(summary.columns[-2:]) == ["Token 0 kept", "Non-recent share"]
     with zipfile.ZipFile(app.on_export(run_id, "all", "all", 5, 0.3)) as z:
         figures = z.read("figures.html").decode()
-        assert figures.count("plotly-graph-div") >= 4 and "tova:budget=6" in figures
+        assert figures.count("plotly-graph-div") >= 7 and "tova:budget=6" in figures
 
 
 def test_too_long_prompt_is_refused(tiny_session, monkeypatch):

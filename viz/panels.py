@@ -17,11 +17,11 @@ from backend import metrics, pos
 from backend.trace import Trace
 
 from .colors import policy_colors
-from .curves import score_curves_figure
+from .curves import score_curves_figure, score_over_steps_figure
 from .divergence import divergence_figure, summary_table as summary_frame
 from .heatmap import attention_zmax, mask_heatmaps
 from .highlight import continuations_html, kept_tokens_html
-from .retention import lifetime_by_position_figure, pos_table
+from .retention import first_token_retention_figure, lifetime_by_position_figure, non_recent_share_figure, pos_table
 from .sweep import sweep_figure as sweep_plot
 from .tsne import tsne_figure
 
@@ -137,7 +137,9 @@ def kept_tokens(run, step: int, layer: str, head: str) -> str:
     return "\n".join(parts)
 
 
-def score_curves(run, layer: str, head: str, alpha: float, step: int) -> go.Figure:
+def score_curves(run, layer: str, head: str, alpha: float, step: int) -> tuple[go.Figure, go.Figure]:
+    """Under Full attention: every token's A2S and A2SF at ``step`` (A2SF Fig. 1), and over the steps
+    for the tokens A2SF ranks highest there (Fig. 6)."""
     full = run.full
     budgets = [b for b in map(_budget, run.traces) if b]
     budget = budgets[0] if budgets else 16
@@ -145,10 +147,16 @@ def score_curves(run, layer: str, head: str, alpha: float, step: int) -> go.Figu
     at_head = 0 if head == "all" else int(head)
     curves = metrics.score_curves(full, at_layer, at_head, float(alpha), budget)
     at = min(step, len(full.tokens) - 1)
-    return score_curves_figure(curves.a2s, curves.a2sf, full.meta["token_texts"], at, curves.keep_a2s,
-                               curves.keep_a2sf, float(alpha),
-                               title=f"Full attention, layer {at_layer}, KV head {at_head}: A2S vs A2SF "
-                                     f"(alpha={alpha:g}) at step {at}, budget {budget}")
+    where = f"Full attention, layer {at_layer}, KV head {at_head}"
+    snapshot = score_curves_figure(curves.a2s, curves.a2sf, full.meta["token_texts"], at, curves.keep_a2s,
+                                   curves.keep_a2sf, float(alpha),
+                                   title=f"{where}: A2S vs A2SF (alpha={alpha:g}) at step {at}, budget {budget}")
+    top = np.argsort(-curves.a2sf[at, : at + 1], kind="stable")[:6].tolist()
+    over_steps = score_over_steps_figure(curves.a2s, curves.a2sf, sorted(top), full.meta["token_texts"],
+                                         alpha=float(alpha), keep_a2s=curves.keep_a2s, keep_a2sf=curves.keep_a2sf,
+                                         title=f"{where}: scores over the steps of the 6 tokens A2SF ranks "
+                                               f"highest at step {at}")
+    return snapshot, over_steps
 
 
 def tsne(run, policy: str, layer: str, head: str) -> go.Figure:
@@ -181,25 +189,37 @@ def _continuation_texts(trace: Trace) -> list[str]:
     return trace.meta["token_texts"][trace.meta["n_prompt"]:]
 
 
-def retention(run) -> tuple[go.Figure, pd.DataFrame]:
+def retention(run) -> tuple[go.Figure, go.Figure, go.Figure, pd.DataFrame]:
+    """Token 0's retention and the non-recent share per layer, lifetime by position (TOVA Fig. 8 and
+    Sec. 6.1), and the mean lifetime per part of speech (Tables 1 and 4)."""
     evicting = [t for t in run.traces if t.evicted_at is not None]
-    lifetimes = {t.spec: metrics.mean_lifetime_by_position(t) for t in run.traces if t.meta["kind"] != "full"}
-    figure = lifetime_by_position_figure(lifetimes, colors=policy_colors(list(lifetimes))) if lifetimes else go.Figure()
+    compressed = [t for t in run.traces if t.meta["kind"] != "full"]
+    colors = policy_colors([t.spec for t in compressed])
+    first = first_token_retention_figure({t.spec: metrics.first_token_retention(t)[:, 0] for t in compressed},
+                                         colors=colors, title="Share of steps token 0 stays cached, per layer")
+    shares = {t.spec: metrics.non_recent_share(t)["per_layer"] for t in compressed
+              if _budget(t) and len(t.tokens) > _budget(t)}
+    non_recent = non_recent_share_figure(shares, colors=colors, x_title="layer",
+                                         title="Share of what each query reads that lies outside its last budget tokens")
+    lifetimes = {t.spec: metrics.mean_lifetime_by_position(t) for t in compressed}
+    by_position = lifetime_by_position_figure(lifetimes, colors=colors) if lifetimes else go.Figure()
+    figures = (first, non_recent, by_position)
     if not evicting:
-        return figure, pd.DataFrame({"note": ["Pick an eviction policy to see which parts of speech it keeps."]})
+        return (*figures, pd.DataFrame({"note": ["Pick an eviction policy to see which parts of speech it keeps."]}))
     try:
         columns = {t.spec: pos.pos_lifetimes(t).set_index("tag")["mean_lifetime"] for t in evicting}
         columns = {spec: col.rename(index={"\n": "\\n (line break)"}) for spec, col in columns.items()}
     except pos.TaggerUnavailable as err:
-        return figure, pd.DataFrame({"note": [str(err)]})
-    return figure, pos_table(pd.DataFrame(columns)).rename(columns=lambda c: c if c in ("tag", "pos") else
-                                                          f"{c} (mean steps kept)")
+        return (*figures, pd.DataFrame({"note": [str(err)]}))
+    table = pos_table(pd.DataFrame(columns)).rename(
+        columns=lambda c: c if c in ("tag", "pos") else f"{c} (mean steps kept)")
+    return (*figures, table)
 
 
 def figures_html(run, layer: str, head: str, step: int, alpha: float) -> str:
     """Every figure of the run for the given selectors, in one offline HTML page (plotly.js inlined once)."""
-    figures = [heatmaps(run, layer, head), score_curves(run, layer, head, alpha, step), divergence(run)[0],
-               retention(run)[0]]
+    figures = [heatmaps(run, layer, head), *score_curves(run, layer, head, alpha, step), divergence(run)[0],
+               *retention(run)[:3]]
     parts = [fig.to_html(full_html=False, include_plotlyjs=(i == 0)) for i, fig in enumerate(figures)]
     title = html.escape(f"KV Lens run {run.run_id[:12]}: {', '.join(t.spec for t in run.traces)}")
     return f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title></head><body><h2>{title}</h2>" + \
