@@ -118,6 +118,14 @@ def _query_components(q, H_kv, r):
     return i1, q_hat, tau
 
 
+def _row_lengths(lengths, B, S, k_eff, device):
+    """``lengths`` as a [B] int tensor on ``device``, checked: each row's cache must hold k_eff..S positions."""
+    lengths = torch.as_tensor(lengths, device=device)
+    if lengths.shape != (B,) or int(lengths.min()) < k_eff or int(lengths.max()) > S:
+        raise ValueError(f"lengths must be [B] ints within {k_eff}..{S}, got {lengths.tolist()}")
+    return lengths
+
+
 def _budget(S, k, l):
     """(k_eff, l_eff, n_top): positions read, local-window size, positions picked by score."""
     k_eff = min(k, S)
@@ -138,7 +146,7 @@ def sparq_attention_reference(q, K, V, v_mean, k, r, l, *, K_t=None, return_scor
         K_t: optional [B, H_kv, d, S] second copy of K (App. I, "storing K twice"); only used by
             the Triton path, accepted here so both functions share one signature.
         return_scores: keep the [B, H_q, S] approximate scores in the result.
-        lengths: optional [B] ints (reference only): row b's cache is its first lengths[b] positions,
+        lengths: optional [B] ints: row b's cache is its first lengths[b] positions,
             the rest of K and V is ignored, so one call serves queries at several positions of one
             text (a prompt's queries). Each length must be >= min(k, S). Scores of ignored positions
             are 0; every row then computes exactly what a call on its own truncated cache computes.
@@ -149,11 +157,8 @@ def sparq_attention_reference(q, K, V, v_mean, k, r, l, *, K_t=None, return_scor
     B, H_q, H_kv, G, S, d = _shapes(q, K, V, v_mean)
     acc = _acc_dtype(q.dtype)
     k_eff, l_eff, n_top = _budget(S, k, l)
-    if lengths is None:
-        lengths = torch.full((B,), S, device=q.device)
-    lengths = torch.as_tensor(lengths, device=q.device)
-    if lengths.shape != (B,) or int(lengths.min()) < k_eff or int(lengths.max()) > S:
-        raise ValueError(f"lengths must be [B] ints within {k_eff}..{S}, got {lengths.tolist()}")
+    lengths = torch.full((B,), S, device=q.device) if lengths is None else \
+        _row_lengths(lengths, B, S, k_eff, q.device)
     position = torch.arange(S, device=q.device)
 
     # Step 1: approximate scores from r components of q and the same r components of K (Eq. D1).
@@ -255,22 +260,30 @@ if HAS_TRITON:
                  mask=g_ok[:, None] & chosen[None, :])
 
     @triton.jit
+    def _row_length(len_ptr, b, S, HAS_LEN: tl.constexpr):
+        """Positions in row b's cache: lengths[b] (prompt path, several queries on one text) or S."""
+        if HAS_LEN:
+            return tl.load(len_ptr + b).to(tl.int32)
+        return S
+
+    @triton.jit
     def _step1_block(
         qhat_ptr, comp_ptr,  # [B*H_kv, G, R] fp32 (q[i1] / tau), [B*H_kv, R] int64
         k_ptr, stride_kb, stride_kh, stride_ks, stride_kd,
         logit_ptr, bmax_ptr, bsum_ptr,  # [B*H_q, S], [B*H_q, NB], [B*H_q, NB] fp32
-        row, blk, H_kv, S, NB,
+        len_ptr, row, blk, H_kv, S, NB,
         G: tl.constexpr, G_PAD: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr,
-        BLOCK_S: tl.constexpr, S_CONTIG: tl.constexpr,
+        BLOCK_S: tl.constexpr, S_CONTIG: tl.constexpr, HAS_LEN: tl.constexpr,
     ):
         """Step 1 for one KV head (row = b * H_kv + h) x one block of positions: gather r
         components of K, approximate logits (Eq. D1). The K tile is read once for the whole
-        query group. Writes logits and per-block softmax partials (max, sum of exp)."""
+        query group. Writes logits and per-block softmax partials (max, sum of exp); positions
+        past the row's length are neither read nor written (their block partials are -inf, 0)."""
         row64 = row.to(tl.int64)
         b = row64 // H_kv
         h = row64 % H_kv
         offs_s = blk * BLOCK_S + tl.arange(0, BLOCK_S)
-        s_ok = offs_s < S
+        s_ok = offs_s < _row_length(len_ptr, b, S, HAS_LEN)
         offs_g = tl.arange(0, G_PAD)
         g_ok = offs_g < G
         k_head = k_ptr + b * stride_kb + h * stride_kh  # 64-bit base, 32-bit offsets inside a head
@@ -302,8 +315,9 @@ if HAS_TRITON:
         tl.store(logit_ptr + rows[:, None] * S + offs_s[None, :], acc,
                  mask=g_ok[:, None] & s_ok[None, :])
         m = tl.max(acc, axis=1)
+        shift = tl.where(m == float("-inf"), 0.0, m)  # a block wholly past the length sums to 0
         tl.store(bmax_ptr + rows * NB + blk, m, mask=g_ok)
-        tl.store(bsum_ptr + rows * NB + blk, tl.sum(tl.exp(acc - m[:, None]), axis=1), mask=g_ok)
+        tl.store(bsum_ptr + rows * NB + blk, tl.sum(tl.exp(acc - shift[:, None]), axis=1), mask=g_ok)
 
     @triton.jit
     def _softmax_stats(bmax_ptr, bsum_ptr, rows, g_ok, NB, NB_PAD: tl.constexpr):
@@ -356,15 +370,18 @@ if HAS_TRITON:
     def _select_chunk(
         logit_ptr, bmax_ptr, bsum_ptr, score_ptr,
         cbits_ptr, cpos_ptr, cand_base,  # candidates: N_CAND int32 slots at cand_base, -1 if unused
-        row, blk, S, S_TOP, NB, N_CAND,
+        len_ptr, row, blk, H_kv, S, L_EFF, NB, N_CAND,
         G: tl.constexpr, NB_PAD: tl.constexpr, BLOCK: tl.constexpr, N_PAD: tl.constexpr,
-        WRITE_SCORES: tl.constexpr,
+        WRITE_SCORES: tl.constexpr, HAS_LEN: tl.constexpr,
     ):
         """Normalise s_hat (Eq. D1), sum it over the group (paper Sec. 2, GQA) and keep this
-        chunk's N_CAND best positions outside the local window, compacted in position order.
-        One query head at a time, so only [BLOCK] vectors are live."""
+        chunk's N_CAND best positions outside the local window (the last L_EFF positions of the
+        row), compacted in position order. One query head at a time, so only [BLOCK] vectors are
+        live. Scores past the row's length are 0."""
+        length = _row_length(len_ptr, row.to(tl.int64) // H_kv, S, HAS_LEN)
         offs_s = blk * BLOCK + tl.arange(0, BLOCK)
         s_ok = offs_s < S
+        exists = offs_s < length
         offs_nb = tl.arange(0, NB_PAD)
         nb_ok = offs_nb < NB
         group = tl.zeros([BLOCK], tl.float32)
@@ -376,13 +393,13 @@ if HAS_TRITON:
                          cache_modifier=".cg")
             m = tl.max(bm, axis=0)
             z = tl.sum(bs * tl.exp(bm - m), axis=0)
-            x = tl.load(logit_ptr + hrow * S + offs_s, mask=s_ok, other=float("-inf"),
+            x = tl.load(logit_ptr + hrow * S + offs_s, mask=exists, other=float("-inf"),
                         cache_modifier=".cg")
             p = tl.exp(x - m) / z  # s_hat of query head g
             if WRITE_SCORES:
                 tl.store(score_ptr + hrow * S + offs_s, p, mask=s_ok)
             group += p
-        bits = tl.where(offs_s < S_TOP, group.to(tl.int32, bitcast=True), -1)
+        bits = tl.where(offs_s < length - L_EFF, group.to(tl.int32, bitcast=True), -1)
         sel = _top_n_mask(bits, offs_s, N_CAND)
         slot = tl.cumsum(sel.to(tl.int32), axis=0) - 1
         tl.store(cbits_ptr + cand_base + slot, bits, mask=sel)
@@ -409,7 +426,7 @@ if HAS_TRITON:
         return total
 
     @triton.jit
-    def _merge_candidates(cbits_ptr, cpos_ptr, base, C, out, S, N_TOP, N_SEL,
+    def _merge_candidates(cbits_ptr, cpos_ptr, base, C, out, length, N_TOP, N_SEL,
                           CHUNK: tl.constexpr, ONE_TILE: tl.constexpr):
         """Merge a row's chunk candidates into its N_TOP best (same order and tie rule as
         _top_n_mask), write them in ascending position order (candidates are stored in position
@@ -427,7 +444,7 @@ if HAS_TRITON:
             _merge_chunked(cbits_ptr, cpos_ptr, base, C, out, N_TOP, CHUNK)
         for start in range(N_TOP, N_SEL, CHUNK):  # local window, after every other position
             offs = start + tl.arange(0, CHUNK)
-            tl.store(out + offs, (S - N_SEL + offs).to(tl.int64), mask=offs < N_SEL)
+            tl.store(out + offs, (length - N_SEL + offs).to(tl.int64), mask=offs < N_SEL)
 
     @triton.jit
     def _merge_chunked(cbits_ptr, cpos_ptr, base, C, out, N_TOP, CHUNK: tl.constexpr):
@@ -480,9 +497,9 @@ if HAS_TRITON:
         k_ptr, v_ptr, stride_kb, stride_kh, stride_ks, stride_kd,
         vm_ptr, stride_mb, stride_mh, stride_md,
         pos_ptr, logit_ptr, bmax_ptr, bsum_ptr, out_ptr, alpha_ptr,
-        row, H_kv, S, D, NB, N_SEL, sm_scale,
+        row, H_kv, S, length, D, NB, N_SEL, sm_scale,
         G: tl.constexpr, G_PAD: tl.constexpr, NB_PAD: tl.constexpr,
-        BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, FULL: tl.constexpr, IEEE: tl.constexpr,
+        BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
     ):
         """Steps 2 + 3 for one KV head: gather the chosen K/V rows, exact attention (online
         softmax, Eq. D3), alpha from the step-1 logits (Eq. D5), mean-value mix (Eq. D4).
@@ -545,10 +562,7 @@ if HAS_TRITON:
             mass += tl.sum(tl.exp(lg - m_hat[:, None]) / z_hat[:, None], axis=1)
 
         y = acc / l_i[:, None]
-        if FULL:
-            alpha = tl.full([G_PAD], 1.0, tl.float32)
-        else:
-            alpha = mass
+        alpha = tl.where(length == N_SEL, 1.0, mass)  # the whole cache read: exactly 1
         vm = tl.load(vm_ptr + b * stride_mb + h * stride_mh + offs_d * stride_md,
                      mask=d_ok, other=0.0).to(tl.float32)
         out = alpha[:, None] * y + (1.0 - alpha[:, None]) * vm[None, :]
@@ -561,48 +575,49 @@ if HAS_TRITON:
     @triton.jit
     def _sparq_step1_kernel(
         qhat_ptr, comp_ptr, k_ptr, stride_kb, stride_kh, stride_ks, stride_kd,
-        logit_ptr, bmax_ptr, bsum_ptr, H_kv, S, NB,
+        logit_ptr, bmax_ptr, bsum_ptr, len_ptr, H_kv, S, NB,
         G: tl.constexpr, G_PAD: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr,
-        BLOCK_S: tl.constexpr, S_CONTIG: tl.constexpr,
+        BLOCK_S: tl.constexpr, S_CONTIG: tl.constexpr, HAS_LEN: tl.constexpr,
     ):
         _step1_block(qhat_ptr, comp_ptr, k_ptr, stride_kb, stride_kh, stride_ks, stride_kd,
-                     logit_ptr, bmax_ptr, bsum_ptr, tl.program_id(0), tl.program_id(1), H_kv, S, NB,
-                     G, G_PAD, R, R_PAD, BLOCK_S, S_CONTIG)
+                     logit_ptr, bmax_ptr, bsum_ptr, len_ptr, tl.program_id(0), tl.program_id(1),
+                     H_kv, S, NB, G, G_PAD, R, R_PAD, BLOCK_S, S_CONTIG, HAS_LEN)
 
     @triton.jit
     def _sparq_select_kernel(
-        logit_ptr, bmax_ptr, bsum_ptr, score_ptr, cbits_ptr, cpos_ptr,
-        S, S_TOP, NB, NCH, N_CAND,
+        logit_ptr, bmax_ptr, bsum_ptr, score_ptr, cbits_ptr, cpos_ptr, len_ptr,
+        H_kv, S, L_EFF, NB, NCH, N_CAND,
         G: tl.constexpr, NB_PAD: tl.constexpr, BLOCK: tl.constexpr, N_PAD: tl.constexpr,
-        WRITE_SCORES: tl.constexpr,
+        WRITE_SCORES: tl.constexpr, HAS_LEN: tl.constexpr,
     ):
         row = tl.program_id(0)
         blk = tl.program_id(1)
         _select_chunk(logit_ptr, bmax_ptr, bsum_ptr, score_ptr, cbits_ptr, cpos_ptr,
-                      (row.to(tl.int64) * NCH + blk) * N_CAND, row, blk, S, S_TOP, NB, N_CAND,
-                      G, NB_PAD, BLOCK, N_PAD, WRITE_SCORES)
+                      (row.to(tl.int64) * NCH + blk) * N_CAND, len_ptr, row, blk, H_kv, S, L_EFF,
+                      NB, N_CAND, G, NB_PAD, BLOCK, N_PAD, WRITE_SCORES, HAS_LEN)
 
     @triton.jit
     def _sparq_finish_kernel(
         q_ptr, stride_qb, stride_qh, stride_qd,
         k_ptr, v_ptr, stride_kb, stride_kh, stride_ks, stride_kd,
         vm_ptr, stride_mb, stride_mh, stride_md,
-        cbits_ptr, cpos_ptr, pos_ptr, logit_ptr, bmax_ptr, bsum_ptr, out_ptr, alpha_ptr,
+        cbits_ptr, cpos_ptr, pos_ptr, logit_ptr, bmax_ptr, bsum_ptr, out_ptr, alpha_ptr, len_ptr,
         H_kv, S, D, NB, C, N_TOP, N_SEL, sm_scale,
         G: tl.constexpr, G_DOT: tl.constexpr, NB_PAD: tl.constexpr, CHUNK: tl.constexpr,
         ONE_TILE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-        FULL: tl.constexpr, IEEE: tl.constexpr,
+        IEEE: tl.constexpr, HAS_LEN: tl.constexpr,
     ):
         row = tl.program_id(0)
+        length = _row_length(len_ptr, row.to(tl.int64) // H_kv, S, HAS_LEN)
         _merge_candidates(cbits_ptr, cpos_ptr, row.to(tl.int64) * C, C,
-                          pos_ptr + row.to(tl.int64) * N_SEL, S, N_TOP, N_SEL, CHUNK, ONE_TILE)
+                          pos_ptr + row.to(tl.int64) * N_SEL, length, N_TOP, N_SEL, CHUNK, ONE_TILE)
         tl.debug_barrier()  # positions were written by other threads of this program
         _attend(q_ptr, stride_qb, stride_qh, stride_qd,
                 k_ptr, v_ptr, stride_kb, stride_kh, stride_ks, stride_kd,
                 vm_ptr, stride_mb, stride_mh, stride_md,
                 pos_ptr, logit_ptr, bmax_ptr, bsum_ptr, out_ptr, alpha_ptr,
-                row, H_kv, S, D, NB, N_SEL, sm_scale,
-                G, G_DOT, NB_PAD, BLOCK_K, BLOCK_D, FULL, IEEE)
+                row, H_kv, S, length, D, NB, N_SEL, sm_scale,
+                G, G_DOT, NB_PAD, BLOCK_K, BLOCK_D, IEEE)
 
 
 def _next_pow2(n):
@@ -620,12 +635,14 @@ def _select_warps(select_block):
     return max(2, min(16, select_block // 512))
 
 
-def sparq_attention_triton(q, K, V, v_mean, k, r, l, *, K_t=None, return_scores=True,
+def sparq_attention_triton(q, K, V, v_mean, k, r, l, *, K_t=None, return_scores=True, lengths=None,
                            block_s=None, select_block=None, row_chunk=None):
     """SparQ decode attention with Triton kernels; same arguments and result as the reference.
 
     K_t: optional [B, H_kv, d, S] S-contiguous copy of K (App. I). Step 1 then reads r contiguous
         rows instead of r strided components per position; values must equal ``K``.
+    lengths: optional [B] ints, as for the reference (checking them synchronises with the host;
+        without them nothing does).
     block_s: positions per program in step 1. select_block: positions per selection chunk
         (default: the whole row up to ``_LAUNCH['select_max']``). row_chunk: candidates per loop
         iteration when merging the chunks' candidates (default: all of them, up to 4096, in one
@@ -652,7 +669,6 @@ def sparq_attention_triton(q, K, V, v_mean, k, r, l, *, K_t=None, return_scores=
     n_rows = B * H_kv
     r_eff = min(r, d)
     k_eff, l_eff, n_top = _budget(S, k, l)
-    s_top = S - l_eff
     g_pad = _next_pow2(G)
     block_s = block_s or _LAUNCH["block_s"]
     select_block = select_block or min(_next_pow2(S), _LAUNCH["select_max"])
@@ -661,6 +677,9 @@ def sparq_attention_triton(q, K, V, v_mean, k, r, l, *, K_t=None, return_scores=
     n_cand = min(n_top, select_block)
     k1 = K_t.transpose(-1, -2) if K_t is not None else K  # [B, H_kv, S, d] view
     s_contig = k1.stride(2) == 1
+    has_len = lengths is not None
+    if has_len:
+        lengths = _row_lengths(lengths, B, S, k_eff, dev).to(torch.int32)
 
     # prep: components, tau, q[i1] / tau.
     comps = torch.empty(B, H_kv, r_eff, dtype=torch.int64, device=dev)
@@ -685,24 +704,24 @@ def sparq_attention_triton(q, K, V, v_mean, k, r, l, *, K_t=None, return_scores=
     row_chunk = row_chunk or min(4096, _next_pow2(max(n_cands, 16)))
     attend = dict(G_DOT=max(16, g_pad), NB_PAD=_next_pow2(nb), CHUNK=row_chunk,
                   ONE_TILE=n_cands <= row_chunk,
-                  BLOCK_K=128 if block_d <= 64 else 64, BLOCK_D=block_d, FULL=(k_eff == S),
+                  BLOCK_K=128 if block_d <= 64 else 64, BLOCK_D=block_d,
                   IEEE=(q.dtype == torch.float32))
     sel_warps = _LAUNCH["select_warps"] or _select_warps(select_block)
     _LAST["step1"] = _sparq_step1_kernel[(n_rows, nb)](
-        qhat, comps, k1, *k1.stride(), logits, bmax, bsum, H_kv, S, nb,
+        qhat, comps, k1, *k1.stride(), logits, bmax, bsum, lengths if has_len else comps, H_kv, S, nb,
         G=G, G_PAD=g_pad, R=r_eff, R_PAD=_next_pow2(r_eff), BLOCK_S=block_s,
-        S_CONTIG=s_contig, num_warps=_LAUNCH["step1_warps"],
+        S_CONTIG=s_contig, HAS_LEN=has_len, num_warps=_LAUNCH["step1_warps"],
     )
     _LAST["select"] = _sparq_select_kernel[(n_rows, nch)](
-        logits, bmax, bsum, scores, cbits, cpos, S, s_top, nb, nch, n_cand,
+        logits, bmax, bsum, scores, cbits, cpos, lengths if has_len else comps, H_kv, S, l_eff, nb, nch, n_cand,
         G=G, NB_PAD=attend["NB_PAD"], BLOCK=select_block, N_PAD=_next_pow2(max(n_cand, 1)),
-        WRITE_SCORES=return_scores, num_warps=sel_warps,
+        WRITE_SCORES=return_scores, HAS_LEN=has_len, num_warps=sel_warps,
     )
     _LAST["finish"] = _sparq_finish_kernel[(n_rows,)](
         q, *q.stride(), K, V, *K.stride(), v_mean, *v_mean.stride(),
-        cbits, cpos, positions, logits, bmax, bsum, out, alpha,
+        cbits, cpos, positions, logits, bmax, bsum, out, alpha, lengths if has_len else comps,
         H_kv, S, d, nb, n_cands, n_top, k_eff, 1.0 / math.sqrt(d),
-        G=G, num_warps=_LAUNCH["finish_warps"], **attend,
+        G=G, HAS_LEN=has_len, num_warps=_LAUNCH["finish_warps"], **attend,
     )
     return SparQResult(
         out=out,
@@ -722,11 +741,10 @@ def triton_enabled(t: torch.Tensor) -> bool:
     return HAS_TRITON and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
-def sparq_attention(q, K, V, v_mean, k, r, l, *, K_t=None, return_scores=True):
+def sparq_attention(q, K, V, v_mean, k, r, l, *, K_t=None, return_scores=True, lengths=None):
     """SparQ decode attention: the Triton kernels where they can run, else the torch reference."""
-    if triton_enabled(q) and q.dtype != torch.float64:
-        return sparq_attention_triton(q, K, V, v_mean, k, r, l, K_t=K_t, return_scores=return_scores)
-    return sparq_attention_reference(q, K, V, v_mean, k, r, l, K_t=K_t, return_scores=return_scores)
+    impl = sparq_attention_triton if triton_enabled(q) and q.dtype != torch.float64 else sparq_attention_reference
+    return impl(q, K, V, v_mean, k, r, l, K_t=K_t, return_scores=return_scores, lengths=lengths)
 
 
 def sparq_transfer_bytes(S, d, k, r, *, n_kv_heads=1, batch=1, bytes_per_element=2):

@@ -302,3 +302,28 @@ def test_reference_rows_with_lengths_equal_calls_on_truncated_caches():
         assert (batched.scores[b, :, n:] == 0).all()
     with pytest.raises(ValueError, match="lengths"):
         sparq.sparq_attention_reference(q, K, V, v_mean, k, r, l, lengths=torch.tensor([5, 9, 17, 23]))
+
+
+@needs_triton
+@pytest.mark.parametrize("H_q,H_kv,S,d,k,r,l,block,sel_block,lengths", [
+    (6, 2, 23, 16, 6, 4, 2, 16, 8, [6, 9, 17, 23]),              # a row of exactly k (alpha 1)
+    (9, 3, 300, 64, 40, 8, 10, 64, 64, [40, 41, 63, 64, 65, 300]),  # lengths at block edges
+    (3, 3, 77, 16, 30, 5, 0, 16, 16, [77, 30, 31, 50]),           # G=1, no window
+])
+def test_triton_rows_with_lengths_match_reference(H_q, H_kv, S, d, k, r, l, block, sel_block, lengths):
+    """The prompt path's call: one cache (batch stride 0) read by queries at several positions.
+    Whole blocks and selection chunks past a row's length must leave that row untouched."""
+    B = len(lengths)
+    q, K, V, _ = random_case(B, H_q, H_kv, S, d, seed=S + B)
+    K, V = K[:1].expand(B, -1, -1, -1), V[:1].expand(B, -1, -1, -1)
+    v_mean = torch.stack([V[b, :, :n].mean(1) for b, n in enumerate(lengths)])
+    ref = sparq_attention_reference(q, K, V, v_mean, k, r, l, lengths=lengths)
+    got = sparq_attention_triton(q, K, V, v_mean, k, r, l, lengths=torch.tensor(lengths), block_s=block,
+                                 select_block=sel_block)
+    assert torch.equal(got.positions, ref.positions)
+    torch.testing.assert_close(got.scores, ref.scores, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.alpha, ref.alpha, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.out, ref.out, rtol=1e-5, atol=1e-5)
+    assert (got.alpha[torch.tensor(lengths) == k] == 1).all()
+    with pytest.raises(ValueError, match="lengths"):
+        sparq_attention_triton(q, K, V, v_mean, k, r, l, lengths=torch.tensor([k - 1] + lengths[1:]))

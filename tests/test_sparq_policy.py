@@ -6,8 +6,11 @@ import pytest
 import torch
 
 from backend.policies import SparQ, parse_spec
+from backend.policies import sparq as sparq_policy
 from backend.policies.base import Block
 from backend.runner import run, score_text
+from kernels.sparq import sparq_attention_triton, triton_enabled
+from tests.conftest import make_tiny
 
 
 def straightforward_sparq(q, K, V, k, r, l):
@@ -87,3 +90,18 @@ def test_bad_parameters_are_clear_errors():
         SparQ(budget=8, r=0)
     with pytest.raises(ValueError, match="local must be <= budget"):
         SparQ(budget=8, local=9)
+
+
+@pytest.mark.skipif(not triton_enabled(torch.empty(0)), reason="needs TRITON_INTERPRET=1 (on a GPU: test_engine_cuda)")
+def test_kernel_path_equals_reference_path(monkeypatch, text_ids):
+    """What a GPU runs (the Triton kernels, a block's later queries in one call with ``lengths``), here
+    through the Triton interpreter on a float32 model: same reads, same log-probs as the reference."""
+    model = make_tiny(dtype=torch.float32)
+    policy = SparQ(budget=6, r=3)
+    (reference,), _ = run(model, ["sparq"], [policy], text_ids, record_layers=(1,))
+    monkeypatch.setattr(sparq_policy, "sparq_attention_reference", sparq_attention_triton)
+    (kernel,), _ = run(model, ["sparq"], [policy], text_ids, record_layers=(1,))
+    for layer in range(2):
+        np.testing.assert_array_equal(kernel.reads(layer), reference.reads(layer))
+    np.testing.assert_allclose(kernel.logprobs, reference.logprobs, atol=1e-5)
+    np.testing.assert_allclose(kernel.stats["alpha"], reference.stats["alpha"], atol=1e-5)

@@ -51,11 +51,12 @@ class SparQ(AttendingPolicy):
         steps = torch.arange(block.first, block.first + n)
         counts = torch.arange(1, total + 1, device=block.v.device)[None, :, None]
         running_mean = block.v.cumsum(1) / counts  # [H_kv, M, d]: mean of V over positions 0..t
-        # Queries that fit their whole cache in the budget read everything (alpha = 1). On a GPU each
-        # query runs the Triton kernels; on a CPU the later ones share one reference call (``lengths``).
+        # Queries that fit their whole cache in the budget read everything (alpha = 1), one call each;
+        # the later ones share one call, each row reading its own prefix of the cache (``lengths``).
+        # Triton kernels on a GPU, the torch reference on a CPU.
+        attend = sparq_attention if block.k.is_cuda else sparq_attention_reference
         short = steps < self.budget
-        calls = [[i] for i in range(n)] if block.k.is_cuda else \
-            [[i] for i in torch.nonzero(short).flatten().tolist()] + [torch.nonzero(~short).flatten().tolist()]
+        calls = [[i] for i in torch.nonzero(short).flatten().tolist()] + [torch.nonzero(~short).flatten().tolist()]
         out = torch.empty(n, n_q_heads, dim, dtype=block.q.dtype, device=block.q.device)
         reads = np.zeros((n_kv_heads, n, total), bool)
         attn = np.zeros((n_kv_heads, n, total), np.float32)
@@ -68,12 +69,7 @@ class SparQ(AttendingPolicy):
             values = block.v[None, :, :length].expand(len(rows), -1, -1, -1)
             means = running_mean[:, t].transpose(0, 1)
             query = block.q[:, rows].transpose(0, 1)  # [m, H_q, d]
-            if len(rows) == 1:
-                res = (sparq_attention if keys.is_cuda else sparq_attention_reference)(
-                    query, keys, values, means, self.budget, self.r, self.window)
-            else:
-                res = sparq_attention_reference(query, keys, values, means, self.budget, self.r, self.window,
-                                                lengths=t + 1)
+            res = attend(query, keys, values, means, self.budget, self.r, self.window, lengths=t + 1)
             out[rows] = res.out
             chosen = np.zeros((len(rows), n_kv_heads, length), bool)
             np.put_along_axis(chosen, res.positions.cpu().numpy(), True, axis=-1)
@@ -84,8 +80,8 @@ class SparQ(AttendingPolicy):
             mass = exact * torch.from_numpy(chosen)[:, :, None]
             attn[:, rows, :length] = (mass / mass.sum(-1, keepdim=True)).mean(2).numpy().transpose(1, 0, 2)
             approx = res.scores.cpu().view(-1, n_kv_heads, group, length).sum(2)
-            for j, row in enumerate(rows):
-                agreement[row] = _topk_agreement(approx[j], exact[j].sum(1), min(self.budget, int(t[j]) + 1))
+            # A call's rows either read their whole cache (one row, length <= budget) or `budget` tokens.
+            agreement[rows] = _topk_agreement(approx, exact.sum(2), min(self.budget, length))
             alpha[rows] = res.alpha.float().cpu().numpy()
         transfer = np.array([[cost["sparq"], cost["dense"]] for cost in
                              (sparq_transfer_bytes(int(t) + 1, dim, self.budget, self.r, n_kv_heads=n_kv_heads)
@@ -95,8 +91,9 @@ class SparQ(AttendingPolicy):
 
 
 def _topk_agreement(approx: torch.Tensor, exact: torch.Tensor, k: int) -> np.ndarray:
-    """Per KV head: share of the k highest exact scores that the k highest approximate scores find."""
+    """Per query and KV head ([m, H_kv, S] scores): share of the k highest exact scores that the k
+    highest approximate scores find (App. G)."""
     top_approx = torch.topk(approx, k, dim=-1).indices
     top_exact = torch.topk(exact, k, dim=-1).indices
-    hits = (top_approx[:, :, None] == top_exact[:, None, :]).any(-1).sum(-1)
+    hits = (top_approx[..., :, None] == top_exact[..., None, :]).any(-1).sum(-1)
     return (hits.double() / k).numpy().astype(np.float32)
