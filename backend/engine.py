@@ -19,6 +19,7 @@ different budgets share one tensor, and every token keeps its own RoPE position 
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import numpy as np
@@ -100,6 +101,15 @@ class RowLayerState:
                 self.evicted_at[heads, victims] = t + 1
         return reads
 
+    def fork(self) -> "RowLayerState":
+        """A copy that goes on from here with its own policy state; it records nothing and keeps no history."""
+        twin = copy.copy(self)
+        twin.record = False
+        twin.state = copy.deepcopy(self.state)
+        twin.alive, twin.evicted_at = self.alive.copy(), self.evicted_at.copy()
+        twin.attention_rows, twin.selected_rows, twin.stat_rows = [], [], {}
+        return twin
+
     def run_attending(self, block: Block) -> tuple[torch.Tensor, np.ndarray]:
         """An attending policy computes the block's output itself; record what it read."""
         self.state, result = self.policy.attend_block(self.state, block)
@@ -148,6 +158,7 @@ class PolicyCache(DynamicCache):
         self.prerope_k: dict[int, torch.Tensor] = {}  # layer -> every key so far, before RoPE
         self.rows = [[RowLayerState(p, n_kv_heads, layer in self.record_layers) for p in self.policies]
                      for layer in range(n_layers)]
+        self.decoding = False  # True: the next blocks' queries are decoding steps (see Block.decoding)
 
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scaling: float) -> torch.Tensor:
@@ -162,6 +173,7 @@ class PolicyCache(DynamicCache):
         for b, state in enumerate(self.rows[layer]):
             if isinstance(state.policy, AttendingPolicy):
                 block = Block(q=query[b], k=key[b], v=value[b], first=total - n, scaling=scaling, rope=self.rope,
+                              decoding=self.decoding,
                               q_pre=self.prerope_q[layer][b] if self.needs_prerope else None,
                               k_pre=self.prerope_k[layer][b] if self.needs_prerope else None)
                 own_outputs[b], block_reads = state.run_attending(block)
@@ -176,6 +188,19 @@ class PolicyCache(DynamicCache):
         for b, own in own_outputs.items():
             out[b] = own.to(out.dtype)
         return out
+
+    def fork(self) -> "PolicyCache":
+        """A copy that can read other tokens from here on (the runner scores Full's continuation this way).
+
+        Key and value tensors are shared: the cache grows them by concatenation and never writes in place.
+        Policy states are copied; the copy records nothing.
+        """
+        twin = copy.copy(self)
+        twin.layers = [copy.copy(layer) for layer in self.layers]
+        twin.prerope_q, twin.prerope_k = dict(self.prerope_q), dict(self.prerope_k)
+        twin.record_layers = ()
+        twin.rows = [[state.fork() for state in layer] for layer in self.rows]
+        return twin
 
     def evicted_at(self, row: int) -> np.ndarray:
         """int32 [L, H_kv, T] for batch row ``row`` (see docs/trace-format.md)."""

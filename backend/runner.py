@@ -63,7 +63,7 @@ def new_cache(lm: LoadedModel, rows: Sequence[Policy], record_layers: Sequence[i
 
 
 def _block(chunk: int, n: int, rows: Sequence[Policy]) -> int:
-    """Tokens per forward call: ``chunk``, or the whole text when a policy chunks the prompt itself
+    """Tokens per forward call on a prompt: ``chunk``, or the whole prompt when a policy chunks it itself
     (ReAttention's Algorithm 1 needs all of a chunk's queries in one call to vote together)."""
     return n if any(getattr(p, "chunks_prompt", False) for p in rows) else chunk
 
@@ -80,6 +80,71 @@ def _log_softmax(lm: LoadedModel, hidden: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(lm.model.lm_head(hidden).float(), dim=-1)
 
 
+def _predictions(lm: LoadedModel, hidden: torch.Tensor, next_ids: torch.Tensor) -> dict[str, np.ndarray]:
+    """What each row predicts at positions with hidden states [B, m, D] for their next tokens [m'] (m' <= m):
+    ``logprobs`` of those tokens, ``top1_ids`` and ``kl_to_full`` (KL(Full || row), row 0 being Full)."""
+    pieces = []
+    for lo in range(0, len(next_ids), LM_HEAD_CHUNK):
+        targets = next_ids[lo:lo + LM_HEAD_CHUNK]
+        logp = _log_softmax(lm, hidden[:, lo:lo + len(targets)])
+        full = logp[0:1]
+        pieces.append({"logprobs": logp.gather(-1, targets.expand(len(logp), -1)[..., None])[..., 0].cpu().numpy(),
+                       "top1_ids": logp.argmax(-1).cpu().numpy(),
+                       "kl_to_full": (full.exp() * (full - logp)).sum(-1).cpu().numpy()})
+    return _joined(pieces, len(hidden))
+
+
+def _joined(pieces: Sequence[dict[str, np.ndarray]], n_rows: int) -> dict[str, np.ndarray]:
+    """Per-position arrays of consecutive stretches of the text, joined along the position axis."""
+    empty = {"logprobs": np.zeros((n_rows, 0), np.float32), "top1_ids": np.zeros((n_rows, 0), np.int32),
+             "kl_to_full": np.zeros((n_rows, 0), np.float32)}
+    return {name: np.concatenate([zero, *(p[name] for p in pieces)], axis=1).astype(zero.dtype)
+            for name, zero in empty.items()}
+
+
+def _teacher_force(lm: LoadedModel, cache: PolicyCache, ids: Sequence[int], start: int, block: int,
+                   next_ids: Sequence[int] | None = None, progress: Progress | None = None, label: str = "scoring"
+                   ) -> tuple[torch.Tensor | None, dict[str, np.ndarray]]:
+    """Feed ``ids`` to every row at positions start.. in blocks of ``block`` tokens.
+
+    Returns the last position's hidden states [B, D] (None if ``ids`` is empty) and what each position
+    predicts for its next token: ``next_ids`` (default ``ids[1:]``, so the last position predicts nothing).
+    """
+    device = lm.model.device
+    n_rows = len(cache.policies)
+    batch = torch.tensor(ids, dtype=torch.long, device=device).expand(n_rows, -1)
+    targets = torch.tensor(list(ids[1:] if next_ids is None else next_ids), dtype=torch.long, device=device)
+    pieces, hidden = [], None
+    for lo in range(0, len(ids), block):
+        hidden = _forward(lm, cache, batch[:, lo:lo + block], start + lo)
+        pieces.append(_predictions(lm, hidden, targets[lo:lo + block]))
+        if progress:
+            progress(min(lo + block, len(ids)) / len(ids), label)
+    return (None if hidden is None else hidden[:, -1]), _joined(pieces, n_rows)
+
+
+def _decode(lm: LoadedModel, cache: PolicyCache, hidden: torch.Tensor, position: int, max_new_tokens: int,
+            progress: Progress | None = None) -> list[list[int]]:
+    """Greedy tokens from each row's last hidden state [B, D], each row under its own policy, until EOS."""
+    eos = lm.tokenizer.eos_token_id
+    outputs: list[list[int]] = [[] for _ in cache.policies]
+    done = np.zeros(len(outputs), bool)
+    for step in range(max_new_tokens):
+        next_ids = lm.model.lm_head(hidden).argmax(-1)
+        for row, token in enumerate(next_ids.tolist()):
+            if not done[row]:
+                outputs[row].append(token)
+                done[row] = token == eos
+        # Feed every generated token, the last one too, so each has its own step in the trace.
+        hidden = _forward(lm, cache, next_ids[:, None], position)[:, -1]
+        position += 1
+        if done.all():
+            break
+        if progress:
+            progress((step + 1) / max_new_tokens, "generating")
+    return outputs
+
+
 def score_text(lm: LoadedModel, ids: Sequence[int], policies: Sequence[Policy], chunk: int = DEFAULT_CHUNK,
                progress: Progress | None = None, reference: bool = True, record_layers: Sequence[int] = ()
                ) -> tuple[PolicyCache, dict[str, np.ndarray], list[int]]:
@@ -89,30 +154,9 @@ def score_text(lm: LoadedModel, ids: Sequence[int], policies: Sequence[Policy], 
     (each [rows, T-1], position i predicting ids[i+1]) and the row index of each policy.
     """
     rows, index = _rows(policies, reference)
-    n = len(ids)
     cache = new_cache(lm, rows, record_layers)
-    batch = torch.tensor(ids, dtype=torch.long, device=lm.model.device).expand(len(rows), -1)
-    targets = torch.tensor(ids[1:], dtype=torch.long, device=lm.model.device)
-    stats = {"logprobs": np.zeros((len(rows), n - 1), np.float32),
-             "top1_ids": np.zeros((len(rows), n - 1), np.int32),
-             "kl_to_full": np.zeros((len(rows), n - 1), np.float32)}
     with torch.inference_mode(), cache.capture_prerope(lm.model):
-        block = _block(chunk, n, rows)
-        for start in range(0, n, block):
-            hidden = _forward(lm, cache, batch[:, start:start + block], start)
-            for sub in range(0, hidden.shape[1], LM_HEAD_CHUNK):
-                lo = start + sub  # first global position in this piece
-                hi = min(lo + hidden.shape[1] - sub, lo + LM_HEAD_CHUNK, n - 1)
-                if hi <= lo:
-                    break
-                logp = _log_softmax(lm, hidden[:, sub:sub + hi - lo])
-                picked = logp.gather(-1, targets[lo:hi].expand(len(rows), -1)[..., None])[..., 0]
-                full = logp[0:1]
-                stats["logprobs"][:, lo:hi] = picked.cpu().numpy()
-                stats["top1_ids"][:, lo:hi] = logp.argmax(-1).cpu().numpy()
-                stats["kl_to_full"][:, lo:hi] = (full.exp() * (full - logp)).sum(-1).cpu().numpy()
-            if progress:
-                progress(min(start + block, n) / n, "scoring")
+        _, stats = _teacher_force(lm, cache, ids, 0, _block(chunk, len(ids), rows), progress=progress)
     return cache, stats, index
 
 
@@ -120,31 +164,38 @@ def generate(lm: LoadedModel, prompt_ids: Sequence[int], policies: Sequence[Poli
              chunk: int = DEFAULT_CHUNK, progress: Progress | None = None, reference: bool = True,
              record_layers: Sequence[int] = ()) -> tuple[PolicyCache, list[list[int]], list[int]]:
     """Greedy continuation of the prompt under each policy; returns (cache, continuation per row, row index)."""
+    cache, outputs, index, _ = _generate_and_score(lm, prompt_ids, policies, max_new_tokens, chunk, progress,
+                                                   reference, record_layers, score=False)
+    return cache, outputs, index
+
+
+def _generate_and_score(lm: LoadedModel, prompt_ids: Sequence[int], policies: Sequence[Policy], max_new_tokens: int,
+                        chunk: int, progress: Progress | None, reference: bool, record_layers: Sequence[int],
+                        score: bool = True):
+    """Generate under every policy; with ``score``, also every policy's predictions on prompt + Full's continuation.
+
+    The prompt is read once. Before generating, the cache is forked: the fork then reads Full's continuation
+    teacher-forced, in one call but as decoding steps, so every policy's scores come from the same prompt
+    state as its generation and each continuation token is read as decoding reads it.
+    """
     rows, index = _rows(policies, reference)
     cache = new_cache(lm, rows, record_layers)
-    eos = lm.tokenizer.eos_token_id
-    batch = torch.tensor(prompt_ids, dtype=torch.long, device=lm.model.device).expand(len(rows), -1)
-    outputs: list[list[int]] = [[] for _ in rows]
-    done = np.zeros(len(rows), bool)
-    with torch.inference_mode(), cache.capture_prerope(lm.model):
-        block = _block(chunk, len(prompt_ids), rows)
-        for start in range(0, len(prompt_ids), block):
-            hidden = _forward(lm, cache, batch[:, start:start + block], start)
-        position = len(prompt_ids)
-        for step in range(max_new_tokens):
-            next_ids = lm.model.lm_head(hidden[:, -1]).argmax(-1)
-            for row, token in enumerate(next_ids.tolist()):
-                if not done[row]:
-                    outputs[row].append(token)
-                    done[row] = token == eos
-            # Feed every generated token, the last one too, so each has its own step in the trace.
-            hidden = _forward(lm, cache, next_ids[:, None], position)
-            position += 1
-            if done.all():
-                break
-            if progress:
-                progress((step + 1) / max_new_tokens, "generating")
-    return cache, outputs, index
+    n = len(prompt_ids)
+    with torch.inference_mode():
+        with cache.capture_prerope(lm.model):
+            hidden, prompt_stats = _teacher_force(lm, cache, prompt_ids, 0, _block(chunk, n, rows),
+                                                  progress=progress, label="reading the prompt")
+            scoring = cache.fork() if score else None
+            outputs = _decode(lm, cache, hidden, n, max_new_tokens, progress)
+        if not score:
+            return cache, outputs, index, None
+        full = outputs[0]
+        first = _predictions(lm, hidden[:, None], torch.tensor(full[:1], device=hidden.device))
+        scoring.decoding = True
+        with scoring.capture_prerope(lm.model):
+            _, rest = _teacher_force(lm, scoring, full[:-1], n, max(len(full) - 1, 1), next_ids=full[1:],
+                                     progress=progress)
+    return cache, outputs, index, _joined([prompt_stats, first, rest], len(rows))
 
 
 def default_record_layers(lm: LoadedModel) -> tuple[int, ...]:
@@ -206,8 +257,8 @@ def run(lm: LoadedModel, specs: Sequence[str], policies: Sequence[Policy], ids: 
         cache, stats, index = score_text(lm, ids, policies, chunk, progress, record_layers=record)
         continuations = None
     else:
-        cache, continuations, index = generate(lm, ids, policies, max_new_tokens, chunk, progress, record_layers=record)
-        _, stats, _ = score_text(lm, ids + continuations[0], policies, chunk, progress)
+        cache, continuations, index, stats = _generate_and_score(lm, ids, policies, max_new_tokens, chunk, progress,
+                                                                 True, record)
 
     def trace(spec: str, policy: Policy, row: int) -> Trace:
         own = ids if continuations is None else ids + continuations[row]

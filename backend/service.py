@@ -28,7 +28,9 @@ class RunResult:
 
 def trace_key(lm: LoadedModel, ids: Sequence[int], policy: Policy, mode: str, max_new_tokens: int,
               record_layers: Sequence[int]) -> str:
-    generation = {"max_new_tokens": max_new_tokens, "greedy": True} if mode == "generate" else {}
+    # "scoring": Full's continuation is scored from the generation's own prompt state (runner.py); traces
+    # stored before that scored it on a second pass over the whole text.
+    generation = {"max_new_tokens": max_new_tokens, "greedy": True, "scoring": "forked"} if mode == "generate" else {}
     return run_key(model=lm.name, model_fingerprint=lm.fingerprint, token_ids=[int(i) for i in ids],
                    policy=policy.name, params=policy.params(), mode=mode, generation=generation,
                    record_layers=[int(layer) for layer in record_layers])

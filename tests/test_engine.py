@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from backend.engine import PolicyCache
-from backend.policies import A2SF, H2O, TOVA, Full, Oracle, Sinks, Window
+from backend.policies import A2SF, H2O, TOVA, Full, Oracle, ReAttention, Sinks, SparQ, Window
 from backend.runner import generate, run, score_text
 
 SMALL = [Window(budget=5), Sinks(budget=6, sinks=2), H2O(budget=6), H2O(budget=6, heads="layer"), TOVA(budget=5),
@@ -160,3 +160,39 @@ def test_recorded_attention_rows_are_what_each_query_read(tiny, text_ids, policy
     np.testing.assert_allclose(rows.sum(-1), 1.0, atol=2e-3)  # float16 on disk
     assert ((rows > 0) == trace.reads(1)).all()
     assert trace.keys.shape == (1, 2, len(text_ids), 8)
+
+
+GENERATING = [Window(budget=6), TOVA(budget=6), H2O(budget=6), SparQ(budget=6, r=2),
+              ReAttention(budget=12, global_size=2, span=2, topk=2, chunk=4),
+              ReAttention(budget=14, global_size=1, span=1, topk=2, chunk=8)]
+
+
+def test_generate_mode_scores_what_decoding_predicts(tiny, text_ids):
+    """Generate mode scores every policy on Full's continuation from the generation's own prompt state:
+    while a row's own tokens equal Full's, its top-1 prediction at each step is the token it generated.
+    (ReAttention included: the continuation is read one token per step, as Algorithm 2 decodes.)"""
+    prompt = text_ids[:26]  # not a multiple of ReAttention's chunks: its last prompt chunk is a short one
+    traces, full = run(tiny, [p.name for p in GENERATING], GENERATING, prompt, mode="generate", max_new_tokens=10,
+                       record_layers=())
+    compared = 0
+    for trace in traces:
+        own, theirs = trace.generated_ids.tolist(), full.generated_ids.tolist()
+        for i, token in enumerate(own[:len(theirs)]):
+            if own[:i] != theirs[:i]:
+                break
+            assert trace.top1_ids[len(prompt) - 1 + i] == token, (trace.spec, i)
+            compared += 1
+    assert compared > 2 * len(GENERATING)
+
+
+def test_generate_mode_scores_equal_a_second_teacher_forced_pass(tiny, text_ids):
+    """For policies whose prompt path equals their decode path, scoring from the forked prompt state equals
+    scoring prompt + Full's continuation from scratch: the fork is untouched by the generation that follows."""
+    prompt, policies = text_ids[:24], [TOVA(budget=6), H2O(budget=6), SparQ(budget=6, r=2)]
+    traces, full = run(tiny, [p.name for p in policies], policies, prompt, mode="generate", max_new_tokens=10,
+                       record_layers=())
+    _, stats, index = score_text(tiny, prompt + full.generated_ids.tolist(), policies)
+    for trace, row in zip([full, *traces], [0, *index]):
+        np.testing.assert_allclose(trace.logprobs, stats["logprobs"][row], atol=1e-9, err_msg=trace.spec)
+        np.testing.assert_allclose(trace.kl_to_full, stats["kl_to_full"][row], atol=1e-9, err_msg=trace.spec)
+        np.testing.assert_array_equal(trace.top1_ids, stats["top1_ids"][row])

@@ -17,6 +17,7 @@ def test_chunks_follow_algorithm_1():
     assert policy.local == 14
     assert policy.chunks(0, 27) == [(0, 16), (16, 20), (20, 24), (24, 27)]
     assert policy.chunks(30, 1) == [(30, 31)]  # decoding: one token per step (Algorithm 2)
+    assert policy.chunks(30, 3, decoding=True) == [(30, 31), (31, 32), (32, 33)]  # teacher-forced decoding
 
 
 def test_scope_covering_the_text_equals_full(tiny, text_ids):

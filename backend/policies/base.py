@@ -137,6 +137,8 @@ class Block:
     the block's own last; first = M - n is the position of the block's first query.
     q_pre, k_pre: the same queries and keys before RoPE (only for policies with ``needs_prerope``).
     rope(x, positions): applies the model's RoPE to x [H, L, d] at the given positions.
+    decoding: each query is a decoding step, though they arrive together (teacher-forced decoding);
+    otherwise they are a prompt. Only a policy that treats prompts differently (``chunks_prompt``) cares.
     """
 
     q: "torch.Tensor"
@@ -147,6 +149,7 @@ class Block:
     q_pre: "torch.Tensor | None" = None
     k_pre: "torch.Tensor | None" = None
     rope: Callable | None = None
+    decoding: bool = False
 
 
 @dataclass

@@ -49,8 +49,11 @@ class ReAttention(AttendingPolicy):
             raise ValueError(f"reattention: budget {self.budget} leaves local = {self.local} tokens; it must be "
                              f">= chunk ({self.chunk}): raise budget or lower topk, span, chunk")
 
-    def chunks(self, first: int, n: int) -> list[tuple[int, int]]:
-        """Query ranges [s, e) of this block: Algorithm 1's chunks, cut at the block's ends."""
+    def chunks(self, first: int, n: int, decoding: bool = False) -> list[tuple[int, int]]:
+        """Query ranges [s, e) of this block: Algorithm 1's chunks, cut at the block's ends, or one query
+        each when the block's queries are decoding steps (Algorithm 2)."""
+        if decoding:
+            return [(s, s + 1) for s in range(first, first + n)]
         out, s, end = [], first, first + n
         while s < end:
             opening = self.global_size + self.local
@@ -66,7 +69,7 @@ class ReAttention(AttendingPolicy):
         out = torch.empty(n, n_q_heads, dim, dtype=block.q.dtype, device=block.q.device)
         reads = np.zeros((n_kv_heads, n, total), bool)
         attn = np.zeros((n_kv_heads, n, total), np.float32)
-        for s, e in self.chunks(block.first, n):
+        for s, e in self.chunks(block.first, n, block.decoding):
             lo, hi = min(self.global_size, e), max(e - self.local, min(self.global_size, e))
             chosen = None
             if hi - lo > self.topk * self.span:  # a middle that fits in the scope is read whole
