@@ -16,7 +16,13 @@ read; the triangle above the diagonal (j > t, tokens that have not arrived yet) 
 for all), as in TOVA Fig. 7 / App. E (which tokens TOVA keeps along a text) and A2SF Fig. 4
 (attention maps under different eviction rules). Each panel is a single ``go.Heatmap`` trace with
 category axes labelled ``"j token"``, so hover shows step, position and token text without per-cell
-strings and the figure stays light for T up to ~1024.
+strings.
+
+Texts longer than ``max_cells`` (512) tokens are shown in square bins of ``ceil(T / max_cells)``
+tokens, so a panel sends at most 512 x 512 numbers to the browser (a 1024-token panel at full
+resolution is 5.6 MB of JSON, several times the pixels it gets). A bin shows the share of its cells
+that were read, counting only cells of tokens that had arrived (j <= t); with attention, the
+weight its queries put on its tokens (summed over the bin's tokens, averaged over its queries).
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ from .style import finish, plotly_text, tick_stride, token_labels
 
 NOT_READ_GAP = 0.5  # how far below the log floor the "not read" value sits
 DEFAULT_DECADES = 4.0
+MAX_CELLS = 512  # cells per axis; longer texts are binned
 
 MASK_AXIS = "coloraxis"
 WEIGHT_AXIS = "coloraxis2"
@@ -84,6 +91,36 @@ def heatmap_values(reads: np.ndarray, attention: np.ndarray | None = None, zmax:
     return z
 
 
+def bin_size(n: int, max_cells: int = MAX_CELLS) -> int:
+    """Tokens per bin (per axis) for a text of n tokens."""
+    return max(1, math.ceil(n / max_cells))
+
+
+def _bin_sums(a: np.ndarray, size: int) -> np.ndarray:
+    n = a.shape[0]
+    bins = math.ceil(n / size)
+    padded = np.zeros((bins * size, bins * size), np.float64)
+    padded[:n, :n] = a
+    return padded.reshape(bins, size, bins, size).sum(axis=(1, 3))
+
+
+def binned(reads: np.ndarray, attention: np.ndarray | None, size: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """``reads`` [T, T] (bool or shares) and ``attention`` in bins of ``size`` x ``size`` cells.
+
+    Reads: the mean over the bin's cells with j <= t (0 where there are none: those bins lie wholly
+    above the diagonal). Attention: summed over the bin's tokens, averaged over its queries.
+    """
+    if size == 1:
+        return reads, attention
+    n = reads.shape[0]
+    arrived = _bin_sums(np.tri(n, dtype=bool), size)
+    share = _bin_sums(np.asarray(reads, np.float64), size) / np.maximum(arrived, 1)
+    if attention is None:
+        return share.astype(np.float32), None
+    queries = _bin_sums(np.eye(n), size).diagonal()[:, None]  # queries per row bin
+    return share.astype(np.float32), (_bin_sums(np.asarray(attention, np.float64), size) / queries).astype(np.float32)
+
+
 def _mask_coloraxis() -> dict:
     return dict(cmin=0.0, cmax=1.0,
                 colorscale=[[0.0, EVICTED_COLOR], [0.5, "#9DB6CF"], [1.0, KEPT_COLOR]],
@@ -108,7 +145,13 @@ def _weight_coloraxis(floor: float, top: float) -> dict:
                               len=0.45, y=0.25, thickness=14))
 
 
-def _hovertemplate(reads: np.ndarray, attention: np.ndarray | None, floor: float | None) -> str:
+def _hovertemplate(reads: np.ndarray, attention: np.ndarray | None, floor: float | None, size: int) -> str:
+    if size > 1:
+        head = "steps (queries) %{y}<br>tokens %{x}<br>"
+        if attention is not None:
+            return (head + "log10 weight on these tokens: %{z:.2f}<br>"
+                    f"<i>{floor - NOT_READ_GAP:.2f} = none read</i><extra></extra>")
+        return head + "share read: %{z:.0%}<extra></extra>"
     head = "step (query) %{y}<br>token %{x}<br>"
     if attention is not None:
         return (head + "log10 weight: %{z:.2f}<br>"
@@ -118,26 +161,40 @@ def _hovertemplate(reads: np.ndarray, attention: np.ndarray | None, floor: float
     return head + "read by %{z:.0%} of layers/heads<extra></extra>"
 
 
-def _panel(reads, token_texts, attention, zmax, decades) -> tuple[go.Heatmap, int]:
-    reads = np.asarray(reads)
+def _binned_panel(panel: Mapping, max_cells: int) -> dict:
+    """A panel's arrays as shown: checked, and binned when its text is longer than ``max_cells``."""
+    reads = np.asarray(panel["reads"])
     _check_square("reads", reads)
-    n = reads.shape[0]
+    attention = panel.get("attention")
     if attention is not None:
         attention = np.asarray(attention, np.float32)
+    n = reads.shape[0]
+    size = bin_size(n, max_cells)
+    reads, attention = binned(reads, attention, size)
+    return dict(reads=reads, attention=attention, token_texts=panel["token_texts"], n=n, size=size)
+
+
+def _panel(panel: Mapping, zmax, decades) -> go.Heatmap:
+    reads, attention, size = panel["reads"], panel["attention"], panel["size"]
+    if attention is not None:
         zmax = zmax if zmax else attention_zmax(attention, reads)
     z = heatmap_values(reads, attention, zmax, decades)
-    labels = token_labels(token_texts, n)
+    labels = token_labels(panel["token_texts"], panel["n"], size)
     floor = log_range(zmax, decades)[0] if attention is not None else None
-    trace = go.Heatmap(z=z, x=labels, y=labels, coloraxis=WEIGHT_AXIS if attention is not None else MASK_AXIS,
-                       hoverongaps=False, hovertemplate=_hovertemplate(reads, attention, floor),
-                       xgap=0, ygap=0)
-    return trace, n
+    return go.Heatmap(z=z, x=labels, y=labels, coloraxis=WEIGHT_AXIS if attention is not None else MASK_AXIS,
+                      hoverongaps=False, hovertemplate=_hovertemplate(reads, attention, floor, size),
+                      xgap=0, ygap=0)
 
 
-def _axes(fig: go.Figure, labels_n: int, token_texts, row=None, col=None) -> None:
-    labels = token_labels(token_texts, labels_n)
-    stride = tick_stride(labels_n)
-    ticks = dict(tickmode="array", tickvals=labels[::stride], ticktext=[str(j) for j in range(0, labels_n, stride)],
+def _binning_note(size: int) -> str:
+    return "" if size == 1 else f" · {size} tokens per cell"
+
+
+def _axes(fig: go.Figure, panel: Mapping, row=None, col=None) -> None:
+    labels = token_labels(panel["token_texts"], panel["n"], panel["size"])
+    stride = tick_stride(len(labels))
+    ticks = dict(tickmode="array", tickvals=labels[::stride],
+                 ticktext=[str(k * panel["size"]) for k in range(0, len(labels), stride)],
                  showgrid=False, zeroline=False, tickangle=0)
     kw = {} if row is None else dict(row=row, col=col)
     fig.update_xaxes(title_text="token position", constrain="domain", **ticks, **kw)
@@ -152,7 +209,8 @@ def _coloraxes(fig: go.Figure, with_mask: bool, with_weights: bool, zmax: float 
 
 
 def mask_heatmap(reads: np.ndarray, token_texts: Sequence[str], title: str = "", attention: np.ndarray | None = None,
-                 zmax: float | None = None, decades: float = DEFAULT_DECADES, height: int = 560) -> go.Figure:
+                 zmax: float | None = None, decades: float = DEFAULT_DECADES, height: int = 560,
+                 max_cells: int = MAX_CELLS) -> go.Figure:
     """One layer/head (or an aggregate): step x position, kept vs evicted, optionally attention weights.
 
     ``reads``: bool [T, T] (``Trace.reads(layer)[head]``) or float [T, T] in [0, 1] (share of
@@ -160,13 +218,14 @@ def mask_heatmap(reads: np.ndarray, token_texts: Sequence[str], title: str = "",
     (``Trace.attention[r, head]``), shown on a log colour scale topped at ``zmax`` (default: the
     largest weight read). TOVA Fig. 7 / App. E, A2SF Fig. 4 (one panel of them).
     """
-    trace, n = _panel(reads, token_texts, attention, zmax, decades)
-    fig = go.Figure(trace)
+    panel = _binned_panel(dict(reads=reads, token_texts=token_texts, attention=attention), max_cells)
+    attention = panel["attention"]
     if attention is not None and not zmax:
-        zmax = attention_zmax(attention, reads)
+        zmax = attention_zmax(attention, panel["reads"])
+    fig = go.Figure(_panel(panel, zmax, decades))
     _coloraxes(fig, attention is None, attention is not None, zmax, decades)
-    _axes(fig, n, token_texts)
-    finish(fig, title, height=height, plot_bgcolor="white")
+    _axes(fig, panel)
+    finish(fig, title + _binning_note(panel["size"]), height=height, plot_bgcolor="white")
     if attention is not None:
         fig.update_layout(coloraxis2_colorbar=dict(len=0.9, y=0.5))
     else:
@@ -176,7 +235,8 @@ def mask_heatmap(reads: np.ndarray, token_texts: Sequence[str], title: str = "",
 
 def mask_heatmaps(panels: Mapping[str, Mapping], title: str = "", zmax: float | None = None,
                   decades: float = DEFAULT_DECADES, cols: int | None = None,
-                  colors: Mapping[str, str] | None = None, panel_height: int = 420) -> go.Figure:
+                  colors: Mapping[str, str] | None = None, panel_height: int = 420,
+                  max_cells: int = MAX_CELLS) -> go.Figure:
     """One subplot per policy, one shared colour scale (TOVA Fig. 7 / App. E, A2SF Fig. 4).
 
     ``panels`` maps a policy name to ``dict(reads=..., token_texts=..., attention=None)`` as for
@@ -188,7 +248,8 @@ def mask_heatmaps(panels: Mapping[str, Mapping], title: str = "", zmax: float | 
     if not names:
         raise ValueError("mask_heatmaps needs at least one panel")
     colors = dict(colors) if colors else policy_colors(names)
-    with_att = [panels[k].get("attention") is not None for k in names]
+    panels = {name: _binned_panel(panels[name], max_cells) for name in names}
+    with_att = [panels[k]["attention"] is not None for k in names]
     if any(with_att) and not zmax:
         zmax = max(attention_zmax(panels[k]["attention"], panels[k]["reads"]) for k, a in zip(names, with_att) if a)
     cols = cols or min(len(names), 3)
@@ -197,12 +258,12 @@ def mask_heatmaps(panels: Mapping[str, Mapping], title: str = "", zmax: float | 
                         horizontal_spacing=0.07, vertical_spacing=0.12 if rows > 1 else 0.08)
     for i, name in enumerate(names):
         panel = panels[name]
-        trace, n = _panel(panel["reads"], panel["token_texts"], panel.get("attention"), zmax, decades)
+        trace = _panel(panel, zmax, decades)
         trace.name = plotly_text(name)
         trace.hovertemplate = trace.hovertemplate.replace("<extra></extra>", "<extra>%{fullData.name}</extra>")
         r, c = i // cols + 1, i % cols + 1
         fig.add_trace(trace, row=r, col=c)
-        _axes(fig, n, panel["token_texts"], row=r, col=c)
+        _axes(fig, panel, row=r, col=c)
         if c > 1:
             fig.update_yaxes(title_text=None, row=r, col=c)
     for annotation, name in zip(fig.layout.annotations, names):
@@ -212,5 +273,6 @@ def mask_heatmaps(panels: Mapping[str, Mapping], title: str = "", zmax: float | 
         fig.update_layout(coloraxis2_colorbar=dict(len=0.9, y=0.5))
     elif not any(with_att):
         fig.update_layout(coloraxis_colorbar=dict(len=0.9, y=0.5))
-    finish(fig, title, height=panel_height * rows + 80, plot_bgcolor="white")
+    finish(fig, title + _binning_note(max(p["size"] for p in panels.values())), height=panel_height * rows + 80,
+           plot_bgcolor="white")
     return fig

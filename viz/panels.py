@@ -19,7 +19,7 @@ from backend.trace import Trace
 from .colors import policy_colors
 from .curves import score_curves_figure, score_over_steps_figure
 from .divergence import divergence_figure, summary_table as summary_frame
-from .heatmap import attention_zmax, mask_heatmaps
+from .heatmap import mask_heatmaps
 from .highlight import continuations_html, kept_tokens_html
 from .retention import first_token_retention_figure, lifetime_by_position_figure, non_recent_share_figure, pos_table
 from .sweep import sweep_figure as sweep_plot
@@ -120,11 +120,9 @@ def heatmaps(run, layer: str, head: str) -> go.Figure:
         if attention is not None and reads.dtype != bool:
             attention = None  # weights only make sense for one head's mask
         panels[trace.spec] = {"reads": reads, "token_texts": trace.meta["token_texts"], "attention": attention}
-    weights = [p["attention"] for p in panels.values() if p["attention"] is not None]
-    zmax = max(attention_zmax(w) for w in weights) if weights else None
     where = f"layer {layer}" if layer != "all" else "all layers"
     who = f"KV head {head}" if head != "all" else "all KV heads"
-    return mask_heatmaps(panels, title=f"What each query read ({where}, {who})", zmax=zmax,
+    return mask_heatmaps(panels, title=f"What each query read ({where}, {who})",
                          colors=policy_colors([t.spec for t in run.traces]))
 
 

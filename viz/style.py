@@ -26,11 +26,17 @@ def plotly_text(text: str) -> str:
     return html.escape(text, quote=False)
 
 
-def token_labels(token_texts: Sequence[str], n: int | None = None) -> list[str]:
-    """Unique, escaped category labels ``'17 ␣cat'`` for token positions 0..n-1 (hover and ticks)."""
+def token_labels(token_texts: Sequence[str], n: int | None = None, size: int = 1) -> list[str]:
+    """Unique, escaped category labels ``'17 ␣cat'`` for token positions 0..n-1 (hover and ticks).
+
+    With ``size`` > 1, one label per bin of ``size`` positions: ``'16–17 ␣the␣cat'``.
+    """
     n = len(token_texts) if n is None else n
     texts = list(token_texts) + [""] * max(0, n - len(token_texts))
-    return [f"{j} {plotly_text(visible_token(texts[j]))}" for j in range(n)]
+    if size == 1:
+        return [f"{j} {plotly_text(visible_token(texts[j]))}" for j in range(n)]
+    spans = [(j, min(j + size, n) - 1) for j in range(0, n, size)]
+    return [f"{a}{'' if a == b else f'–{b}'} {plotly_text(visible_token(''.join(texts[a:b + 1])))}" for a, b in spans]
 
 
 def tick_stride(n: int, target: int = 16) -> int:
