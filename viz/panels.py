@@ -104,8 +104,8 @@ def summary_table(run) -> pd.DataFrame:
                 budget, len(trace.tokens) - 1))["overall"]
         rows.append(row)
         first_token.append(f"{metrics.first_token_retention(trace)[:, 0].mean():.0%}")
-        share = metrics.non_recent_share(trace)["overall"] if budget and len(trace.tokens) > budget else None
-        non_recent.append("—" if share is None else f"{share:.0%}")
+        share = _non_recent_shares(run).get(trace.spec)  # per layer; overall = mean over layers
+        non_recent.append("—" if share is None else f"{share.mean():.0%}")
     frame = summary_frame(rows)
     frame["Token 0 kept"] = first_token
     frame["Non-recent share"] = non_recent
@@ -183,6 +183,16 @@ def divergence(run) -> tuple[go.Figure, str]:
     return figure, continuations_html(rows)
 
 
+def _non_recent_shares(run) -> dict[str, np.ndarray]:
+    """Per compressing policy whose budget is shorter than the text: the non-recent share per layer.
+    Kept in ``run.extra`` because the summary table and the retention view both show it."""
+    if "non_recent_share" not in run.extra:
+        run.extra["non_recent_share"] = {
+            t.spec: metrics.non_recent_share(t)["per_layer"] for t in run.traces
+            if t.meta["kind"] != "full" and _budget(t) and len(t.tokens) > _budget(t)}
+    return run.extra["non_recent_share"]
+
+
 def _continuation_texts(trace: Trace) -> list[str]:
     return trace.meta["token_texts"][trace.meta["n_prompt"]:]
 
@@ -195,8 +205,7 @@ def retention(run) -> tuple[go.Figure, go.Figure, go.Figure, pd.DataFrame]:
     colors = policy_colors([t.spec for t in compressed])
     first = first_token_retention_figure({t.spec: metrics.first_token_retention(t)[:, 0] for t in compressed},
                                          colors=colors, title="Share of steps token 0 stays cached, per layer")
-    shares = {t.spec: metrics.non_recent_share(t)["per_layer"] for t in compressed
-              if _budget(t) and len(t.tokens) > _budget(t)}
+    shares = _non_recent_shares(run)
     non_recent = non_recent_share_figure(shares, colors=colors, x_title="layer",
                                          title="Share of what each query reads that lies outside its last budget tokens")
     lifetimes = {t.spec: metrics.mean_lifetime_by_position(t) for t in compressed}
