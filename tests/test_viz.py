@@ -523,3 +523,13 @@ def test_figures_have_titles_axis_labels_and_the_light_template(prompt_run, scor
         assert fig.layout.yaxis.title.text
         assert fig.layout.template.layout.plot_bgcolor in ("white", "#fff", "#ffffff", "rgb(255,255,255)")
         assert all(t.hovertemplate for t in fig.data)
+
+
+def test_side_by_side_panels_get_fewer_x_ticks():
+    """Three panels share the width: at most 6 position ticks each on x (labels would collide), more on y."""
+    n = 252
+    reads = np.tri(n, dtype=bool)
+    fig = mask_heatmaps({p: dict(reads=reads, token_texts=[" w"] * n) for p in SPECS})
+    assert len(fig.layout.xaxis.ticktext) <= 6 and len(fig.layout.xaxis3.ticktext) <= 6
+    assert len(fig.layout.yaxis.ticktext) > 10
+    assert fig.layout.xaxis.ticktext[:2] == ("0", "50")

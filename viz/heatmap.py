@@ -190,15 +190,19 @@ def _binning_note(size: int) -> str:
     return "" if size == 1 else f" · {size} tokens per cell"
 
 
-def _axes(fig: go.Figure, panel: Mapping, row=None, col=None) -> None:
+def _axes(fig: go.Figure, panel: Mapping, row=None, col=None, cols: int = 1) -> None:
+    """Position ticks; the x axis gets fewer when ``cols`` panels share the width, so labels do not collide."""
     labels = token_labels(panel["token_texts"], panel["n"], panel["size"])
-    stride = tick_stride(len(labels))
-    ticks = dict(tickmode="array", tickvals=labels[::stride],
-                 ticktext=[str(k * panel["size"]) for k in range(0, len(labels), stride)],
-                 showgrid=False, zeroline=False, tickangle=0)
+
+    def ticks(target: int) -> dict:
+        stride = tick_stride(len(labels), target)
+        return dict(tickmode="array", tickvals=labels[::stride],
+                    ticktext=[str(k * panel["size"]) for k in range(0, len(labels), stride)],
+                    showgrid=False, zeroline=False, tickangle=0)
+
     kw = {} if row is None else dict(row=row, col=col)
-    fig.update_xaxes(title_text="token position", constrain="domain", **ticks, **kw)
-    fig.update_yaxes(title_text="decode step (query position)", autorange="reversed", **ticks, **kw)
+    fig.update_xaxes(title_text="token position", constrain="domain", **ticks(max(4, 16 // cols)), **kw)
+    fig.update_yaxes(title_text="decode step (query position)", autorange="reversed", **ticks(16), **kw)
 
 
 def _coloraxes(fig: go.Figure, with_mask: bool, with_weights: bool, zmax: float | None, decades: float) -> None:
@@ -263,7 +267,7 @@ def mask_heatmaps(panels: Mapping[str, Mapping], title: str = "", zmax: float | 
         trace.hovertemplate = trace.hovertemplate.replace("<extra></extra>", "<extra>%{fullData.name}</extra>")
         r, c = i // cols + 1, i % cols + 1
         fig.add_trace(trace, row=r, col=c)
-        _axes(fig, panel, row=r, col=c)
+        _axes(fig, panel, row=r, col=c, cols=cols)
         if c > 1:
             fig.update_yaxes(title_text=None, row=r, col=c)
     for annotation, name in zip(fig.layout.annotations, names):
