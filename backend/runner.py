@@ -165,7 +165,7 @@ def generate(lm: LoadedModel, prompt_ids: Sequence[int], policies: Sequence[Poli
              record_layers: Sequence[int] = ()) -> tuple[PolicyCache, list[list[int]], list[int]]:
     """Greedy continuation of the prompt under each policy; returns (cache, continuation per row, row index)."""
     cache, outputs, index, _ = _generate_and_score(lm, prompt_ids, policies, max_new_tokens, chunk, progress,
-                                                   reference, record_layers, score=False)
+                                                   reference=reference, record_layers=record_layers, score=False)
     return cache, outputs, index
 
 
@@ -184,6 +184,7 @@ def _generate_and_score(lm: LoadedModel, prompt_ids: Sequence[int], policies: Se
     with torch.inference_mode():
         with cache.capture_prerope(lm.model):
             hidden, prompt_stats = _teacher_force(lm, cache, prompt_ids, 0, _block(chunk, n, rows),
+                                                  next_ids=None if score else [],  # [] : no predictions
                                                   progress=progress, label="reading the prompt")
             scoring = cache.fork() if score else None
             outputs = _decode(lm, cache, hidden, n, max_new_tokens, progress)
@@ -258,7 +259,7 @@ def run(lm: LoadedModel, specs: Sequence[str], policies: Sequence[Policy], ids: 
         continuations = None
     else:
         cache, continuations, index, stats = _generate_and_score(lm, ids, policies, max_new_tokens, chunk, progress,
-                                                                 True, record)
+                                                                 reference=True, record_layers=record)
 
     def trace(spec: str, policy: Policy, row: int) -> Trace:
         own = ids if continuations is None else ids + continuations[row]
