@@ -117,7 +117,8 @@ def binned(reads: np.ndarray, attention: np.ndarray | None, size: int) -> tuple[
     share = _bin_sums(np.asarray(reads, np.float64), size) / np.maximum(arrived, 1)
     if attention is None:
         return share.astype(np.float32), None
-    queries = _bin_sums(np.eye(n), size).diagonal()[:, None]  # queries per row bin
+    starts = np.arange(0, n, size)
+    queries = (np.minimum(starts + size, n) - starts)[:, None]  # queries per row bin (the last may be short)
     return share.astype(np.float32), (_bin_sums(np.asarray(attention, np.float64), size) / queries).astype(np.float32)
 
 
