@@ -263,8 +263,10 @@ if HAS_TRITON:
     def _row_length(len_ptr, b, S, HAS_LEN: tl.constexpr):
         """Positions in row b's cache: lengths[b] (prompt path, several queries on one text) or S."""
         if HAS_LEN:
-            return tl.load(len_ptr + b).to(tl.int32)
-        return S
+            length = tl.load(len_ptr + b).to(tl.int32)
+        else:
+            length = S
+        return length
 
     @triton.jit
     def _step1_block(
