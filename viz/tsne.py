@@ -62,5 +62,6 @@ def tsne_figure(coords_before: np.ndarray, coords_after: np.ndarray, kept: np.nd
         fig.update_yaxes(showticklabels=False, title_text="t-SNE 2" if col == 1 else None, row=1, col=col)
     fig.update_layout(coloraxis=dict(colorscale=POSITION_SCALE, cmin=0, cmax=max(cmax, 1.0),
                                      colorbar=dict(title=dict(text="position", side="right"), thickness=14)),
-                      legend=dict(orientation="h", y=1.1, x=1, xanchor="right"))
-    return finish(fig, title or "Cached keys, t-SNE: before vs after RoPE", height=height)
+                      legend=dict(orientation="h", y=-0.1, yanchor="top", x=0.5, xanchor="center"))
+    finish(fig, title or "Cached keys, t-SNE: before vs after RoPE", height=height)
+    return fig.update_layout(margin=dict(b=90))  # room for the legend under the axis titles
