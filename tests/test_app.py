@@ -87,9 +87,17 @@ def test_deep_link_and_views_render_a_stored_run(tiny_session):
     assert len(heatmap.data) == 3 and kept.count("at step 30") == 3 and curves.data and curves_steps.data
     assert app.on_tsne(run_id, "tova", "1", "0").data
     assert list(summary.columns[-2:]) == ["Token 0 kept", "Non-recent share"]
+    assert "Similarity to oracle" in summary.columns
     with zipfile.ZipFile(app.on_export(run_id, "all", "all", 5, 0.3)) as z:
         figures = z.read("figures.html").decode()
         assert figures.count("plotly-graph-div") >= 7 and "tova:budget=6" in figures
+
+
+def test_summary_has_no_oracle_column_without_an_oracle(tiny_session):
+    run = session.execute(RunRequest(prompt="one two three four five six seven eight nine ten",
+                                     specs=["tova:budget=6"], mode="prompt"), tiny_session)
+    summary = app.render_run(run.run_id)[0]
+    assert "Similarity to oracle" not in summary.columns and "Perplexity" in summary.columns
 
 
 def test_too_long_prompt_is_refused(tiny_session, monkeypatch):

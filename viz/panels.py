@@ -107,6 +107,8 @@ def summary_table(run) -> pd.DataFrame:
         share = _non_recent_shares(run).get(trace.spec)  # per layer; overall = mean over layers
         non_recent.append("—" if share is None else f"{share.mean():.0%}")
     frame = summary_frame(rows)
+    if oracle is None:  # a column of dashes only pushes the others out of view
+        frame = frame.drop(columns="Similarity to oracle")
     frame["Token 0 kept"] = first_token
     frame["Non-recent share"] = non_recent
     return frame
