@@ -39,19 +39,21 @@ def test_rerotation_puts_selected_keys_at_contiguous_positions():
     calls = []
 
     def rope(x, positions):
-        calls.append(positions.clone())
+        calls.append((x.clone(), positions.clone()))
         return x
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((4, 1, 8), (2, 40, 8), (2, 40, 8)))
     policy = ReAttention(budget=16, global_size=2, span=2, topk=2, chunk=1)  # local = 10
     _, result = policy.attend_block({}, Block(q=q, k=k, v=v, first=39, scaling=0.3, q_pre=q, k_pre=k, rope=rope))
+    (keys, key_positions), (_, query_positions) = calls  # every KV head in one call each
     for h in range(2):
         kept = np.flatnonzero(result.reads[h, 0])
         assert kept[:2].tolist() == [0, 1] and kept[-10:].tolist() == list(range(30, 40))
-        key_positions, query_positions = calls[2 * h], calls[2 * h + 1]
-        assert key_positions.tolist() == list(range(len(kept)))  # gaps dropped, order kept
-        assert query_positions.tolist() == [len(kept) - 1]  # the query sits on its own key
+        # The head's kept keys, gaps dropped and order kept, get positions 0..L-1.
+        torch.testing.assert_close(keys[h, :len(kept)], k[h, kept])
+        assert key_positions[:len(kept)].tolist() == list(range(len(kept)))
+        assert query_positions.view(2, 1)[h].tolist() == [len(kept) - 1]  # the query sits on its own key
 
 
 def test_ties_go_to_the_earlier_position(tiny):

@@ -77,20 +77,51 @@ class ReAttention(AttendingPolicy):
                 voters = queries.reshape(1, n_kv_heads * group * (e - s), dim)  # the group's heads x queries vote
                 select = reattention_select if voters.is_cuda else reattention_select_reference
                 chosen = select(voters, block.k_pre[None, :, :e], self.global_size, self.local, self.span, self.topk)
+            middles = [torch.arange(lo, hi) if chosen is None else chosen.row(0, h).cpu() for h in range(n_kv_heads)]
+            kept, valid = _padded([torch.cat([torch.arange(lo), m, torch.arange(hi, e)]) for m in middles])
+            rows = slice(s - block.first, e - block.first)
+            out[rows], cell_reads, cell_attn = _attend_rerotated(block, kept, valid, s, e, group)
             for h in range(n_kv_heads):
-                middle = torch.arange(lo, hi) if chosen is None else chosen.row(0, h).cpu()
-                kept = torch.cat([torch.arange(lo), middle, torch.arange(hi, e)])  # original positions
-                at = torch.arange(len(kept), device=block.q.device)  # Eq. 3: renumbered 0..L-1
-                keys = block.rope(block.k_pre[h, kept][None], at)[0]
-                positions = torch.arange(s, e)
-                own = (len(kept) - (e - positions)).to(block.q.device)  # each query's own key: the local tail
-                q = block.rope(block.q_pre[h * group:(h + 1) * group, s - block.first: e - block.first], own)
-                visible = kept[None, :] <= positions[:, None]  # causal within the chunk
-                scores = (q @ keys.T * block.scaling).masked_fill(~visible.to(q.device), float("-inf"))
-                weights = torch.softmax(scores, dim=-1)  # [G, n_c, L]
-                rows = slice(s - block.first, e - block.first)
-                out[rows, h * group:(h + 1) * group] = (weights @ block.v[h, kept]).transpose(0, 1)
-                cells = np.ix_(np.arange(s - block.first, e - block.first), kept.numpy())
-                reads[h][cells] = visible.numpy()
-                attn[h][cells] = weights.mean(0).float().cpu().numpy()
+                cells = np.ix_(np.arange(rows.start, rows.stop), kept[h, valid[h]].numpy())
+                reads[h][cells] = cell_reads[h][:, valid[h]]
+                attn[h][cells] = cell_attn[h][:, valid[h]]
         return state, BlockResult(out=out, reads=reads, attn=attn)
+
+
+def _padded(kept: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per KV head kept positions (merged spans make the lists differ in length) as [H_kv, L] with a
+    validity mask; padding repeats position 0 and is never read."""
+    width = max(len(k) for k in kept)
+    padded = torch.zeros(len(kept), width, dtype=torch.long)
+    valid = torch.zeros(len(kept), width, dtype=torch.bool)
+    for h, k in enumerate(kept):
+        padded[h, :len(k)] = k
+        valid[h, :len(k)] = True
+    return padded, valid
+
+
+def _attend_rerotated(block, kept: torch.Tensor, valid: torch.Tensor, s: int, e: int, group: int):
+    """Queries s..e-1 attend, every KV head at once, to their head's kept keys in order, rotated to
+    positions 0..L_h-1 (Eq. 3); each query sits at its own key's place in that list.
+
+    Returns the output [e - s, H_q, d] and, per KV head, what each query read (bool) and its mean
+    attention over the group's heads, both [H_kv, e - s, L] numpy.
+    """
+    n_kv_heads, width = kept.shape
+    n_c, dim = e - s, block.q_pre.shape[-1]
+    device = block.q.device
+    heads, at = torch.arange(n_kv_heads, device=device)[:, None], kept.to(device)
+    keys = block.rope(block.k_pre[heads, at],
+                      torch.arange(width, device=device))  # [H_kv, L, d]: valid entries first, at 0..L_h-1
+    positions = torch.arange(s, e)
+    own = valid.sum(1)[:, None] - (e - positions)[None, :]  # [H_kv, n_c]: each query's own key
+    q_pre = block.q_pre[:, s - block.first: e - block.first].reshape(n_kv_heads, group, n_c, dim)
+    q = block.rope(q_pre.transpose(0, 1).reshape(group, n_kv_heads * n_c, dim), own.flatten().to(device))
+    q = q.reshape(group, n_kv_heads, n_c, dim).transpose(0, 1)  # [H_kv, G, n_c, d]
+    visible = valid[:, None, :] & (kept[:, None, :] <= positions[None, :, None])  # causal within the chunk
+    scores = (q @ keys[:, None].transpose(-1, -2) * block.scaling).masked_fill(
+        ~visible[:, None].to(device), float("-inf"))
+    weights = torch.softmax(scores, dim=-1)  # [H_kv, G, n_c, L]
+    values = block.v[heads, at]  # [H_kv, L, d]
+    out = (weights @ values[:, None]).permute(2, 0, 1, 3).reshape(n_c, n_kv_heads * group, dim)
+    return out, visible.numpy(), weights.mean(1).float().cpu().numpy()
