@@ -95,6 +95,24 @@ def _check(q, K, span, topk, per_head_k):
 # ----------------------------------------------------------------------------- reference
 
 
+def _ranked_top(scores, k):
+    """Each row's k best entries, ranked by score descending and, among equal scores, earlier
+    position first: the first k of a stable descending sort, without sorting whole rows.
+    Returns (values, indices), both [..., k]."""
+    if k == 0:
+        return scores[..., :0], torch.zeros(scores.shape[:-1] + (0,), dtype=torch.int64, device=scores.device)
+    n = scores.shape[-1]
+    kth = torch.topk(scores, k, dim=-1).values[..., -1:]
+    above = scores > kth
+    equal = scores == kth
+    picked = above | (equal & (equal.cumsum(-1) <= k - above.sum(-1, keepdim=True)))  # exactly k per row
+    position = torch.arange(n, device=scores.device)
+    indices = torch.sort(torch.topk(torch.where(picked, n - position, 0), k, dim=-1).indices, dim=-1).values
+    values = scores.gather(-1, indices)
+    order = torch.sort(values, dim=-1, descending=True, stable=True).indices  # ties keep position order
+    return values.gather(-1, order), indices.gather(-1, order)
+
+
 def reattention_select_reference(q_norope, K_norope, global_size, local_size, span, topk,
                                  per_head_k=None):
     """ReAttention selection in plain torch + Python (the spec for the Triton path).
@@ -116,9 +134,9 @@ def reattention_select_reference(q_norope, K_norope, global_size, local_size, sp
     # Eq. 2 without positions: every head's scores over the middle segment, in float64.
     qg = q_norope.double().reshape(B, H_kv, G, d)
     scores = qg @ K_norope[:, :, lo:hi].double().transpose(-1, -2)  # [B, H_kv, G, hi - lo]
-    ranked = torch.sort(scores, dim=-1, descending=True, stable=True)  # stable: earlier wins ties
-    head_pos = (ranked.indices[..., :kh] + lo).reshape(B, H_q, kh)
-    head_sc = ranked.values[..., :kh].reshape(B, H_q, kh)
+    values, indices = _ranked_top(scores, kh)
+    head_pos = (indices + lo).reshape(B, H_q, kh)
+    head_sc = values.reshape(B, H_q, kh)
 
     rows, centre_rows, vote_rows = [], [], []
     for b in range(B):

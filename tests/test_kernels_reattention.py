@@ -187,3 +187,16 @@ def test_rerotate_and_layout():
     original, new = reattention_layout(torch.tensor([3, 5]), S=10, global_size=2, local_size=2)
     assert original.tolist() == [0, 1, 3, 5, 8, 9]
     assert new.tolist() == [0, 1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("shape,k", [((1, 3, 48, 1000), 2), ((2, 3, 9, 37), 7), ((1, 1, 1, 5), 5)])
+@pytest.mark.parametrize("levels", [None, 3], ids=["distinct", "many-ties"])
+def test_ranked_top_equals_the_head_of_a_stable_sort(shape, k, levels):
+    """The reference's per-head nominations: the first k of a stable descending sort (earlier wins ties)."""
+    g = torch.Generator().manual_seed(k)
+    scores = torch.randn(shape, generator=g, dtype=torch.float64) if levels is None else \
+        torch.randint(0, levels, shape, generator=g).double()
+    values, indices = reattention._ranked_top(scores, k)
+    ranked = torch.sort(scores, dim=-1, descending=True, stable=True)
+    assert torch.equal(indices, ranked.indices[..., :k]) and torch.equal(values, ranked.values[..., :k])
+    assert reattention._ranked_top(scores, 0)[1].shape == shape[:-1] + (0,)
