@@ -82,14 +82,18 @@ def _segment(S, global_size, local_size):
     return lo, hi
 
 
-def _check(q, K, span, topk, per_head_k):
+def _check(q, K, span, topk, per_head_k, global_size, local_size):
+    """Checked shapes and the middle segment: (B, H_q, d, H_kv, G, lo, hi, nominations per query head)."""
     if q.dim() != 3 or K.dim() != 4 or q.shape[0] != K.shape[0] or q.shape[2] != K.shape[3]:
         raise ValueError(f"expected q [B, H_q, d], K [B, H_kv, S, d]; got {tuple(q.shape)}, {tuple(K.shape)}")
     if q.shape[1] % K.shape[1]:
         raise ValueError("H_q must be a multiple of H_kv")
     if span < 1 or topk < 1 or (per_head_k is not None and per_head_k < 1):
         raise ValueError("span, topk and per_head_k must be >= 1")
-    return per_head_k if per_head_k is not None else topk
+    B, H_q, d = q.shape
+    H_kv, S = K.shape[1], K.shape[2]
+    lo, hi = _segment(S, global_size, local_size)
+    return B, H_q, d, H_kv, H_q // H_kv, lo, hi, min(per_head_k if per_head_k is not None else topk, hi - lo)
 
 
 # ----------------------------------------------------------------------------- reference
@@ -124,12 +128,7 @@ def reattention_select_reference(q_norope, K_norope, global_size, local_size, sp
             after voting (the paper's k'). per_head_k: nominations per query head (default topk).
     Returns a :class:`ReAttentionSelection`.
     """
-    kh = _check(q_norope, K_norope, span, topk, per_head_k)
-    B, H_q, d = q_norope.shape
-    H_kv, S = K_norope.shape[1], K_norope.shape[2]
-    G = H_q // H_kv
-    lo, hi = _segment(S, global_size, local_size)
-    kh = min(kh, hi - lo)
+    B, H_q, d, H_kv, G, lo, hi, kh = _check(q_norope, K_norope, span, topk, per_head_k, global_size, local_size)
 
     # Eq. 2 without positions: every head's scores over the middle segment, in float64.
     qg = q_norope.double().reshape(B, H_kv, G, d)
@@ -283,12 +282,7 @@ def reattention_select_triton(q_norope, K_norope, global_size, local_size, span,
     """
     if not HAS_TRITON:  # pragma: no cover
         raise RuntimeError("triton is not installed")
-    kh = _check(q_norope, K_norope, span, topk, per_head_k)
-    B, H_q, d = q_norope.shape
-    H_kv, S = K_norope.shape[1], K_norope.shape[2]
-    G = H_q // H_kv
-    lo, hi = _segment(S, global_size, local_size)
-    kh = min(kh, hi - lo)
+    B, H_q, d, H_kv, G, lo, hi, kh = _check(q_norope, K_norope, span, topk, per_head_k, global_size, local_size)
     dev = q_norope.device
     if block_s is None:
         block_s = min(1024, max(128, 8 * triton.next_power_of_2(max(kh, 1))))
