@@ -310,7 +310,8 @@ def test_reference_rows_with_lengths_equal_calls_on_truncated_caches():
     (9, 3, 300, 64, 40, 8, 10, 64, 64, [40, 41, 63, 64, 65, 300]),  # lengths at block edges
     (3, 3, 77, 16, 30, 5, 0, 16, 16, [77, 30, 31, 50]),           # G=1, no window
 ])
-def test_triton_rows_with_lengths_match_reference(H_q, H_kv, S, d, k, r, l, block, sel_block, lengths):
+@pytest.mark.parametrize("twice", [False, True], ids=["K", "K+K_t"])
+def test_triton_rows_with_lengths_match_reference(H_q, H_kv, S, d, k, r, l, block, sel_block, lengths, twice):
     """The prompt path's call: one cache (batch stride 0) read by queries at several positions.
     Whole blocks and selection chunks past a row's length must leave that row untouched."""
     B = len(lengths)
@@ -318,7 +319,8 @@ def test_triton_rows_with_lengths_match_reference(H_q, H_kv, S, d, k, r, l, bloc
     K, V = K[:1].expand(B, -1, -1, -1), V[:1].expand(B, -1, -1, -1)
     v_mean = torch.stack([V[b, :, :n].mean(1) for b, n in enumerate(lengths)])
     ref = sparq_attention_reference(q, K, V, v_mean, k, r, l, lengths=lengths)
-    got = sparq_attention_triton(q, K, V, v_mean, k, r, l, lengths=torch.tensor(lengths), block_s=block,
+    K_t = K.transpose(-1, -2).contiguous() if twice else None
+    got = sparq_attention_triton(q, K, V, v_mean, k, r, l, K_t=K_t, lengths=torch.tensor(lengths), block_s=block,
                                  select_block=sel_block)
     assert torch.equal(got.positions, ref.positions)
     torch.testing.assert_close(got.scores, ref.scores, rtol=1e-5, atol=1e-6)
