@@ -63,3 +63,11 @@ def inaugural_text() -> str:
         nltk.data.path.insert(0, os.environ["NLTK_DATA"])
     from nltk.corpus import inaugural
     return inaugural.raw("1789-Washington.txt")
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    """A short text on disk, for the CLI commands."""
+    path = tmp_path / "text.txt"
+    path.write_text("The quick brown fox jumps over the lazy dog.")
+    return path

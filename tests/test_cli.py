@@ -19,13 +19,6 @@ def cli(*args):
                           env=dict(os.environ))
 
 
-@pytest.fixture
-def text_file(tmp_path):
-    path = tmp_path / "text.txt"
-    path.write_text("The quick brown fox jumps over the lazy dog.")
-    return path
-
-
 @pytest.mark.parametrize("policy, message", [
     ("lru:budget=4", "unknown policy 'lru'"),
     ("tova:budget=0", "budget must be an integer >= 1"),

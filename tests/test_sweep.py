@@ -109,13 +109,6 @@ def parse(*argv):
     return parser.parse_args(["sweep", *argv])
 
 
-@pytest.fixture
-def text_file(tmp_path):
-    path = tmp_path / "text.txt"
-    path.write_text("the quick brown fox jumps over the lazy dog")
-    return path
-
-
 @pytest.mark.parametrize("args, message", [
     (["--budgets", "8,x"], "--budgets: budgets must be comma-separated integers"),
     (["--budgets", "0"], "--budgets: budgets must be integers >= 1"),
