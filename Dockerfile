@@ -3,8 +3,7 @@ FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1 \
     HOME=/home/user GRADIO_SERVER_NAME=0.0.0.0 GRADIO_SERVER_PORT=7860 \
-    KVLENS_MODEL_CACHE=/home/user/.cache/kvlens/models KVLENS_STORE_DIR=/home/user/.cache/kvlens/store \
-    NLTK_DATA=/home/user/nltk_data
+    KVLENS_MODEL_CACHE=/home/user/.cache/kvlens/models KVLENS_STORE_DIR=/home/user/.cache/kvlens/store
 RUN useradd --create-home --uid 1000 user
 WORKDIR /home/user/app
 
@@ -16,10 +15,9 @@ RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
 
 COPY --chown=user:user . .
 USER user
-# Dequantize the packaged GGUF once, and fetch the POS tagger the retention view uses, at build time,
-# so the first visitor waits for neither.
-RUN python -c "from backend.models import load_model; load_model()" \
- && python -m nltk.downloader -d "$NLTK_DATA" averaged_perceptron_tagger_eng
+# Dequantize the packaged GGUF once at build time, so the first visitor does not wait for it. The POS
+# tagger and the example corpora ship in assets/nltk_data.
+RUN python -c "from backend.models import load_model; load_model()"
 
 EXPOSE 7860
 CMD ["python", "app.py"]

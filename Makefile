@@ -15,14 +15,14 @@ $(BIN)/.installed: requirements.txt requirements-dev.txt
 venv: $(BIN)/.installed
 
 run: venv
-	NLTK_DATA=$${NLTK_DATA:-$(CURDIR)/../shared/nltk_data} $(BIN)/python app.py
+	$(BIN)/python app.py
 
 demo: venv
 	$(BIN)/python -m backend run --text assets/examples/needle.txt --mode generate --max-new-tokens 24 \
 	  --policy full --policy sinks:budget=40 --policy tova:budget=40 --policy reattention:budget=40 --out out/demo
 
 test: venv
-	NLTK_DATA=$${NLTK_DATA:-$(CURDIR)/../shared/nltk_data} TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -rs tests
 
 bench: venv
 	$(BIN)/python -m benchmarks.decode_ratio

@@ -1,15 +1,27 @@
-"""KV Lens web app: Gradio wiring only. Runs go through backend.session; figures come from viz.panels."""
+"""KV Lens web app: Gradio wiring only. Runs go through backend.session; figures come from viz.panels.
+
+A public Space must survive its visitors: requests are checked before they queue for the model
+(``validator=``, outside the model slot), one visitor holds at most one model job (backend.guard),
+uploads are closed and request bodies bounded, every message shown is escaped, exports are deleted
+after download, and the trace store is a cache that may be missing without anything failing.
+"""
 from __future__ import annotations
 
+import html
+import logging
 import os
+import shutil
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import gradio as gr
+from starlette.middleware import Middleware
 
 from backend import session
-from backend.session import RequestError
+from backend.guard import Admission, RequestGuard
+from backend.session import LIMITS, RequestError
 from backend.store import TraceStore
 from viz import panels
 
@@ -19,7 +31,11 @@ FIRST_EXAMPLE = next(name for name in ("needle", "story", *EXAMPLES) if name in 
 POLICY_CHOICES = ["full", "window", "sinks", "h2o", "tova", "a2sf", "oracle", "sparq", "reattention"]
 DEFAULT_POLICIES = ["sinks", "tova", "a2sf", "reattention"]
 DEFAULT_BUDGET = 40
-STORE = TraceStore()
+STORE = TraceStore()  # never raises: a broken store is set aside, an unusable one means "not cached"
+ADMISSION = Admission(per_session=1, per_address=int(os.environ.get("KVLENS_RUNS_PER_ADDRESS", "4")))
+EXPORTS = Path(tempfile.gettempdir()) / f"kvlens-exports-{os.getpid()}"
+EXPORT_TTL_S = 600  # Gradio serves an export from its own cache; our copy goes once it has been handed over
+MAX_BODY = 4 * LIMITS.text_chars + 64 * 1024  # the longest allowed prompt as UTF-8, plus the other inputs
 NOTES = {name: (ROOT / "assets" / "notes" / f"{name}.md").read_text() for name in
          ("masks", "kept", "curves", "tsne", "divergence", "retention", "sweep")}
 
@@ -42,11 +58,16 @@ def specs_from_controls(names, budget, sinks, alpha, heads, custom):
     return specs
 
 
+def shown(err: Exception) -> gr.Error:
+    """A message for the page: one line, escaped (it may quote what the visitor typed)."""
+    return gr.Error(html.escape(str(err)), print_exception=False)
+
+
 def load_run(run_id):
     try:
         return panels.cached_run(run_id, lambda: session.reopen(run_id, STORE))
     except RequestError as err:  # e.g. the run was evicted from the store since
-        raise gr.Error(str(err), print_exception=False) from None
+        raise shown(err) from None
 
 
 def render_run(run_id):
@@ -67,33 +88,90 @@ def render_views(run_id, layer, head, step, alpha):
             *panels.score_curves(run, layer, head, alpha, step)]
 
 
-def on_run(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model, progress=gr.Progress()):
-    specs = specs_from_controls(names, budget, sinks, alpha, heads, custom)
-    request = session.RunRequest(prompt=prompt, specs=specs, mode=mode, max_new_tokens=int(max_new), model=model)
+def run_request(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model):
+    """The run the controls describe (not yet checked)."""
     try:
-        run = session.execute(request, STORE, lambda frac, what: progress(frac, desc=what))
+        specs = specs_from_controls(names, budget, sinks, alpha, heads, custom)
+    except (TypeError, ValueError):  # a raw API call with controls out of shape
+        raise RequestError("The policy controls are out of range.") from None
+    return session.RunRequest(prompt=prompt, specs=specs, mode=mode, max_new_tokens=max_new, model=model)
+
+
+def sweep_request(prompt, mode, max_new, names, sinks, alpha, heads, model):
+    """Every checked policy at every sweep budget, recorded like a run so the budget slider replays."""
+    try:
+        jobs = [(spec.partition(":")[0], budget, spec) for budget in panels.SWEEP_BUDGETS
+                for spec in specs_from_controls(names, budget, sinks, alpha, heads, "") if spec != "full"]
+    except (TypeError, ValueError):
+        raise RequestError("The policy controls are out of range.") from None
+    return session.SweepRequest(prompt=prompt, jobs=jobs, mode=mode, max_new_tokens=max_new, model=model,
+                                chat=True, record=True)
+
+
+def _admit(request: gr.Request | None, message_slots: int):
+    """Validator verdicts: [] when admitted, else the refusal on the first input."""
+    session_hash = getattr(request, "session_hash", None) or "anonymous"
+    address = getattr(getattr(request, "client", None), "host", None) or "unknown"
+    ticket, reason = ADMISSION.enter(session_hash, address)
+    if ticket is None:
+        return [gr.validate(False, reason)] + [gr.validate(True, "")] * (message_slots - 1)
+    return []
+
+
+def _verdicts(check, n_inputs: int, request: gr.Request | None):
+    """Run the cheap check; refuse with its message on the prompt box, else take an admission ticket."""
+    try:
+        check()
     except RequestError as err:
-        raise gr.Error(str(err), print_exception=False) from None
+        return [gr.validate(False, str(err))] + [gr.validate(True, "")] * (n_inputs - 1)
+    return _admit(request, n_inputs) or [gr.validate(True, "")] * n_inputs
+
+
+def check_run(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model, request: gr.Request = None):
+    """Validator of a run: runs before the job queues, outside the model slot."""
+    return _verdicts(lambda: session.check_run(run_request(prompt, mode, max_new, names, budget, sinks, alpha,
+                                                           heads, custom, model)), 10, request)
+
+
+def check_sweep(prompt, mode, max_new, names, sinks, alpha, heads, model, request: gr.Request = None):
+    return _verdicts(lambda: session.check_sweep(sweep_request(prompt, mode, max_new, names, sinks, alpha, heads,
+                                                               model)), 8, request)
+
+
+def _leave(request: gr.Request | None) -> None:
+    ADMISSION.leave_one(getattr(request, "session_hash", None) or "anonymous")
+
+
+def on_run(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model, request: gr.Request = None,
+           progress=gr.Progress()):
+    try:
+        run = session.execute(run_request(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model),
+                              STORE, lambda frac, what: progress(frac, desc=what))
+    except RequestError as err:
+        raise shown(err) from None
+    finally:
+        _leave(request)
     panels.remember(run)
     steps = len(run.traces[0].tokens)
     replayed = "replayed from the store" if all(run.result.replayed) else "computed"
-    status = f"{len(run.traces)} policies, {steps} tokens, {replayed}."
+    cached = "" if STORE.available else " The trace store is unavailable here, so this run is not cached."
+    status = f"{len(run.traces)} policies, {steps} tokens, {replayed}.{cached}"
     meta = run.full.meta  # the selectors follow the model's shape (allow-listed models differ)
     return (run.run_id, status, gr.update(maximum=steps - 1, value=steps - 1),
             gr.update(choices=panels.layer_choices(meta["n_layers"])),
             gr.update(choices=panels.head_choices(meta["n_kv_heads"])))
 
 
-def on_sweep(prompt, mode, max_new, names, sinks, alpha, heads, custom, model, progress=gr.Progress()):
-    specs = [spec for budget in panels.SWEEP_BUDGETS
-             for spec in specs_from_controls(names, budget, sinks, alpha, heads, "")]
-    request = session.RunRequest(prompt=prompt, specs=specs, mode=mode, max_new_tokens=int(max_new), model=model)
+def on_sweep(prompt, mode, max_new, names, sinks, alpha, heads, model, request: gr.Request = None,
+             progress=gr.Progress()):
     try:
-        run = session.execute(request, STORE, lambda frac, what: progress(frac, desc=what),
-                              max_policies=session.MAX_POLICIES * len(panels.SWEEP_BUDGETS))
+        table = session.execute_sweep(sweep_request(prompt, mode, max_new, names, sinks, alpha, heads, model), STORE,
+                                      lambda frac, what: progress(frac, desc=what))
     except RequestError as err:
-        raise gr.Error(str(err), print_exception=False) from None
-    return panels.sweep_figure(run), "Budgets stored: moving the budget slider now replays them instantly."
+        raise shown(err) from None
+    finally:
+        _leave(request)
+    return panels.sweep_figure(table), "Budgets stored: moving the budget slider now replays them instantly."
 
 
 def on_tsne(run_id, policy, layer, head):
@@ -102,17 +180,34 @@ def on_tsne(run_id, policy, layer, head):
     try:
         return panels.tsne(load_run(run_id), policy, layer, head)
     except ValueError as err:  # e.g. that policy is not part of this run
-        raise gr.Error(str(err), print_exception=False) from None
+        raise shown(err) from None
+
+
+def prune_exports(max_age_s: float = EXPORT_TTL_S) -> None:
+    """Delete our export zips older than ``max_age_s`` (Gradio has copied them into its cache by then)."""
+    for folder in EXPORTS.glob("*"):
+        try:
+            if time.time() - folder.stat().st_mtime > max_age_s:
+                shutil.rmtree(folder, ignore_errors=True)
+        except OSError:
+            pass
 
 
 def on_export(run_id, layer, head, step, alpha):
     if not run_id:
         raise gr.Error("Run something first.", print_exception=False)
     run = load_run(run_id)
+    prune_exports()
     figures = panels.figures_html(run, layer, head, panels.clamp_step(run, step), alpha)
-    path = Path(tempfile.mkdtemp(prefix="kvlens-")) / f"kvlens-{run_id[:12]}.zip"
+    EXPORTS.mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(dir=EXPORTS)) / f"kvlens-{run_id[:12]}.zip"
     path.write_bytes(session.export_zip(run, {"figures.html": figures}))
     return str(path)
+
+
+def after_export():
+    """Gradio holds its own copy of the zip once the event has returned: ours can go."""
+    prune_exports(max_age_s=0)
 
 
 def on_load(request: gr.Request):
@@ -123,23 +218,25 @@ def on_load(request: gr.Request):
     try:
         run = session.reopen(run_id, STORE)
     except RequestError as err:
-        return None, f"**{err}**"
+        return None, f"**{html.escape(str(err))}**"
     panels.remember(run)
     return run.run_id, "Opened a shared run from the store."
 
 
 def build() -> gr.Blocks:
-    with gr.Blocks(title="KV Lens") as demo:
+    # Gradio's own copies of exported zips are deleted within 20 minutes of their making.
+    with gr.Blocks(title="KV Lens", delete_cache=(EXPORT_TTL_S, EXPORT_TTL_S)) as demo:
         gr.Markdown(panels.INTRO)
         run_id = gr.State(None)
         with gr.Row():
             with gr.Column(scale=1, min_width=320):
-                prompt = gr.Textbox(label="Prompt", lines=7, value=EXAMPLES[FIRST_EXAMPLE], elem_id="prompt")
+                prompt = gr.Textbox(label="Prompt", lines=7, value=EXAMPLES[FIRST_EXAMPLE], elem_id="prompt",
+                                    max_length=LIMITS.text_chars)
                 gr.Examples([[text] for text in EXAMPLES.values()], inputs=[prompt], example_labels=list(EXAMPLES),
                             label="Examples")
                 mode = gr.Radio([("Generate a continuation", "generate"), ("Score the text (teacher-forced)", "prompt")],
                                 value="generate", label="Mode")
-                max_new = gr.Slider(4, session.MAX_NEW_TOKENS, value=24, step=4, label="Max new tokens")
+                max_new = gr.Slider(4, LIMITS.new_tokens, value=24, step=4, label="Max new tokens")
                 names = gr.CheckboxGroup(POLICY_CHOICES, value=DEFAULT_POLICIES, label="Policies, side by side",
                                          elem_id="policies")
                 budget = gr.Slider(4, 128, value=DEFAULT_BUDGET, step=4, label="Budget: cached tokens each query reads",
@@ -207,29 +304,40 @@ def build() -> gr.Blocks:
         views = [heatmap, kept, curves, curves_steps]
         selectors = [run_id, layer, head, step, curve_alpha]
         run_inputs = [prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model]
+        # The model runs one job at a time ("model"); the views of stored runs share two workers ("views").
         # Moving the budget re-runs too: replayed from the store when that budget was computed before.
+        views_ = {"concurrency_id": "views", "concurrency_limit": 2}
         for trigger in (run_button.click, budget.change):
-            trigger(on_run, run_inputs, [run_id, status, step, layer, head], concurrency_id="model",
-                    trigger_mode="always_last").then(
-                render_run, run_id, run_views).then(render_views, selectors, views)
+            trigger(on_run, run_inputs, [run_id, status, step, layer, head], validator=check_run,
+                    concurrency_id="model", trigger_mode="always_last").then(
+                render_run, run_id, run_views, **views_).then(render_views, selectors, views, **views_)
         for control in (layer, head, curve_alpha):
-            control.change(render_views, selectors, views)
-        step.release(render_views, selectors, views)
-        tsne_button.click(on_tsne, [run_id, tsne_policy, layer, head], tsne_plot)
-        sweep_button.click(on_sweep, [prompt, mode, max_new, names, sinks, alpha, heads, custom, model],
-                           [sweep_plot, sweep_status], concurrency_id="model")
-        export_button.click(on_export, selectors, export_file)
-        demo.load(on_load, None, [run_id, status]).then(render_run, run_id, run_views).then(
-            render_views, selectors, views)
+            control.change(render_views, selectors, views, **views_)
+        step.release(render_views, selectors, views, **views_)
+        tsne_button.click(on_tsne, [run_id, tsne_policy, layer, head], tsne_plot, **views_)
+        sweep_button.click(on_sweep, [prompt, mode, max_new, names, sinks, alpha, heads, model],
+                           [sweep_plot, sweep_status], validator=check_sweep, concurrency_id="model")
+        export_button.click(on_export, selectors, export_file, **views_).then(after_export, None, None, queue=False)
+        # A page load never waits behind the queue (reopening a link reads the store only).
+        demo.load(on_load, None, [run_id, status], queue=False).then(render_run, run_id, run_views, **views_).then(
+            render_views, selectors, views, **views_)
     return demo
 
 
 demo = build()
-demo.queue(default_concurrency_limit=1, max_size=32)
+demo.queue(default_concurrency_limit=1, max_size=64)
 
-if __name__ == "__main__":
+
+def launch() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # Load (and on first use convert) the default model while the page comes up, not on the first click.
     threading.Thread(target=session.get_model, daemon=True).start()
-    demo.launch(server_name=os.environ.get("GRADIO_SERVER_NAME", "0.0.0.0"),
+    # Localhost unless the deployment says otherwise (the Dockerfile and Spaces set GRADIO_SERVER_NAME).
+    demo.launch(server_name=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
                 server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")),
-                css_paths=[ROOT / "assets" / "style.css"])
+                css_paths=[ROOT / "assets" / "style.css"], max_file_size=1,
+                app_kwargs={"middleware": [Middleware(RequestGuard, max_body=MAX_BODY)]})
+
+
+if __name__ == "__main__":
+    launch()

@@ -1,18 +1,28 @@
-"""Command line: ``python -m backend run ...`` writes one trace per policy and a summary.json."""
+"""Command line: ``python -m backend run ...`` writes one trace per policy and a summary.json;
+``python -m backend sweep ...`` writes perplexity vs budget.
+
+Requests go through the app's front door (session.py: the same limits and checks). Everything that
+needs no model is checked first (the text file, the policies, the output directory), so a mistake is
+reported in a second, not after the model has loaded and the run has finished.
+"""
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
+import tempfile
 from pathlib import Path
 
+import pandas as pd
+
 from . import metrics
-from .models import ALLOWED_MODELS, DEFAULT_MODEL, ModelError, load_model
-from .policies import SpecError, describe, parse_spec
+from .models import ALLOWED_MODELS, DEFAULT_MODEL
+from .policies import SpecError, describe
 from .runner import DEFAULT_CHUNK
-from .service import run_policies
+from .session import LIMITS, RequestError, RunRequest, SweepRequest, check_run, check_sweep, execute, execute_sweep
 from .store import TraceStore
-from .sweep import add_sweep_parser
+from .sweep import DEFAULT_BUDGETS, DEFAULT_POLICIES, MAX_ROWS, budget_jobs, parse_budgets, split_policies, write_tables
 from .trace import file_stem
 
 
@@ -20,77 +30,122 @@ class CliError(Exception):
     """Bad input: printed as one line, exit status 2."""
 
 
+MAX_FILE_BYTES = 16 * 2**20  # --max-tokens reads the start of a long file; nothing reads a huge one
+
+
 def read_text(path: str) -> str:
     try:
-        text = Path(path).read_bytes().decode("utf-8")
+        file = Path(path)
+        if file.is_file() and file.stat().st_size > MAX_FILE_BYTES:
+            raise CliError(f"{path} is larger than {MAX_FILE_BYTES // 2**20} MB")
+        text = file.read_bytes().decode("utf-8")
     except FileNotFoundError:
         raise CliError(f"text file not found: {path}") from None
     except IsADirectoryError:
         raise CliError(f"not a file: {path}") from None
     except UnicodeDecodeError:
         raise CliError(f"{path} is not UTF-8 text") from None
+    except OSError as err:
+        raise CliError(f"cannot read {path}: {err.strerror or err}") from None
     if not text.strip():
         raise CliError(f"{path} is empty")
     return text
 
 
-def encode(lm, text: str, mode: str, chat: bool, max_tokens: int) -> list[int]:
-    ids = lm.encode(text, chat=chat and mode == "generate")
-    if len(ids) > max_tokens:
-        print(f"note: text truncated from {len(ids)} to {max_tokens} tokens (--max-tokens)", file=sys.stderr)
-        ids = ids[:max_tokens]
-    if mode == "prompt" and len(ids) < 2:
-        raise CliError("the text must have at least 2 tokens to be scored")
-    return list(ids)
-
-
-def cmd_run(args: argparse.Namespace) -> int:
-    try:
-        policies = [parse_spec(spec) for spec in args.policy]
-    except SpecError as err:
-        raise CliError(str(err)) from None
-    if args.max_new_tokens < 1:
-        raise CliError("--max-new-tokens must be >= 1")
-    if args.max_tokens < 2 or args.chunk < 1:
-        raise CliError("--max-tokens must be >= 2 and --chunk >= 1")
-    text = read_text(args.text)
-    try:
-        lm = load_model(args.model)
-    except ModelError as err:
-        raise CliError(str(err)) from None
-    ids = encode(lm, text, args.mode, args.chat, args.max_tokens)
-
-    def progress(frac: float, what: str) -> None:
-        if sys.stderr.isatty():
-            print(f"\r{what}: {frac:4.0%}", end="", file=sys.stderr, flush=True)
-
-    specs = list(args.policy)
-    out = Path(args.out)
+def writable_dir(path: str) -> Path:
+    """``path`` as an existing directory we can write, or CliError; checked before any model work."""
+    out = Path(path)
     if out.exists() and not out.is_dir():
         raise CliError(f"--out {out} exists and is not a directory")
     try:
-        store = None if args.no_cache else TraceStore()
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".kvlens-write-test-"):
+            pass
+    except OSError as err:
+        raise CliError(f"--out {out} is not a writable directory ({err.strerror or err})") from None
+    return out
+
+
+def open_store(no_cache: bool) -> TraceStore | None:
+    if no_cache:
+        return None
+    try:
+        return TraceStore()
     except ValueError as err:  # e.g. a malformed KVLENS_STORE_MB
         raise CliError(str(err)) from None
-    result = run_policies(lm, specs, policies, ids, args.mode, args.max_new_tokens, store, chunk=args.chunk,
-                          progress=progress)
+
+
+def progress_printer():
+    def progress(frac: float, what: str) -> None:
+        if sys.stderr.isatty():
+            print(f"\r{what}: {frac:4.0%}", end="", file=sys.stderr, flush=True)
+    return progress
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    text = read_text(args.text)
+    request = RunRequest(prompt=text, specs=list(args.policy), mode=args.mode, max_new_tokens=args.max_new_tokens,
+                         model=args.model, chat=args.chat, max_tokens=args.max_tokens)
+    if args.chunk < 1:
+        raise CliError("--chunk must be >= 1")
+    check_run(request)
+    out = writable_dir(args.out)
+    store = open_store(args.no_cache)
+    run = execute(request, store, progress_printer(), chunk=args.chunk)
     if sys.stderr.isatty():
         print(file=sys.stderr)
-    traces, full = result.traces, result.full
     summary = {}
-    for index, (spec, trace) in enumerate(zip(specs, traces)):
+    for index, (spec, trace) in enumerate(zip(run.request.specs, run.traces)):
         path = trace.save(out, file_stem(index, spec))
-        row = metrics.summary_row(trace, full)
+        row = metrics.summary_row(trace, run.full)
         summary[spec] = {**row, "trace": path.name}
         print(f"{spec:32s} ppl {row['ppl']:9.3f}  kl_to_full {row['kl_to_full']:.4f}  "
-              f"top1 {row['top1_agreement']:.3f}  {'(replayed from the store)' if result.replayed[index] else ''}")
+              f"top1 {row['top1_agreement']:.3f}  {'(replayed from the store)' if run.result.replayed[index] else ''}")
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    print(f"wrote {len(traces)} traces and summary.json to {out}")
+    print(f"wrote {len(run.traces)} traces and summary.json to {out}")
     return 0
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    try:
+        budgets = parse_budgets(args.budgets)
+        jobs = budget_jobs(split_policies(args.policies), budgets)
+    except SpecError as err:
+        raise CliError(str(err)) from None
+    except ValueError as err:
+        raise CliError(f"--budgets: {err}") from None
+    text = read_text(args.text)
+    request = SweepRequest(prompt=text, jobs=jobs, model=args.model, max_tokens=args.max_tokens, max_rows=args.max_rows)
+    check_sweep(request)
+    out = writable_dir(args.out)
+    store = open_store(args.no_cache)
+    df = execute_sweep(request, store, progress_printer())
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
+    paths = write_tables(df, out)
+    from viz.sweep import sweep_figure  # the CLI is a front end, like app.py: figures come from viz/
+
+    paths["html"] = out / "sweep.html"
+    sweep_figure(df).write_html(paths["html"], include_plotlyjs=True, full_html=True)
+    with pd.option_context("display.width", 200, "display.max_rows", 500):
+        print(df.drop(columns=["tokens"]).to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    print(f"{int(df['tokens'].iloc[-1])} tokens; wrote {', '.join(p.name for p in paths.values())} to {out}")
+    return 0
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"one of: {', '.join(ALLOWED_MODELS)}")
+    p.add_argument("--max-tokens", type=int, default=LIMITS.prompt_tokens,
+                   help=f"keep the first N tokens of a longer text (2 to {LIMITS.prompt_tokens}, the default)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="recompute even if the trace store (KVLENS_STORE_DIR) holds this run")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m backend", description="KV Lens: run KV-cache policies on a real model.")
+    parser = argparse.ArgumentParser(
+        prog="python -m backend", description="KV Lens: run KV-cache policies on a real model.",
+        epilog=f"Limits (as in the app; KVLENS_MAX_<NAME> changes one): {LIMITS}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="run policies on a text and write traces",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -99,24 +154,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", action="append", required=True, metavar="SPEC",
                    help="e.g. tova:budget=64 or a2sf:budget=64,alpha=0.3; repeat for several")
     p.add_argument("--mode", choices=("prompt", "generate"), default="prompt")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--model", default=DEFAULT_MODEL, help=f"one of: {', '.join(ALLOWED_MODELS)}")
+    p.add_argument("--max-new-tokens", type=int, default=64, help=f"generate mode, 1 to {LIMITS.new_tokens}")
     p.add_argument("--no-chat", dest="chat", action="store_false",
                    help="generate mode: feed the text as is instead of as a chat user turn")
-    p.add_argument("--max-tokens", type=int, default=1024, help="truncate longer texts to this many tokens")
     p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help="prompt tokens per forward call")
-    p.add_argument("--no-cache", action="store_true",
-                   help="recompute even if the trace store (KVLENS_STORE_DIR) holds this run")
+    _common(p)
     p.set_defaults(func=cmd_run)
-    add_sweep_parser(sub)
+
+    p = sub.add_parser(
+        "sweep", help="perplexity vs budget for several policies (TOVA Fig. 3)",
+        description="Score a text teacher-forced under every policy at every budget; write sweep.csv, "
+                    "sweep.json and sweep.html (perplexity vs budget, Full as the topline).")
+    p.add_argument("--text", required=True, help="UTF-8 text file to score")
+    p.add_argument("--policies", default=DEFAULT_POLICIES,
+                   help=f"comma-separated policies, parameters allowed except budget, e.g. "
+                        f"window,sinks,tova:heads=head (default {DEFAULT_POLICIES})")
+    p.add_argument("--budgets", default=DEFAULT_BUDGETS, help=f"comma-separated budgets (default {DEFAULT_BUDGETS})")
+    p.add_argument("--max-rows", type=int, default=MAX_ROWS,
+                   help=f"policy/budget pairs per batched forward (default {MAX_ROWS}; lower it to save memory)")
+    _common(p)
+    p.set_defaults(func=cmd_sweep)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except CliError as err:
+    except (CliError, RequestError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -61,6 +61,11 @@ class LoadedModel:
     def n_heads(self) -> int:
         return self.model.config.num_attention_heads
 
+    @property
+    def head_dim(self) -> int:
+        config = self.model.config
+        return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
     def encode(self, text: str, chat: bool = False) -> list[int]:
         """Token ids of ``text``; ``chat=True`` wraps it as a user turn of the model's chat template."""
         if chat and getattr(self.tokenizer, "chat_template", None):

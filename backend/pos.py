@@ -6,9 +6,10 @@ the words are tagged with NLTK's averaged perceptron tagger, and each model toke
 word it overlaps most, by character offsets. A token that overlaps no word (whitespace) is tagged
 ``\\n`` when it holds a line break, as in TOVA's table, and left out otherwise.
 
-The tagger's data (``taggers/averaged_perceptron_tagger_eng``, zipped or not) is looked up in the
-directories of ``NLTK_DATA`` (read at call time) and then ``nltk.data.path``; when it is missing, one
-download is tried, and if that fails too ``TaggerUnavailable`` says what to do.
+The tagger's data (``taggers/averaged_perceptron_tagger_eng``, zipped or not) ships in
+``assets/nltk_data`` and is looked up there first, then in the directories of ``NLTK_DATA`` (read at call
+time) and ``nltk.data.path``; when it is missing everywhere, one download is tried, and if that fails too
+``TaggerUnavailable`` says what to do.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import numpy as np
 import pandas as pd
 
 from .metrics import lifetimes
+from .texts import NLTK_DATA as SHIPPED_NLTK_DATA
 from .trace import Trace
 
 TAGGER = "averaged_perceptron_tagger_eng"
@@ -32,10 +34,12 @@ class TaggerUnavailable(RuntimeError):
 
 
 def _use_nltk_data_env() -> None:
-    """Put the directories of ``NLTK_DATA`` first on nltk's search path (nltk reads it only at import)."""
+    """Put the shipped data, then the directories of ``NLTK_DATA``, first on nltk's search path (nltk
+    reads ``NLTK_DATA`` only at import)."""
     import nltk
 
-    for directory in reversed([d for d in os.environ.get("NLTK_DATA", "").split(os.pathsep) if d]):
+    env = [d for d in os.environ.get("NLTK_DATA", "").split(os.pathsep) if d]
+    for directory in reversed([str(SHIPPED_NLTK_DATA), *env]):
         if directory in nltk.data.path:
             nltk.data.path.remove(directory)
         nltk.data.path.insert(0, directory)

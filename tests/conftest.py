@@ -1,7 +1,6 @@
 """Shared fixtures: a tiny random-weight Llama (fast), and the default model (end to end)."""
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -58,11 +57,8 @@ def default_lm():
 
 @pytest.fixture(scope="session")
 def inaugural_text() -> str:
-    import nltk
-    if os.environ.get("NLTK_DATA"):
-        nltk.data.path.insert(0, os.environ["NLTK_DATA"])
-    from nltk.corpus import inaugural
-    return inaugural.raw("1789-Washington.txt")
+    from backend.texts import inaugural
+    return inaugural("1789-Washington.txt")
 
 
 @pytest.fixture

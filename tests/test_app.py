@@ -9,6 +9,7 @@ import pytest
 
 import app
 from backend import session
+from backend.limits import Limits
 from backend.models import DEFAULT_MODEL
 from backend.policies import parse_spec
 from backend.session import RequestError, RunRequest
@@ -63,7 +64,7 @@ def test_run_reopens_from_its_id_and_exports(tiny_session):
         assert json.loads(z.read("01-h2o-budget-6.json"))["policy"] == "h2o"
 
 
-@pytest.mark.parametrize("run_id, message", [("../../etc/passwd", "does not name a run"), ("0" * 64, "no longer stored")])
+@pytest.mark.parametrize("run_id, message", [("../../etc/passwd", "does not name a run"), ("0" * 32, "no longer stored")])
 def test_deep_links_to_nothing_say_so(tiny_session, run_id, message):
     with pytest.raises(RequestError, match=message):
         session.reopen(run_id, tiny_session)
@@ -73,15 +74,15 @@ def test_deep_links_to_nothing_say_so(tiny_session, run_id, message):
 
 def test_deep_link_and_views_render_a_stored_run(tiny_session):
     run = session.execute(RunRequest(prompt="one two three four five six seven eight nine ten",
-                                     specs=["tova:budget=6", "oracle:budget=6", "sparq:budget=6"], mode="prompt"),
+                                     specs=["tova:budget=6", "oracle:budget=6", "sparq:budget=6,r=4"], mode="prompt"),
                           tiny_session)
     app.panels._runs.clear()
     run_id, status = app.on_load(SimpleNamespace(query_params={"run": run.run_id}))
     assert run_id == run.run_id and "shared run" in status
     summary, divergence, continuations, first_token, non_recent, by_position, pos_table, share = app.render_run(run_id)
-    assert {d.name for d in first_token.data} == {"tova:budget=6", "oracle:budget=6", "sparq:budget=6"}
+    assert {d.name for d in first_token.data} == {"tova:budget=6", "oracle:budget=6", "sparq:budget=6,r=4"}
     assert len(first_token.data[0].y) == 2 and len(non_recent.data) == 3  # per layer of the tiny model
-    assert list(summary["Policy"]) == ["tova:budget=6", "oracle:budget=6", "sparq:budget=6"]
+    assert list(summary["Policy"]) == ["tova:budget=6", "oracle:budget=6", "sparq:budget=6,r=4"]
     assert run.run_id in share and "no continuations" in continuations
     heatmap, kept, curves, curves_steps = app.render_views(run_id, "1", "0", 30, 0.3)
     assert len(heatmap.data) == 3 and kept.count("at step 30") == 3 and curves.data and curves_steps.data
@@ -100,15 +101,15 @@ def test_summary_has_no_oracle_column_without_an_oracle(tiny_session):
     assert "Similarity to oracle" not in summary.columns and "Perplexity" in summary.columns
 
 
-def test_too_long_prompt_is_refused(tiny_session, monkeypatch):
-    monkeypatch.setattr(session, "MAX_PROMPT_TOKENS", 10)
+def test_too_long_prompt_is_refused(tiny_session):
     with pytest.raises(RequestError, match="limit here is 10"):
-        session.execute(RunRequest(prompt="x" * 11, specs=["tova"], mode="prompt"), tiny_session)
+        session.execute(RunRequest(prompt="x" * 11, specs=["tova"], mode="prompt"), tiny_session,
+                        limits=Limits(prompt_tokens=10))
 
 
 def test_budget_sweep_stores_every_budget_and_the_slider_replays(tiny_session):
     prompt = "the quick brown fox jumps over the lazy dog and runs away"
-    figure, message = app.on_sweep(prompt, "prompt", 8, ["tova", "sinks", "reattention"], 4, 0.1, "paper default", "",
+    figure, message = app.on_sweep(prompt, "prompt", 8, ["tova", "sinks", "reattention"], 4, 0.1, "paper default",
                                    DEFAULT_MODEL, progress=lambda *a, **k: None)
     assert len(figure.data) == 3 and "replays" in message
     run_id, status, _, layers, heads = app.on_run(prompt, "prompt", 8, ["tova", "sinks", "reattention"], 16, 4, 0.1,

@@ -1,13 +1,15 @@
 """POS-tag lifetime table (TOVA Tables 1 and 4): word-to-token mapping, the table, a missing tagger."""
-import os
-from pathlib import Path
-
 import pytest
 
 from backend import pos
 from tests.test_metrics import make_trace
 
-SHARED_NLTK_DATA = Path(__file__).resolve().parents[2] / "shared" / "nltk_data"
+
+@pytest.fixture(autouse=True)
+def fresh_tagger_state(monkeypatch):
+    """Each test starts with no tagger loaded and no failed download remembered, whatever ran before."""
+    monkeypatch.setattr(pos, "_tagger", None)
+    monkeypatch.setattr(pos, "_download_failed", "")
 
 
 class FakeTagger:
@@ -45,22 +47,27 @@ def test_pos_lifetimes_averages_each_tags_tokens_longest_first():
     assert table.attrs["mean_lifetime_all"] == pytest.approx(29 / 8)  # the bare " " token is left out
 
 
-def test_the_real_tagger_loads_from_the_zip_in_nltk_data(monkeypatch):
+def test_the_real_tagger_loads_offline_from_the_zip_shipped_in_the_repo(monkeypatch):
     import nltk
-    data = os.environ.get("NLTK_DATA") or str(SHARED_NLTK_DATA)
-    if not (Path(data) / "taggers" / f"{pos.TAGGER}.zip").is_file():
-        pytest.skip(f"no {pos.TAGGER}.zip under {data}")
-    monkeypatch.setattr(pos, "_tagger", None)
-    monkeypatch.setattr(nltk.data, "path", [])  # only NLTK_DATA, read at call time, can find it
-    monkeypatch.setenv("NLTK_DATA", data)
+    assert (pos.SHIPPED_NLTK_DATA / "taggers" / f"{pos.TAGGER}.zip").is_file()
+    monkeypatch.setattr(nltk.data, "path", [])  # nothing but the shipped data can find it
+    monkeypatch.delenv("NLTK_DATA", raising=False)
     monkeypatch.setattr(nltk, "download", lambda *a, **k: pytest.fail("must not download"))
     tags = pos.tag_tokens(["The", " President", "'s", " speech", "."], pos.load_tagger())
     assert tags == ["DT", "NNP", "POS", "NN", "."]
 
 
+def test_nltk_data_env_is_searched_after_the_shipped_data(tmp_path, monkeypatch):
+    import nltk
+    monkeypatch.setattr(nltk.data, "path", ["/elsewhere"])
+    monkeypatch.setenv("NLTK_DATA", str(tmp_path))
+    pos._use_nltk_data_env()
+    assert nltk.data.path == [str(pos.SHIPPED_NLTK_DATA), str(tmp_path), "/elsewhere"]
+
+
 def test_missing_tagger_raises_a_clear_error_when_download_fails(tmp_path, monkeypatch):
     import nltk
-    monkeypatch.setattr(pos, "_tagger", None)
+    monkeypatch.setattr(pos, "SHIPPED_NLTK_DATA", tmp_path / "not-shipped")
     monkeypatch.setenv("NLTK_DATA", str(tmp_path))
     monkeypatch.setattr(nltk.data, "path", [str(tmp_path)])
     calls = []

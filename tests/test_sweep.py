@@ -1,5 +1,4 @@
 """Perplexity-vs-budget sweep on the tiny model: the table, the files, and the command line."""
-import argparse
 import json
 from types import SimpleNamespace
 
@@ -7,11 +6,13 @@ import pandas as pd
 import pytest
 import torch
 
-from backend import metrics, sweep as sweep_module
-from backend.cli import CliError
+from backend import metrics, session, sweep as sweep_module
+from backend.cli import CliError, build_parser
+from backend.models import DEFAULT_MODEL
 from backend.policies import SpecError, parse_spec
 from backend.runner import run
-from backend.sweep import add_sweep_parser, budget_spec, parse_budgets, split_policies, sweep, write_sweep
+from backend.session import RequestError
+from backend.sweep import budget_jobs, budget_spec, parse_budgets, split_policies, sweep, write_tables
 from tests.conftest import TinyTokenizer, make_tiny
 from viz.sweep import sweep_figure
 
@@ -25,7 +26,7 @@ def lm():
 
 @pytest.fixture(scope="module")
 def table(lm):
-    return sweep(lm, IDS, ["window", "sinks:sinks=2", "tova", "full"], [6, 12, 64])
+    return sweep(lm, IDS, budget_jobs(["window", "sinks:sinks=2", "tova", "full"], [6, 12, 64]))
 
 
 def test_budget_spec_adds_the_budget_and_keeps_other_parameters():
@@ -71,7 +72,7 @@ def test_sweep_rows_equal_running_each_policy_alone(lm, table):
 
 def test_splitting_into_smaller_batches_gives_the_same_table(lm, table):
     calls = []
-    small = sweep(lm, IDS, ["window", "sinks:sinks=2", "tova"], [6, 12, 64], max_rows=4,
+    small = sweep(lm, IDS, budget_jobs(["window", "sinks:sinks=2", "tova"], [6, 12, 64]), max_rows=4,
                   progress=lambda frac, what: calls.append((frac, what)))
     pd.testing.assert_frame_equal(small, table)
     assert {what.split(":")[0] for _, what in calls} == {"sweep 1/3", "sweep 2/3", "sweep 3/3"}
@@ -80,22 +81,20 @@ def test_splitting_into_smaller_batches_gives_the_same_table(lm, table):
 
 def test_sweep_checks_every_spec_before_running(lm):
     with pytest.raises(SpecError, match="sinks"):
-        sweep(lm, IDS, ["window", "sinks"], [4, 8])  # sinks=4 needs budget > 4
+        sweep(lm, IDS, budget_jobs(["window", "sinks"], [4, 8]))  # sinks=4 needs budget > 4
     with pytest.raises(SpecError, match="unknown policy"):
-        sweep(lm, IDS, ["lru"], [8])
+        sweep(lm, IDS, budget_jobs(["lru"], [8]))
 
 
-def test_write_sweep_writes_csv_json_and_a_plot(table, tmp_path):
-    paths = write_sweep(table, tmp_path / "out")
-    assert sorted(p.name for p in paths.values()) == ["sweep.csv", "sweep.html", "sweep.json"]
+def test_write_tables_writes_csv_and_json_and_the_figure_draws_them(table, tmp_path):
+    paths = write_tables(table, tmp_path / "out")
+    assert sorted(p.name for p in paths.values()) == ["sweep.csv", "sweep.json"]
     csv = pd.read_csv(paths["csv"])
     assert csv["spec"].tolist() == table["spec"].tolist()
     assert csv["ppl"].tolist() == pytest.approx(table["ppl"].tolist())
     records = json.loads(paths["json"].read_text())
     assert records[-1]["policy"] == "full" and records[-1]["budget"] is None
     assert records[0] == {**records[0], "policy": "window", "budget": 6}
-    html = paths["html"].read_text()
-    assert "plotly" in html.lower() and '"name":"tova"' in html and "Full " in html
     fig = sweep_figure(table)
     assert [t.name for t in fig.data] == ["window", "sinks:sinks=2", "tova"]
     assert fig.layout.xaxis.type == "log" and list(fig.layout.xaxis.tickvals) == [6, 12, 64]
@@ -104,23 +103,23 @@ def test_write_sweep_writes_csv_json_and_a_plot(table, tmp_path):
 # --- Command line --------------------------------------------------------------------------------------
 
 def parse(*argv):
-    parser = argparse.ArgumentParser()
-    add_sweep_parser(parser.add_subparsers(dest="command", required=True))
-    return parser.parse_args(["sweep", *argv])
+    return build_parser().parse_args(["sweep", *argv])
 
 
 @pytest.mark.parametrize("args, message", [
     (["--budgets", "8,x"], "--budgets: budgets must be comma-separated integers"),
     (["--budgets", "0"], "--budgets: budgets must be integers >= 1"),
-    (["--policies", ","], "--policies: give at least one policy"),
+    (["--policies", ","], "needs at least one policy other than full"),
+    (["--policies", "full"], "needs at least one policy other than full"),
     (["--policies", "lru"], "unknown policy 'lru'"),
     (["--policies", "tova:budget=8"], "leave budget out"),
     (["--policies", "sinks", "--budgets", "4"], "sinks: need 0 <= sinks < budget"),
-    (["--max-tokens", "1"], "--max-tokens must be >= 2"),
+    (["--max-tokens", "1"], "Max tokens must be an integer from 2 to"),
+    (["--max-rows", "0"], "Rows per forward must be an integer >= 1"),
 ])
 def test_bad_sweep_arguments_are_one_line_cli_errors(text_file, tmp_path, args, message):
     ns = parse("--text", str(text_file), "--out", str(tmp_path / "o"), *args)
-    with pytest.raises(CliError, match=message.replace("(", r"\(")):
+    with pytest.raises((CliError, RequestError), match=message.replace("(", r"\(")):
         ns.func(ns)
     assert not (tmp_path / "o").exists()
 
@@ -130,7 +129,7 @@ def test_missing_text_and_unknown_model_are_cli_errors(text_file, tmp_path):
     with pytest.raises(CliError, match="text file not found"):
         ns.func(ns)
     ns = parse("--text", str(text_file), "--out", str(tmp_path / "o"), "--model", "gpt-5")
-    with pytest.raises(CliError, match="unknown model"):
+    with pytest.raises(RequestError, match="unknown model"):
         ns.func(ns)
 
 
@@ -144,7 +143,7 @@ class CharTokenizer(TinyTokenizer):
 def test_sweep_command_writes_the_files(text_file, tmp_path, monkeypatch, capsys):
     tiny = make_tiny()
     tiny.tokenizer = CharTokenizer()
-    monkeypatch.setattr(sweep_module, "load_model", lambda name: tiny)
+    monkeypatch.setitem(session._models, DEFAULT_MODEL, tiny)
     ns = parse("--text", str(text_file), "--out", str(tmp_path / "o"), "--policies", "window,tova:heads=head",
                "--budgets", "8,16", "--max-tokens", "30")
     assert ns.func(ns) == 0
@@ -153,6 +152,8 @@ def test_sweep_command_writes_the_files(text_file, tmp_path, monkeypatch, capsys
     csv = pd.read_csv(tmp_path / "o" / "sweep.csv")
     assert csv["policy"].tolist() == ["window", "window", "tova:heads=head", "tova:heads=head", "full"]
     assert (csv["tokens"] == 30).all()
+    html = (tmp_path / "o" / "sweep.html").read_text()
+    assert "plotly" in html.lower() and '"name":"tova:heads=head"' in html and "Full " in html
 
 
 def test_sweep_stores_every_budget_so_the_app_replays(tmp_path):
@@ -163,7 +164,7 @@ def test_sweep_stores_every_budget_so_the_app_replays(tmp_path):
     lm = make_tiny()
     ids = list(range(3, 40))
     store = TraceStore(tmp_path / "store")
-    sweep_module.sweep(lm, ids, ["tova", "window"], [4, 8], store=store)
+    sweep_module.sweep(lm, ids, budget_jobs(["tova", "window"], [4, 8]), store=store)
     specs = ["tova:budget=4", "tova:budget=8", "window:budget=4", "window:budget=8"]
     result = run_policies(lm, specs, [parse_spec(s) for s in specs], ids, "prompt", store=store, record_layers=())
     assert result.replayed == [True] * 4

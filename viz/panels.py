@@ -33,12 +33,13 @@ may read. Budget = cached tokens each query reads. Every run is stored, so revis
 the budget slider over a computed sweep replays instantly."""
 
 _runs: OrderedDict = OrderedDict()  # run_id -> Run, the few most recent (the store holds them all)
+KEEP_RUNS = 4  # a run at the limits holds ~100 MB of traces; the store replays older ones in milliseconds
 
 
 def remember(run) -> None:
     _runs[run.run_id] = run
     _runs.move_to_end(run.run_id)
-    while len(_runs) > 8:
+    while len(_runs) > KEEP_RUNS:
         _runs.popitem(last=False)
 
 
@@ -241,17 +242,6 @@ def share_markdown(run) -> str:
             f"address).\n\nRun id: `{run.run_id}`")
 
 
-def sweep_figure(run) -> go.Figure:
-    """Perplexity against budget for a run that holds each policy at several budgets. A line per policy
-    name (its other parameters may follow the budget, as the app scales sinks and ReAttention's parts);
-    variants of one policy at the same budget get a line each."""
-    swept = [t for t in run.traces if _budget(t)]
-    labels = [t.meta["policy"] for t in swept]
-    pairs = [(label, _budget(t)) for label, t in zip(labels, swept)]
-    if len(set(pairs)) < len(pairs):
-        labels = [t.meta["policy"] + "".join(f",{k}={v}" for k, v in t.meta["params"].items() if k != "budget")
-                  for t in swept]
-    rows = [{"policy": label, "budget": _budget(t), "ppl": metrics.perplexity(t), "tokens": len(t.scored_ids)}
-            for label, t in zip(labels, swept)]
-    rows.append({"policy": "full", "budget": None, "ppl": metrics.perplexity(run.full), "tokens": len(run.full.scored_ids)})
-    return sweep_plot(pd.DataFrame(rows))
+def sweep_figure(table: pd.DataFrame) -> go.Figure:
+    """Perplexity against budget from a sweep's table (backend.sweep): a line per policy, Full as the topline."""
+    return sweep_plot(table)

@@ -1,6 +1,8 @@
 """Every policy, by name, and parsing of specs like ``tova:budget=64,heads=head``."""
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import MISSING, fields
 
 from .a2sf import A2SF
@@ -21,17 +23,22 @@ class SpecError(ValueError):
     """A policy spec the user typed is not valid; the message says why in one line."""
 
 
+# Plain decimal forms only: Python's int() and float() also take "1_0", "nan", "inf" and full-width digits.
+_INT = re.compile(r"[+-]?[0-9]{1,9}")
+_FLOAT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]{1,3})?")
+
+
 def _convert(policy: str, key: str, raw: str, typ):
     """Typed value of a parameter (field types are ints, floats or strings)."""
     typ = getattr(typ, "__name__", typ)
-    try:
-        if typ == "int":
-            return int(raw)
-        if typ == "float":
-            return float(raw)
-    except ValueError:
-        wanted = "an integer" if typ == "int" else "a number"
-        raise SpecError(f"{policy}: parameter {key} must be {wanted}, got {raw!r}") from None
+    if typ == "int":
+        if not _INT.fullmatch(raw):
+            raise SpecError(f"{policy}: parameter {key} must be an integer of at most 9 digits, got {raw!r}")
+        return int(raw)
+    if typ == "float":
+        if not _FLOAT.fullmatch(raw) or not math.isfinite(float(raw)):
+            raise SpecError(f"{policy}: parameter {key} must be a decimal number, got {raw!r}")
+        return float(raw)
     return raw
 
 
@@ -52,6 +59,8 @@ def parse_spec(spec: str) -> Policy:
         if key not in known:
             allowed = ", ".join(known) or "none"
             raise SpecError(f"{name}: unknown parameter {key!r} (parameters: {allowed})")
+        if key in kwargs:
+            raise SpecError(f"{name}: parameter {key} is given twice")
         kwargs[key] = _convert(name, key, raw.strip(), known[key].type)
     try:
         return cls(**kwargs)

@@ -52,6 +52,9 @@ class Policy:
     def params(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+    def check_model(self, head_dim: int, n_layers: int) -> None:
+        """Raise ValueError when the parameters do not fit the model (checked once the model is known)."""
+
     def init_state(self, n_heads: int) -> State:
         return {}
 

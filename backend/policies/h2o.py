@@ -30,6 +30,8 @@ class H2O(EvictionPolicy):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.recent < -1:
+            raise ValueError(f"h2o: recent must be >= 0, or -1 for budget // 2, got {self.recent}")
         if self.window >= self.budget:
             raise ValueError(f"h2o: recent must be < budget, got recent={self.recent}, budget={self.budget}")
 

@@ -41,8 +41,15 @@ class SparQ(AttendingPolicy):
         super().__post_init__()
         if self.r < 1:
             raise ValueError(f"sparq: r must be >= 1, got {self.r}")
+        if self.local < -1:
+            raise ValueError(f"sparq: local must be >= 0, or -1 for budget // 4, got {self.local}")
         if self.window > self.budget:
             raise ValueError(f"sparq: local must be <= budget, got local={self.local}, budget={self.budget}")
+
+    def check_model(self, head_dim: int, n_layers: int) -> None:
+        # The kernels would quietly use min(r, d) components; a trace must record what ran.
+        if self.r > head_dim:
+            raise ValueError(f"sparq: r must be <= the model's head size {head_dim}, got r={self.r}")
 
     def attend_block(self, state, block):
         n_q_heads, n, dim = block.q.shape

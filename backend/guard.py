@@ -1,0 +1,107 @@
+"""What keeps one visitor from taking a public Space down for the others (no UI code here).
+
+* ``Admission``: how many model-slot jobs (runs, sweeps) one browser session and one client address may
+  have waiting or running at once. The app asks before a job enters the queue and says when it ends.
+* ``RequestGuard``: an ASGI middleware in front of the web app. The app has no upload, so Gradio's
+  upload route is closed (nothing a stranger sends stays on disk), and a request body over
+  ``max_body`` bytes is refused with HTTP 413 before anything reads it into a prompt.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+
+UPLOAD_PATHS = ("/upload", "/gradio_api/upload")
+
+
+class Admission:
+    """Counts jobs per session and per client address; ``enter`` refuses past the limits.
+
+    A job that was admitted but never ran (its visitor left while it waited) stops counting after
+    ``expire_s`` seconds, so a lost slot cannot lock anyone out for long.
+    """
+
+    def __init__(self, per_session: int = 1, per_address: int = 4, expire_s: float = 900.0):
+        self.per_session, self.per_address, self.expire_s = per_session, per_address, expire_s
+        self._jobs: dict[int, tuple[str, str, float]] = {}  # ticket -> (session, address, admitted at)
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def _expire(self, now: float) -> None:
+        for ticket in [t for t, (_, _, at) in self._jobs.items() if now - at > self.expire_s]:
+            del self._jobs[ticket]
+
+    def enter(self, session: str, address: str) -> tuple[int | None, str]:
+        """(ticket, "") when admitted, else (None, the reason to show)."""
+        with self._lock:
+            now = time.monotonic()
+            self._expire(now)
+            sessions = Counter(s for s, _, _ in self._jobs.values())
+            addresses = Counter(a for _, a, _ in self._jobs.values())
+            if sessions[session] >= self.per_session:
+                return None, "Your previous run is still waiting or running; it comes first."
+            if addresses[address] >= self.per_address:
+                return None, "Too many runs from your address are waiting or running; try again when one ends."
+            self._next += 1
+            self._jobs[self._next] = (session, address, now)
+            return self._next, ""
+
+    def leave_one(self, session: str) -> None:
+        """The session's oldest job ended (ran, failed or was refused)."""
+        with self._lock:
+            mine = [t for t, (s, _, _) in self._jobs.items() if s == session]
+            if mine:
+                del self._jobs[min(mine)]
+
+    def waiting(self) -> int:
+        with self._lock:
+            self._expire(time.monotonic())
+            return len(self._jobs)
+
+
+class RequestGuard:
+    """ASGI middleware: 403 for the upload route, 413 for a body over ``max_body`` bytes."""
+
+    def __init__(self, app, max_body: int):
+        self.app, self.max_body = app, max_body
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if scope["path"].rstrip("/").endswith(UPLOAD_PATHS):
+            return await _plain(send, 403, "This app takes no uploads.")
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body):
+            return await _plain(send, 413, f"Request too large: the limit is {self.max_body:,} bytes.")
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        # No length given (chunked): read at most max_body bytes, then replay them to the app.
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body:
+                return await _plain(send, 413, f"Request too large: the limit is {self.max_body:,} bytes.")
+            if not message.get("more_body"):
+                break
+        body, sent = b"".join(chunks), False
+
+        async def replay():
+            nonlocal sent
+            if sent:
+                return await receive()
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        return await self.app(scope, replay, send)
+
+
+async def _plain(send, status: int, text: str) -> None:
+    body = text.encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"text/plain; charset=utf-8"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
