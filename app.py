@@ -328,15 +328,16 @@ demo = build()
 demo.queue(default_concurrency_limit=1, max_size=64)
 
 
-def launch() -> None:
+def launch(**options) -> None:
+    """Serve the app (``options`` go to ``demo.launch``, e.g. ``prevent_thread_lock`` in tests)."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # Load (and on first use convert) the default model while the page comes up, not on the first click.
     threading.Thread(target=session.get_model, daemon=True).start()
     # Localhost unless the deployment says otherwise (the Dockerfile and Spaces set GRADIO_SERVER_NAME).
-    demo.launch(server_name=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
-                server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")),
-                css_paths=[ROOT / "assets" / "style.css"], max_file_size=1,
-                app_kwargs={"middleware": [Middleware(RequestGuard, max_body=MAX_BODY)]})
+    settings = {"server_name": os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
+                "server_port": int(os.environ.get("GRADIO_SERVER_PORT", "7860")), **options}
+    demo.launch(css_paths=[ROOT / "assets" / "style.css"], max_file_size=1,
+                app_kwargs={"middleware": [Middleware(RequestGuard, max_body=MAX_BODY)]}, **settings)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,8 @@
 """The app's helpers without a browser: controls -> specs, requests, run ids, deep links, export."""
 import io
+import os
+import time
+from pathlib import Path
 import json
 import zipfile
 from types import SimpleNamespace
@@ -116,3 +119,31 @@ def test_budget_sweep_stores_every_budget_and_the_slider_replays(tiny_session):
                                                   "paper default", "", DEFAULT_MODEL, progress=lambda *a, **k: None)
     assert "replayed from the store" in status
     assert layers["choices"] == ["all", "0", "1"] and heads["choices"] == ["all", "0", "1"]  # the tiny model
+
+
+def test_exports_leave_nothing_behind_once_handed_over(tiny_session, tmp_path, monkeypatch):
+    monkeypatch.setattr(app, "EXPORTS", tmp_path / "exports")
+    run = session.execute(RunRequest(prompt="one two three four five six", specs=["tova:budget=4"], mode="prompt"),
+                          tiny_session)
+    path = app.on_export(run.run_id, "all", "all", 3, 0.3)
+    assert zipfile.is_zipfile(path)
+    app.after_export()  # chained after the download: Gradio holds its own copy by now
+    assert not list((tmp_path / "exports").iterdir())
+    stale = app.on_export(run.run_id, "all", "all", 3, 0.3)  # a raw API export never followed by after_export
+    old = time.time() - app.EXPORT_TTL_S - 1
+    os.utime(Path(stale).parent, (old, old))
+    fresh = app.on_export(run.run_id, "all", "all", 3, 0.3)  # the next export prunes the stale one
+    assert [p.name for p in (tmp_path / "exports").iterdir()] == [Path(fresh).parent.name]
+    assert app.demo.delete_cache == (app.EXPORT_TTL_S, app.EXPORT_TTL_S)  # Gradio's copies expire too
+
+
+def test_the_app_binds_localhost_unless_the_deployment_says_otherwise(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(app.demo, "launch", lambda **kw: seen.update(kw))
+    monkeypatch.setattr(app.threading, "Thread", lambda **kw: SimpleNamespace(start=lambda: None))
+    monkeypatch.delenv("GRADIO_SERVER_NAME", raising=False)
+    app.launch()
+    assert seen["server_name"] == "127.0.0.1" and seen["app_kwargs"]["middleware"][0].cls is app.RequestGuard
+    monkeypatch.setenv("GRADIO_SERVER_NAME", "0.0.0.0")  # what the Dockerfile and a Space set
+    app.launch()
+    assert seen["server_name"] == "0.0.0.0"

@@ -139,3 +139,15 @@ def test_switching_layer_and_budget_rerenders(page):
         "() => [...document.querySelectorAll('#heatmap .js-plotly-plot')].some(el => "
         "(el.layout.annotations || []).some(a => a.text.includes('tova:budget=16')))",
         timeout=180_000)
+
+
+def test_a_bad_policy_typed_as_html_is_refused_as_text(page):
+    page.get_by_text("Policy parameters").click()
+    custom = page.locator("textarea[placeholder^='tova:budget=32']")
+    custom.fill("<img src=x onerror=\"document.title='pwned'\">")
+    page.locator("#run").click()
+    message = page.get_by_text("unknown policy", exact=False).first
+    message.wait_for(timeout=30_000)
+    assert "<img src=x" in message.inner_text()  # shown as the text the visitor typed
+    assert page.locator("img[src=x]").count() == 0 and page.title() != "pwned"
+    custom.fill("")

@@ -86,3 +86,31 @@ def test_default_model_generate_run_writes_traces_and_summary(tmp_path):
     assert again.returncode == 0 and "(replayed from the store)" in again.stdout
     replayed = Trace.load(tmp_path / "again" / "00-tova-budget-16-heads-layer.npz")
     assert (replayed.evicted_at == tova.evicted_at).all() and replayed.spec == "tova:budget=16,heads=layer"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--out", "/proc/kvlens-x"], "is not a writable directory"),
+    (["--policy", "tova:budget=8", "--policy", "tova:budget=8"], "list each policy once"),
+    (["--mode", "generate", "--max-new-tokens", "10000"], "Max new tokens must be a whole number from 1 to 256"),
+    (["--policy", "tova:budget=8,budget=9"], "parameter budget is given twice"),
+    (["--max-tokens", "5000"], "Max tokens must be an integer from 2 to 1024"),
+])
+def test_cheap_mistakes_are_reported_before_the_model_loads(text_file, tmp_path, monkeypatch, capsys, args, message):
+    from backend import cli, session
+    monkeypatch.setattr(session, "get_model", lambda *a: pytest.fail("checked after loading the model"))
+    argv = ["run", "--text", str(text_file), "--policy", "full", "--out", str(tmp_path / "o"), *args]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_one_token_generate_prompt_without_chat_is_a_one_line_error(tiny, tmp_path, monkeypatch, capsys):
+    from backend import cli, session
+    from backend.models import DEFAULT_MODEL
+    monkeypatch.setitem(session._models, DEFAULT_MODEL, tiny)
+    path = tmp_path / "one.txt"
+    path.write_text("a")
+    argv = ["run", "--text", str(path), "--policy", "tova:budget=8", "--mode", "generate", "--no-chat", "--out",
+            str(tmp_path / "o"), "--no-cache"]
+    assert cli.main(argv) == 2
+    assert "at least 2 tokens" in capsys.readouterr().err

@@ -1,0 +1,207 @@
+"""Bad and hostile input, through the front door, the app's checks and the real HTTP API: each gets a
+one-line message (never a traceback, a hang or a bare "Error"), and what already worked keeps working.
+The list mirrors docs/results.md ("Bad input").
+"""
+import html
+import json
+import socket
+import time
+
+import httpx
+import pytest
+
+import app
+from backend import session
+from backend.limits import Limits
+from backend.models import DEFAULT_MODEL
+from backend.session import RequestError, RunRequest
+from backend.store import TraceStore
+from tests.conftest import make_tiny
+
+LIMITS = Limits()
+
+
+@pytest.fixture
+def tiny_session(tiny, tmp_path, monkeypatch):
+    monkeypatch.setitem(session._models, DEFAULT_MODEL, tiny)
+    store = TraceStore(tmp_path / "store")
+    monkeypatch.setattr(app, "STORE", store)
+    return store
+
+
+def request(**changes) -> RunRequest:
+    return RunRequest(**{"prompt": "the cat sat on the mat and looked at the dog", "specs": ["tova:budget=6"],
+                         "mode": "prompt", **changes})
+
+
+BAD_REQUESTS = [
+    # (what, request, message)
+    ("empty prompt", request(prompt="   "), "Type a prompt"),
+    ("oversize prompt", request(prompt="x" * (LIMITS.text_chars + 1)), "characters long; the limit here is"),
+    ("lone surrogate in the prompt", request(prompt="caf\ud800"), "not valid Unicode at position 3"),
+    ("lone surrogate in a spec", request(specs=["tova:heads=\udfff"]), "A policy spec contains a character"),
+    ("duplicate parameter", request(specs=["tova:budget=8,budget=9"]), "parameter budget is given twice"),
+    ("underscore digits", request(specs=["tova:budget=1_0"]), "must be an integer of at most 9 digits"),
+    ("huge integer", request(specs=["tova:budget=99999999999"]), "must be an integer of at most 9 digits"),
+    ("nan", request(specs=["a2sf:alpha=nan"]), "must be a decimal number"),
+    ("negative sentinel, h2o", request(specs=["h2o:recent=-7"]), "recent must be >= 0, or -1 for budget // 2"),
+    ("negative sentinel, sparq", request(specs=["sparq:local=-7"]), "local must be >= 0, or -1 for budget // 4"),
+    ("same policy twice", request(specs=["tova:budget=64", "tova"]), "is the same as"),
+    ("unknown policy", request(specs=["lru"]), "unknown policy"),
+    ("no policy", request(specs=[" "]), "Pick at least one policy"),
+    ("too many policies", request(specs=[f"tova:budget={b}" for b in range(4, 13)]), "At most 8 policies"),
+    ("policies not a list", request(specs="tova"), "must be a list of specs"),
+    ("unknown mode", request(mode="<b>x</b>"), "Unknown mode"),
+    ("max new tokens too big", request(max_new_tokens=10_000), "Max new tokens must be a whole number from 1 to 256"),
+    ("max new tokens zero", request(max_new_tokens=0), "Max new tokens"),
+    ("max new tokens fractional", request(max_new_tokens=2.5), "Max new tokens"),
+    ("max new tokens a string", request(max_new_tokens="8"), "Max new tokens"),
+    ("unknown model", request(model="../../etc/passwd"), "unknown model"),
+    ("model as a hub id not allowed", request(model="evil/remote-code"), "unknown model"),
+]
+
+
+@pytest.mark.parametrize("what, bad, message", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_cheap_checks_refuse_bad_requests_with_one_line_and_no_model(what, bad, message, monkeypatch):
+    monkeypatch.setattr(session, "get_model", lambda *a: pytest.fail("a cheap check must not load the model"))
+    with pytest.raises(RequestError) as err:
+        session.check_run(bad)
+    assert message in str(err.value) and len(str(err.value).splitlines()) == 1
+
+
+def test_a_20_mb_prompt_is_refused_by_its_size_before_tokenizing(monkeypatch, tiny_session):
+    monkeypatch.setattr(type(session._models[DEFAULT_MODEL]), "encode",
+                        lambda *a, **k: pytest.fail("must not tokenize"))
+    start = time.perf_counter()
+    with pytest.raises(RequestError, match="20,000,000 characters long"):
+        session.execute(request(prompt="x" * 20_000_000), tiny_session)
+    assert time.perf_counter() - start < 1.0  # well under the 18.8 s it took to tokenize
+
+
+@pytest.mark.parametrize("what, bad, message", [
+    ("sparq r above the head size (8 in the tiny model)", request(specs=["sparq:budget=6,r=9"]), "r must be <= the model's head size 8"),
+    ("one-token text", request(prompt="a"), "at least 2 tokens"),
+    ("one-token text, generate mode without chat", request(prompt="a", mode="generate", chat=False), "at least 2 tokens"),
+    ("cost over the limit", request(specs=[f"tova:budget={b}" for b in range(4, 9)], prompt="y" * 30),
+     "row-tokens one request may use"),
+])
+def test_model_side_checks_refuse_before_running(tiny_session, what, bad, message):
+    with pytest.raises(RequestError, match=message):
+        session.execute(bad, tiny_session, limits=Limits(row_tokens=100))
+
+
+@pytest.mark.parametrize("link", ["", "../../etc/passwd", "0" * 64, "a" * 32 + "\n", "A" * 32, None, 42])
+def test_malformed_deep_links_say_they_name_no_run(tiny_session, link):
+    with pytest.raises(RequestError, match="does not name a run"):
+        session.reopen(link, tiny_session)
+
+
+def test_a_trace_key_used_as_a_link_is_not_a_run_and_ids_are_unguessable(tiny_session):
+    first = session.execute(request(), tiny_session)
+    second = session.execute(request(), tiny_session)
+    assert first.run_id != second.run_id  # the same request twice: two links, one set of traces
+    assert second.result.replayed == [True] and first.result.keys == second.result.keys
+    with pytest.raises(RequestError, match="does not name a run"):
+        session.reopen(first.result.keys[0], tiny_session)  # 64 hex: a trace key, not a link
+    returned, status = app.on_load(type("R", (), {"query_params": {"run": first.result.keys[0][:32]}})())
+    assert returned is None and "no longer stored" in status
+    assert session.reopen(first.run_id, tiny_session).traces[0].spec == "tova:budget=6"
+
+
+def test_a_damaged_manifest_reads_as_no_run(tiny_session):
+    run = session.execute(request(), tiny_session)
+    tiny_session.put(session._manifest_key(run.run_id), b"\xff\xfe not json")
+    with pytest.raises(RequestError, match="does not name a run"):
+        session.reopen(run.run_id, tiny_session)
+
+
+def test_error_messages_shown_on_the_page_are_escaped():
+    err = app.shown(RequestError("Policy: unknown policy '<img src=x onerror=alert(1)>'"))
+    assert "<img" not in err.message and html.escape("<img src=x onerror=alert(1)>") in err.message
+
+
+def test_the_validator_refuses_outside_the_model_slot_and_gates_one_job_per_session(monkeypatch):
+    monkeypatch.setattr(session, "get_model", lambda *a: pytest.fail("the validator must not load the model"))
+    visitor = type("R", (), {"session_hash": "s1", "client": type("C", (), {"host": "10.0.0.1"})()})()
+    controls = ("hi there", "prompt", 8, ["tova"], 40, 4, 0.1, "paper default", "", DEFAULT_MODEL)
+    bad = app.check_run("x" * (LIMITS.text_chars + 1), *controls[1:], request=visitor)
+    assert bad[0]["is_valid"] is False and "characters long" in bad[0]["message"] and len(bad) == 10
+    ok = app.check_run(*controls, request=visitor)
+    assert all(v["is_valid"] for v in ok)
+    again = app.check_run(*controls, request=visitor)  # the first job has not ended yet
+    assert again[0]["is_valid"] is False and "still waiting or running" in again[0]["message"]
+    app._leave(visitor)
+    assert all(v["is_valid"] for v in app.check_run(*controls, request=visitor))
+    app._leave(visitor)
+
+
+def test_controls_out_of_range_from_the_raw_api_are_messages():
+    for budget, sinks in ((-5, 4), ("x", 4), (40, None)):
+        with pytest.raises(RequestError):
+            session.check_run(app.run_request("hi there", "prompt", 8, ["sinks"], budget, sinks, 0.1, "paper default",
+                                              "", DEFAULT_MODEL))
+
+
+# --- The real HTTP API, served in this process with the tiny model -----------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    saved = dict(session._models)
+    session._models[DEFAULT_MODEL] = make_tiny()
+    store, app.STORE = app.STORE, TraceStore(tmp_path_factory.mktemp("store"))
+    port = free_port()
+    app.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    yield f"http://127.0.0.1:{port}"
+    app.demo.close()
+    app.STORE = store
+    session._models.clear()
+    session._models.update(saved)
+
+
+def join(url: str, data: list, fn: str = "on_run") -> httpx.Response:
+    """Queue one event the way the page does (fn_index of the named function)."""
+    config = httpx.get(f"{url}/config").json()
+    index = next(d["id"] for d in config["dependencies"] if d.get("api_name") == fn)
+    body = {"data": data, "fn_index": index, "session_hash": f"test-{time.time_ns()}", "event_data": None,
+            "trigger_id": None}
+    # ASCII JSON, as a browser's JSON.stringify sends a lone surrogate: "\ud800"
+    return httpx.post(f"{url}/gradio_api/queue/join", timeout=30, content=json.dumps(body, ensure_ascii=True),
+                      headers={"content-type": "application/json"})
+
+
+CONTROLS = ["prompt", 8, ["tova"], 40, 4, 0.1, "paper default", "", DEFAULT_MODEL]
+
+
+def test_uploads_are_refused_and_nothing_is_kept(server):
+    response = httpx.post(f"{server}/gradio_api/upload", files={"files": ("a.txt", b"x" * 20_000_000)}, timeout=30)
+    assert response.status_code == 403 and "no uploads" in response.text
+
+
+def test_a_20_mb_api_call_is_refused_by_size_at_the_door(server):
+    start = time.perf_counter()
+    response = join(server, ["x" * 20_000_000, *CONTROLS])
+    assert response.status_code == 413 and "Request too large" in response.text
+    assert time.perf_counter() - start < 10
+
+
+def test_api_bad_inputs_get_their_one_line_message(server):
+    for prompt, specs, message in [("caf\ud800", "", "not valid Unicode"),
+                                   ("hello there", "<img src=x onerror=alert(1)>", "unknown policy"),
+                                   ("x" * (LIMITS.text_chars + 1), "", "characters long")]:
+        data = [prompt, *CONTROLS[:7], specs, DEFAULT_MODEL]
+        response = join(server, data)
+        assert response.status_code == 422, response.text
+        detail = json.loads(response.text)["detail"]
+        refused = [d for d in detail if d["is_valid"] is False]
+        assert len(refused) == 1 and message in refused[0]["message"]
+
+
+def test_the_page_still_loads_while_the_queue_is_busy(server):
+    assert httpx.get(server, timeout=10).status_code == 200
+    assert httpx.get(f"{server}/?run={'0' * 32}", timeout=10).status_code == 200
