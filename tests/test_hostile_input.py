@@ -205,3 +205,42 @@ def test_api_bad_inputs_get_their_one_line_message(server):
 def test_the_page_still_loads_while_the_queue_is_busy(server):
     assert httpx.get(server, timeout=10).status_code == 200
     assert httpx.get(f"{server}/?run={'0' * 32}", timeout=10).status_code == 200
+
+
+class HtmlWordTokenizer:
+    """A tokenizer whose tokens are hostile HTML pieces, so the views see them as token texts."""
+
+    eos_token_id = None
+    chat_template = None
+    WORDS = ["<img src=x onerror=alert(1)>", "<script>alert(2)</script>", " & ", "<b>", " plain", "\n"]
+
+    def __call__(self, text):
+        ids = []
+        rest = text
+        while rest:
+            match = next((i for i, w in enumerate(self.WORDS) if rest.startswith(w)), None)
+            ids.append(match if match is not None else 4)
+            rest = rest[len(self.WORDS[match]):] if match is not None else rest[1:]
+        return type("Encoded", (), {"input_ids": ids})()
+
+    def decode(self, ids):
+        return "".join(self.WORDS[i % len(self.WORDS)] for i in ids)
+
+
+def test_html_in_the_prompt_is_text_in_every_view(tmp_path, monkeypatch):
+    lm = make_tiny()
+    lm.tokenizer = HtmlWordTokenizer()
+    monkeypatch.setitem(session._models, DEFAULT_MODEL, lm)
+    monkeypatch.setattr(app, "STORE", TraceStore(tmp_path / "store"))
+    prompt = "".join(HtmlWordTokenizer.WORDS * 3)
+    run = session.execute(RunRequest(prompt=prompt, specs=["tova:budget=4", "sinks:budget=4,sinks=1"], mode="generate",
+                                     max_new_tokens=4), app.STORE)
+    outputs = [*app.render_run(run.run_id), *app.render_views(run.run_id, "all", "all", 5, 0.3)]
+    html_outputs = [o for o in outputs if isinstance(o, str)]
+    assert len(html_outputs) >= 3  # continuations, share, kept tokens
+    for text in html_outputs:
+        assert "<img src=x" not in text and "<script>" not in text
+    assert any("&lt;img src=x onerror=alert(1)&gt;" in text for text in html_outputs)
+    figures = [o for o in outputs if hasattr(o, "to_json")]
+    for figure in figures:  # plotly renders a subset of HTML in labels: token texts reach it escaped
+        assert "<img src=x" not in figure.to_json() and "<script>" not in figure.to_json()
