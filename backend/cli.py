@@ -70,9 +70,12 @@ def open_store(no_cache: bool) -> TraceStore | None:
     if no_cache:
         return None
     try:
-        return TraceStore()
+        store = TraceStore()
     except ValueError as err:  # e.g. a malformed KVLENS_STORE_MB
         raise CliError(str(err)) from None
+    if not store.available:  # a broken or unwritable store only means "not cached"
+        print(f"note: the trace store is unavailable ({store.disabled_reason}); runs are not cached", file=sys.stderr)
+    return store
 
 
 def progress_printer():
