@@ -7,6 +7,7 @@ after download, and the trace store is a cache that may be missing without anyth
 """
 from __future__ import annotations
 
+import dataclasses
 import html
 import logging
 import os
@@ -20,6 +21,7 @@ import gradio as gr
 from starlette.middleware import Middleware
 
 from backend import session
+from backend.policies import POLICIES, load_plugins
 from backend.guard import Admission, RequestGuard
 from backend.session import LIMITS, RequestError
 from backend.store import TraceStore
@@ -28,7 +30,8 @@ from viz import panels
 ROOT = Path(__file__).resolve().parent
 EXAMPLES = {path.stem.replace("_", " "): path.read_text().strip() for path in sorted((ROOT / "assets" / "examples").glob("*.txt"))}
 FIRST_EXAMPLE = next(name for name in ("needle", "story", *EXAMPLES) if name in EXAMPLES)
-POLICY_CHOICES = ["full", "window", "sinks", "h2o", "tova", "a2sf", "oracle", "sparq", "reattention"]
+load_plugins()  # KVLENS_PLUGINS: the operator's own policies join the registry, and so every list below
+POLICY_CHOICES = list(POLICIES)
 DEFAULT_POLICIES = ["sinks", "tova", "a2sf", "reattention"]
 DEFAULT_BUDGET = 40
 STORE = TraceStore()  # never raises: a broken store is set aside, an unusable one means "not cached"
@@ -41,19 +44,24 @@ NOTES = {name: (ROOT / "assets" / "notes" / f"{name}.md").read_text() for name i
 
 
 def specs_from_controls(names, budget, sinks, alpha, heads, custom):
-    """The policy specs the controls describe, plus any typed by hand (one per line)."""
+    """The policy specs the controls describe, plus any typed by hand (one per line).
+
+    Each checked policy at the slider's budget (``for_budget``: ReAttention shrinks its parts to fit), with
+    the sinks, alpha and heads controls applied where the policy has that parameter."""
     specs = []
     for name in names or []:
-        params = {} if name == "full" else {"budget": int(budget)}
+        if name not in POLICIES:
+            raise ValueError(f"unknown policy {name!r}")
+        policy = POLICIES[name].for_budget(int(budget))
+        has = {f.name for f in dataclasses.fields(policy)}
+        changes = {}
         if name == "sinks":
-            params["sinks"] = int(min(sinks, budget - 1))
-        if name == "a2sf":
-            params["alpha"] = round(float(alpha), 3)
-        if name in ("h2o", "tova", "a2sf", "oracle") and heads != "paper default":
-            params["heads"] = heads
-        if name == "reattention" and budget < DEFAULT_BUDGET:  # shrink its parts so a small scope still fits
-            params.update(global_size=min(4, budget // 8), span=max(1, budget // 8), chunk=max(1, budget // 4))
-        specs.append(name + (":" + ",".join(f"{k}={v}" for k, v in params.items()) if params else ""))
+            changes["sinks"] = int(min(sinks, budget - 1))
+        if "alpha" in has:
+            changes["alpha"] = round(float(alpha), 3)
+        if "heads" in has and heads != "paper default":
+            changes["heads"] = heads
+        specs.append(dataclasses.replace(policy, **changes).spec())
     specs += [line.strip() for line in (custom or "").splitlines() if line.strip()]
     return specs
 

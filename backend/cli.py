@@ -18,7 +18,7 @@ import pandas as pd
 
 from . import metrics
 from .models import ALLOWED_MODELS, DEFAULT_MODEL
-from .policies import SpecError, describe
+from .policies import PluginError, SpecError, describe, load_plugins, policy_table
 from .runner import DEFAULT_CHUNK
 from .session import LIMITS, RequestError, RunRequest, SweepRequest, check_run, check_sweep, execute, execute_sweep
 from .store import TraceStore
@@ -136,6 +136,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_policies(args: argparse.Namespace) -> int:
+    print(policy_table())
+    return 0
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"one of: {', '.join(ALLOWED_MODELS)}")
@@ -177,11 +182,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"policy/budget pairs per batched forward (default {MAX_ROWS}; lower it to save memory)")
     _common(p)
     p.set_defaults(func=cmd_sweep)
+    sub.add_parser("policies", help="print the registered policies as a Markdown table").set_defaults(
+        func=cmd_policies)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
+    try:
+        load_plugins()  # KVLENS_PLUGINS: the operator's policies join the registry before --help lists it
+    except PluginError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

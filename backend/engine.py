@@ -10,7 +10,9 @@ of it on the prompt path; the code is the same):
 
 1. one matmul gives every score of the block against every cached key (per layer, all rows);
 2. per batch row, the row's policy walks the block query by query (cheap numpy on one row each),
-   deciding what query ``t`` reads; eviction policies drop a token once the cache is full;
+   deciding what query ``t`` reads; eviction policies drop a token once the cache is full, and
+   compression policies, when their schedule says so (e.g. once the prompt has been read), keep their
+   budget and drop the rest;
 3. one masked softmax and one matmul give the attention output of the whole block.
 
 Keys and values of dropped tokens stay in storage but are masked out for every later query: the
@@ -29,7 +31,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from .policies import Policy
-from .policies.base import AttendingPolicy, Block
+from .policies.base import AttendingPolicy, Block, CacheView
 
 ATTN_IMPLEMENTATION = "kvlens"
 
@@ -37,8 +39,10 @@ ATTN_IMPLEMENTATION = "kvlens"
 class RowLayerState:
     """What one policy has done in one layer of one batch row: its state, and what each head reads."""
 
-    def __init__(self, policy: Policy, n_kv_heads: int, record: bool = False):
+    def __init__(self, policy: Policy, n_kv_heads: int, record: bool = False, layer: int = 0, n_layers: int = 1):
         self.policy = policy
+        self.layer, self.n_layers = layer, n_layers
+        self.window_rows: list[np.ndarray] = []  # compression policies: the last queries' attention rows
         self.record = record  # keep each query's attention row (for heatmaps and score curves)
         self.attention_rows: list[np.ndarray] = []
         self.state = policy.init_state(n_kv_heads)
@@ -53,10 +57,12 @@ class RowLayerState:
         self.alive = np.concatenate([self.alive, np.ones((self.n_kv_heads, new), bool)], 1)
         self.evicted_at = np.concatenate([self.evicted_at, np.full((self.n_kv_heads, new), -1, np.int32)], 1)
 
-    def run_block(self, scores: torch.Tensor, first: int) -> np.ndarray:
+    def run_block(self, scores: torch.Tensor, first: int, keys: torch.Tensor | None = None,
+                  values: torch.Tensor | None = None, n_prompt: int | None = None) -> np.ndarray:
         """Walk queries ``first..first+n-1`` in order; return the read mask [H_kv, n, M].
 
-        scores: [H_kv, G, n, M] pre-softmax scores of the block's queries against all M keys.
+        scores: [H_kv, G, n, M] pre-softmax scores of the block's queries against all M keys; keys, values:
+        [H_kv, M, d] (read by compression policies); n_prompt: the prompt's length (generate mode) or None.
         """
         n_heads, _, n, total = scores.shape
         self._extend(total)
@@ -95,11 +101,32 @@ class RowLayerState:
                 attn = (row / row.sum(-1, keepdims=True)).mean(1)
                 if self.record:
                     self.attention_rows.append(attn)
+            if kind == "compression":
+                self._compress(attn, t, keys, values, n_prompt)
+                continue
             self.state, victims = policy.step(self.state, attn, kept, t)
             if victims is not None:
                 self.alive[heads, victims] = False
                 self.evicted_at[heads, victims] = t + 1
         return reads
+
+    def _compress(self, attn: np.ndarray | None, t: int, keys, values, n_prompt: int | None) -> None:
+        """After query t has read: remember its attention row, and compress if the schedule says so."""
+        policy = self.policy
+        if policy.window_queries:
+            self.window_rows = [*self.window_rows, attn][-policy.window_queries:]
+        if not policy.compresses_after(t, n_prompt):
+            return
+        kept = self.alive[:, : t + 1]
+        window = np.zeros((self.n_kv_heads, len(self.window_rows), t + 1))
+        for j, row in enumerate(self.window_rows):
+            window[:, j, : row.shape[-1]] = row
+        view = CacheView(t=t, n_prompt=n_prompt, layer=self.layer, n_layers=self.n_layers, attn_window=window,
+                         keys=keys[:, : t + 1].double().cpu().numpy(), values=values[:, : t + 1].double().cpu().numpy(),
+                         kept=kept.copy())
+        dropped = kept & ~policy.keep(view)
+        self.alive[:, : t + 1] &= ~dropped
+        self.evicted_at[:, : t + 1][dropped] = t + 1
 
     def fork(self) -> "RowLayerState":
         """A copy that goes on from here with its own policy state; it records nothing and keeps no history."""
@@ -107,6 +134,7 @@ class RowLayerState:
         twin.record = False
         twin.state = copy.deepcopy(self.state)
         twin.alive, twin.evicted_at = self.alive.copy(), self.evicted_at.copy()
+        twin.window_rows = list(self.window_rows)
         twin.attention_rows, twin.selected_rows, twin.stat_rows = [], [], {}
         return twin
 
@@ -156,9 +184,10 @@ class PolicyCache(DynamicCache):
         self.needs_prerope = any(getattr(p, "needs_prerope", False) for p in self.policies)
         self.prerope_q: dict[int, torch.Tensor] = {}  # layer -> this block's queries before RoPE
         self.prerope_k: dict[int, torch.Tensor] = {}  # layer -> every key so far, before RoPE
-        self.rows = [[RowLayerState(p, n_kv_heads, layer in self.record_layers) for p in self.policies]
+        self.rows = [[RowLayerState(p, n_kv_heads, layer in self.record_layers, layer, n_layers) for p in self.policies]
                      for layer in range(n_layers)]
         self.decoding = False  # True: the next blocks' queries are decoding steps (see Block.decoding)
+        self.n_prompt: int | None = None  # generate mode: where the prompt ends (compression policies act there)
 
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scaling: float) -> torch.Tensor:
@@ -179,7 +208,7 @@ class PolicyCache(DynamicCache):
                 own_outputs[b], block_reads = state.run_attending(block)
                 reads.append(block_reads)
             else:
-                reads.append(state.run_block(scores[b], total - n))
+                reads.append(state.run_block(scores[b], total - n, key[b], value[b], self.n_prompt))
         reads = np.stack(reads)
         bias = torch.zeros(reads.shape, dtype=scores.dtype, device=scores.device).masked_fill_(
             torch.from_numpy(~reads).to(scores.device), float("-inf"))

@@ -181,6 +181,7 @@ def _generate_and_score(lm: LoadedModel, prompt_ids: Sequence[int], policies: Se
     rows, index = _rows(policies, reference)
     cache = new_cache(lm, rows, record_layers)
     n = len(prompt_ids)
+    cache.n_prompt = n  # compression policies act once the prompt has been read
     with torch.inference_mode():
         with cache.capture_prerope(lm.model):
             hidden, prompt_stats = _teacher_force(lm, cache, prompt_ids, 0, _block(chunk, n, rows),
@@ -229,7 +230,7 @@ def _meta(lm: LoadedModel, spec: str, policy: Policy, mode: str, tokens: Sequenc
 
 def _masks(cache: PolicyCache, row: int, policy: Policy, length: int) -> dict[str, np.ndarray]:
     """What row ``row`` read over its first ``length`` tokens (rows may stop early at EOS)."""
-    if policy.kind == "eviction":
+    if policy.kind in ("eviction", "compression"):
         evicted = cache.evicted_at(row)[..., :length]
         return {"evicted_at": np.where(evicted > length, -1, evicted).astype(np.int32)}
     if policy.kind == "selection":

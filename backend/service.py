@@ -16,6 +16,10 @@ from .runner import DEFAULT_CHUNK, Progress, default_record_layers, run
 from .store import TraceStore, run_key
 from .trace import Trace
 
+# Bump when the engine's decisions or outputs change for every policy (a policy's own changes bump its
+# ``version``): either puts the old traces out of reach, so changed code never replays stale traces.
+ENGINE_VERSION = 2
+
 
 @dataclass
 class RunResult:
@@ -33,7 +37,8 @@ def trace_key(lm: LoadedModel, ids: Sequence[int], policy: Policy, mode: str, ma
     generation = {"max_new_tokens": max_new_tokens, "greedy": True, "scoring": "forked"} if mode == "generate" else {}
     return run_key(model=lm.name, model_fingerprint=lm.fingerprint, token_ids=[int(i) for i in ids],
                    policy=policy.name, params=policy.params(), mode=mode, generation=generation,
-                   record_layers=[int(layer) for layer in record_layers])
+                   record_layers=[int(layer) for layer in record_layers], engine_version=ENGINE_VERSION,
+                   policy_version=type(policy).version)
 
 
 def run_policies(lm: LoadedModel, specs: Sequence[str], policies: Sequence[Policy], ids: Sequence[int],

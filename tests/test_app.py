@@ -30,12 +30,12 @@ def tiny_session(tiny, tmp_path, monkeypatch):
 
 def test_controls_become_specs_every_policy_accepts():
     specs = app.specs_from_controls(app.POLICY_CHOICES, 40, 4, 0.3, "paper default", "tova:budget=8,heads=head\n")
-    assert specs[:3] == ["full", "window:budget=40", "sinks:budget=40,sinks=4"]
+    assert specs[:3] == ["full", "window:budget=40", "sinks:budget=40"]  # a policy prints its own spec
     assert "a2sf:budget=40,alpha=0.3" in specs and specs[-1] == "tova:budget=8,heads=head"
     for budget in (4, 8, 12, 40, 128):
         for spec in app.specs_from_controls(app.POLICY_CHOICES, budget, 8, 0.1, "head", ""):
             parse_spec(spec)  # small budgets shrink sinks and ReAttention's parts instead of failing
-    assert "tova:budget=40,heads=layer" in app.specs_from_controls(["tova"], 40, 4, 0.1, "layer", "")
+    assert app.specs_from_controls(["tova", "h2o"], 40, 4, 0.1, "layer", "") == ["tova:budget=40", "h2o:budget=40,heads=layer"]
 
 
 @pytest.mark.parametrize("request_, message", [
@@ -90,7 +90,8 @@ def test_deep_link_and_views_render_a_stored_run(tiny_session):
     heatmap, kept, curves, curves_steps = app.render_views(run_id, "1", "0", 30, 0.3)
     assert len(heatmap.data) == 3 and kept.count("at step 30") == 3 and curves.data and curves_steps.data
     assert app.on_tsne(run_id, "tova", "1", "0").data
-    assert list(summary.columns[-2:]) == ["Token 0 kept", "Non-recent share"]
+    assert list(summary.columns[-4:]) == ["Token 0 kept", "Non-recent share", "Decides", "Budget shared"]
+    assert list(summary["Decides"]) == ["every step", "before every query", "before every query"]
     assert "Similarity to oracle" in summary.columns
     with zipfile.ZipFile(app.on_export(run_id, "all", "all", 5, 0.3)) as z:
         figures = z.read("figures.html").decode()

@@ -105,7 +105,7 @@ def test_parse_spec(spec, expected):
 @pytest.mark.parametrize("spec, message", [
     ("lru:budget=4", "unknown policy"),
     ("tova:budget=0", "budget must be an integer >= 1"),
-    ("tova:budget=x", "budget must be an integer, got 'x'"),
+    ("tova:budget=x", "budget must be an integer of at most 9 digits, got 'x'"),
     ("tova:bugdet=4", "unknown parameter 'bugdet'"),
     ("tova:budget", "expected key=value"),
     ("sinks:budget=4,sinks=4", "sinks < budget"),

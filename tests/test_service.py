@@ -39,3 +39,14 @@ def test_key_depends_on_what_determines_the_trace(tiny, text_ids):
     assert key != service.trace_key(tiny, text_ids, TOVA(budget=5, heads="head"), "prompt", 64, (0,))
     assert key != service.trace_key(tiny, text_ids, TOVA(budget=5), "generate", 64, (0,))
     assert key != service.trace_key(tiny, text_ids, TOVA(budget=5), "prompt", 64, (1,))
+
+
+def test_a_changed_policy_or_engine_never_replays_old_traces(tiny, text_ids, tmp_path, monkeypatch):
+    store = TraceStore(tmp_path)
+    first = run_policies(tiny, ["tova:budget=5"], [TOVA(budget=5)], text_ids, store=store, record_layers=())
+    monkeypatch.setattr(TOVA, "version", TOVA.version + 1)  # the policy's code changed
+    again = run_policies(tiny, ["tova:budget=5"], [TOVA(budget=5)], text_ids, store=store, record_layers=())
+    assert again.replayed == [False] and again.keys != first.keys and again.full_key == first.full_key
+    monkeypatch.setattr(service, "ENGINE_VERSION", service.ENGINE_VERSION + 1)  # the engine changed
+    third = run_policies(tiny, ["tova:budget=5"], [TOVA(budget=5)], text_ids, store=store, record_layers=())
+    assert third.replayed == [False] and third.full_key != first.full_key

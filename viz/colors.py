@@ -12,21 +12,24 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-# Colour-blind-friendly hues (Okabe-Ito and Tol-like values), one per policy family.
-FAMILY_COLORS: dict[str, str] = {
-    "full": "#444444",
-    "window": "#E69F00",
-    "sinks": "#56B4E9",
-    "h2o": "#009E73",
-    "tova": "#0072B2",
-    "a2sf": "#D55E00",
-    "oracle": "#CC79A7",
-    "sparq": "#999933",
-    "reattention": "#882255",
-}
+EXTRA_COLORS = ("#44AA99", "#332288", "#AA4499", "#117733", "#DDCC77", "#6699CC", "#661100", "#888888")
+
+
+def family_colors() -> dict[str, str]:
+    """Each registered policy's colour (the registry is the source): its own ``color`` (colour-blind-friendly
+    Okabe-Ito and Tol-like hues for the built-ins), else the next extra colour no policy uses yet."""
+    from backend.policies import POLICIES
+
+    out = {name: cls.color for name, cls in POLICIES.items() if cls.color}
+    free = [c for c in EXTRA_COLORS if c not in out.values()] or list(EXTRA_COLORS)
+    for i, name in enumerate(n for n in POLICIES if n not in out):
+        out[name] = free[i % len(free)]
+    return out
+
+
+FAMILY_COLORS: dict[str, str] = family_colors()  # the built-ins; policy_colors asks again (plugins)
 # Other names the papers use for the same family.
 ALIASES = {"a2s": "h2o", "ideal": "oracle", "streamingllm": "sinks"}
-EXTRA_COLORS = ("#44AA99", "#332288", "#AA4499", "#117733", "#DDCC77", "#6699CC", "#661100", "#888888")
 # Shade steps for the 2nd, 3rd, ... policy of one family: > 0 mixes with white, < 0 with black.
 SHADES = (0.0, 0.4, -0.35, 0.65, -0.55, 0.2, -0.2)
 
@@ -57,17 +60,18 @@ def policy_colors(names: Iterable[str]) -> dict[str, str]:
     out: dict[str, str] = {}
     seen: dict[str, int] = {}
     extra = 0
+    families = family_colors()
     for name in names:
         if name in out:
             continue
         fam = family(name)
-        if fam not in FAMILY_COLORS:
+        if fam not in families:
             out[name] = EXTRA_COLORS[extra % len(EXTRA_COLORS)]
             extra += 1
             continue
         rank = seen.get(fam, 0)
         seen[fam] = rank + 1
-        base = FAMILY_COLORS[fam]
+        base = families[fam]
         out[name] = shade(base, SHADES[rank % len(SHADES)]) if rank else base
     return out
 

@@ -14,6 +14,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from backend import metrics, pos
+from backend.policies import policy_of
 from backend.trace import Trace
 
 from .colors import policy_colors
@@ -112,6 +113,9 @@ def summary_table(run) -> pd.DataFrame:
         frame = frame.drop(columns="Similarity to oracle")
     frame["Token 0 kept"] = first_token
     frame["Non-recent share"] = non_recent
+    policies = [policy_of(t.meta) for t in run.traces]
+    frame["Decides"] = [p.schedule() if p else "—" for p in policies]
+    frame["Budget shared"] = [p.allocation if p and p.kind != "full" else "—" for p in policies]
     return frame
 
 

@@ -1,22 +1,30 @@
-"""Every policy, by name, and parsing of specs like ``tova:budget=64,heads=head``."""
+"""Every policy, by name (``registry.py``), and parsing of specs like ``tova:budget=64,heads=head``.
+
+Specs are parsed at the edges (CLI, app, sweep) into policy objects; a policy prints its own spec
+(``Policy.spec``). Importing this package registers the built-in policies, in the order lists show them.
+"""
 from __future__ import annotations
 
 import math
 import re
 from dataclasses import MISSING, fields
 
-from .a2sf import A2SF
-from .base import EvictionPolicy, FullPolicy, Policy, SelectionPolicy
-from .full import Full
-from .h2o import H2O
-from .oracle import Oracle
-from .reattention import ReAttention
-from .sinks import Sinks
-from .sparq import SparQ
-from .tova import TOVA
-from .window import Window
-
-POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Full, Window, Sinks, H2O, TOVA, A2SF, Oracle, SparQ, ReAttention)}
+from .base import CacheView, CompressionPolicy, EvictionPolicy, FullPolicy, Policy, SelectionPolicy
+from .registry import POLICIES, PluginError, load_plugins, register
+# Registration order = the order the app, the CLI and the README list them.
+from .full import Full  # noqa: E402,I001
+from .window import Window  # noqa: E402
+from .sinks import Sinks  # noqa: E402
+from .h2o import H2O  # noqa: E402
+from .tova import TOVA  # noqa: E402
+from .a2sf import A2SF  # noqa: E402
+from .oracle import Oracle  # noqa: E402
+from .sparq import SparQ  # noqa: E402
+from .reattention import ReAttention  # noqa: E402
+from .snapkv import SnapKV  # noqa: E402
+from .pyramidkv import PyramidKV  # noqa: E402
+from .adakv import AdaKV  # noqa: E402
+from .knorm import Knorm  # noqa: E402
 
 
 class SpecError(ValueError):
@@ -68,6 +76,22 @@ def parse_spec(spec: str) -> Policy:
         raise SpecError(str(err)) from None
 
 
+def policy_of(meta: dict) -> Policy | None:
+    """The policy a trace's metadata names (None when it is no longer registered, e.g. a plugin's)."""
+    cls = POLICIES.get(meta.get("policy"))
+    try:
+        return cls(**meta.get("params", {})) if cls else None
+    except (TypeError, ValueError):
+        return None
+
+
+def policy_table() -> str:
+    """The README's policy table (Markdown), generated from the registry; a test keeps the README in step."""
+    lines = ["| name | policy | paper |", "|---|---|---|"]
+    lines += [f"| `{name}` | {cls.summary} | {cls.paper} |" for name, cls in POLICIES.items()]
+    return "\n".join(lines)
+
+
 def describe() -> str:
     """One line per policy with its parameters and defaults (for --help and the docs)."""
     lines = []
@@ -81,4 +105,6 @@ def describe() -> str:
 
 
 __all__ = ["POLICIES", "Policy", "EvictionPolicy", "SelectionPolicy", "FullPolicy", "SpecError", "parse_spec",
-           "describe", *(cls.__name__ for cls in POLICIES.values())]
+           "describe", "policy_table", "policy_of", "register", "load_plugins", "PluginError",
+           "Full", "Window", "Sinks", "H2O", "TOVA", "A2SF", "Oracle", "SparQ", "ReAttention", "SnapKV", "PyramidKV", "AdaKV",
+           "Knorm", "CompressionPolicy", "CacheView"]

@@ -4,8 +4,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from .base import EvictionPolicy, grow
+from .registry import register
 
 
+@register
 @dataclass(frozen=True)
 class A2SF(EvictionPolicy):
     """Score A_n,k = sum_q alpha^(n-q) S_q,k (Eq. 5), kept per step as A_n = alpha * A_(n-1) + S_n.
@@ -20,6 +22,9 @@ class A2SF(EvictionPolicy):
     """
 
     name = "a2sf"
+    summary = 'accumulated attention with forgetting factor `alpha`'
+    paper = 'Jo & Shin, 2024, *A2SF*, Eq. 5'
+    color = "#D55E00"
     alpha: float = 0.1
     window: int = 0
     heads: str = "head"

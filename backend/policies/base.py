@@ -2,10 +2,14 @@
 
 A policy decides, at every step t (one query, prompt or generated alike), which cached tokens that
 query reads. Its decision is a pure function, so the prompt path, the decode path and the tests all
-call the same code:
+call the same code. When it acts is its kind:
 
-* an **eviction** policy sees the attention of query t over what it read and returns the token each
-  KV head drops once the cache is full (``step``);
+* an **eviction** policy acts every step: it sees the attention of query t over what it read and
+  returns the token each KV head drops once the cache is full (``step``);
+* a **compression** policy acts on a schedule (once when the prompt has been read, then optionally every
+  N decoding steps; in prompt mode every ``interval`` tokens): it scores the whole cache from a
+  ``CacheView`` (the attention of a window of recent queries, the keys and values, the step, the
+  prompt length, the layer) and keeps any number of tokens per head (``keep``);
 * a **selection** policy chooses, before query t reads, which positions it reads (``select``).
 
 Arrays are numpy, one row per KV head; ``attn`` is the mean softmax row of the query heads that share
@@ -38,6 +42,12 @@ class Policy:
 
     name: ClassVar[str]
     kind: ClassVar[str]
+    allocation: ClassVar[str] = "uniform"  # how the budget is shared across layers and heads
+    summary: ClassVar[str] = ""  # one line for the README table and the app
+    paper: ClassVar[str] = ""  # the reference the policy implements
+    color: ClassVar[str] = ""  # its colour in every figure ("" = the next free palette colour)
+    # Bump when the policy's decisions change: its traces in the store are then recomputed, never replayed.
+    version: ClassVar[int] = 1
     # Window and sinks never look at attention: the engine skips computing it for them.
     uses_attention: ClassVar[bool] = True
 
@@ -51,6 +61,21 @@ class Policy:
 
     def params(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def schedule(self) -> str:
+        """When the policy decides, in words (the app's summary shows it)."""
+        return {"full": "never drops", "eviction": "every step", "selection": "before every query"}.get(self.kind, "")
+
+    def spec(self) -> str:
+        """The spec that parses back to this policy: ``name:budget=..`` plus every other non-default parameter."""
+        items = [f"{f.name}={getattr(self, f.name)}" for f in fields(self)
+                 if f.name == "budget" or getattr(self, f.name) != f.default]
+        return self.name + (":" + ",".join(items) if items else "")
+
+    @classmethod
+    def for_budget(cls, budget: int) -> "Policy":
+        """The policy at ``budget`` with its other parameters at their defaults (the app's budget slider)."""
+        return cls(budget=budget) if any(f.name == "budget" for f in fields(cls)) else cls()
 
     def check_model(self, head_dim: int, n_layers: int) -> None:
         """Raise ValueError when the parameters do not fit the model (checked once the model is known)."""
@@ -105,6 +130,97 @@ class EvictionPolicy(Policy):
         if guard is not None:
             score[:, guard] = np.inf
         return state, score.argmin(-1)
+
+
+@dataclass
+class CacheView:
+    """What a compression policy may read when it acts after query ``t`` (one layer, one batch row).
+
+    attn_window: [H, w, t+1] attention rows of the last w queries (mean of each KV head's query heads;
+    zero where a query did not read), oldest first. keys, values: [H, t+1, d] float64, the cached keys
+    (after RoPE; RoPE keeps their norms) and values; kept: [H, t+1] what is cached now.
+    n_prompt: the prompt's length in generate mode, None in prompt mode (no prompt/continuation split).
+    """
+
+    t: int
+    n_prompt: int | None
+    layer: int
+    n_layers: int
+    attn_window: np.ndarray
+    keys: np.ndarray
+    values: np.ndarray
+    kept: np.ndarray
+
+
+@dataclass(frozen=True)
+class CompressionPolicy(Policy):
+    """Scores the cache on a schedule and keeps the ``budget`` best tokens per KV head, the ``recent`` latest
+    always (e.g. SnapKV's observation window); ties keep the earlier position.
+
+    When (``compresses_after``): in generate mode once the prompt has been read (kvpress's prefill
+    compression), then every ``every`` decoding steps if ``every`` > 0 (kvpress's DecodingPress);
+    generated tokens are otherwise appended with no eviction. In prompt mode (teacher-forced scoring of a
+    text, with no prompt boundary) every ``interval`` tokens, as a chunked prefill would: between
+    compressions a query reads up to ``budget + interval - 1`` tokens.
+
+    Subclasses give ``score`` (higher = keep); ``layer_budget`` shares the budget across layers and
+    ``keep`` across heads (PyramidKV and AdaKV override them).
+    """
+
+    kind: ClassVar[str] = "compression"
+    budget: int = 64
+    interval: int = 32
+    every: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.interval < 1 or self.every < 0:
+            raise ValueError(f"{self.name}: need interval >= 1 and every >= 0, got interval={self.interval}, "
+                             f"every={self.every}")
+
+    @property
+    def recent(self) -> int:
+        """The latest cached tokens always kept (inside the budget)."""
+        return 0
+
+    @property
+    def window_queries(self) -> int:
+        """How many recent queries' attention rows the scorer reads (``CacheView.attn_window``)."""
+        return 0
+
+    def schedule(self) -> str:
+        decoding = f", then every {self.every} decoding steps" if self.every else ""
+        return f"once after the prompt{decoding} (prompt mode: every {self.interval} tokens)"
+
+    def compresses_after(self, t: int, n_prompt: int | None) -> bool:
+        if n_prompt is None:
+            return (t + 1) % self.interval == 0
+        decoded = t + 1 - n_prompt
+        return decoded == 0 or (self.every > 0 and decoded > 0 and decoded % self.every == 0)
+
+    def score(self, view: CacheView) -> np.ndarray:
+        raise NotImplementedError
+
+    def layer_budget(self, view: CacheView) -> int:
+        return self.budget
+
+    def keep(self, view: CacheView) -> np.ndarray:
+        """Bool [H, t+1]: the ``recent`` latest cached tokens, then the best others up to the layer's budget."""
+        return keep_top(self.score(view), view.kept, self.layer_budget(view), self.recent)
+
+
+def keep_top(score: np.ndarray, kept: np.ndarray, budget: int, recent: int) -> np.ndarray:
+    """Bool [H, n]: per head, its last ``recent`` cached tokens and the best-scored other cached tokens,
+    ``budget`` in all (everything when fewer are cached); ties keep the earlier position."""
+    score = np.where(kept, np.asarray(score, np.float64), -np.inf)
+    order = np.cumsum(kept[:, ::-1], axis=1)[:, ::-1]  # 1 = the latest cached token, 2 = the one before...
+    score = np.where(kept & (order <= recent), np.inf, score)
+    out = np.zeros(kept.shape, bool)
+    for h in range(kept.shape[0]):
+        count = min(budget, int(kept[h].sum()))
+        best = np.argsort(-score[h], kind="stable")[:count]
+        out[h, best] = True
+    return out & kept
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from .base import EvictionPolicy, grow
+from .registry import register
 
 
+@register
 @dataclass(frozen=True)
 class H2O(EvictionPolicy):
     """Keep the ``recent`` latest tokens and, for the rest, the highest accumulated attention.
@@ -21,6 +23,9 @@ class H2O(EvictionPolicy):
     """
 
     name = "h2o"
+    summary = 'accumulated attention (A2S) + recent window, head- or layer-wise'
+    paper = 'Zhang et al., 2023'
+    color = "#009E73"
     recent: int = -1
     heads: str = "head"
 

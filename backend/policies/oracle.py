@@ -2,8 +2,10 @@
 from dataclasses import dataclass
 
 from .base import SelectionPolicy, top_positions
+from .registry import register
 
 
+@register
 @dataclass(frozen=True)
 class Oracle(SelectionPolicy):
     """Query t reads the ``budget`` tokens with the highest exact attention over the whole cache.
@@ -16,6 +18,9 @@ class Oracle(SelectionPolicy):
     """
 
     name = "oracle"
+    summary = 'each query reads the top-`budget` tokens of its exact attention ("Ideal")'
+    paper = 'A2SF Sec. 4.3'
+    color = "#CC79A7"
     heads: str = "head"
 
     def select(self, state, attn_full, t):

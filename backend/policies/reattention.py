@@ -8,8 +8,10 @@ import torch
 from kernels.reattention import reattention_select, reattention_select_reference
 
 from .base import AttendingPolicy, BlockResult
+from .registry import register
 
 
+@register
 @dataclass(frozen=True)
 class ReAttention(AttendingPolicy):
     """Global + selected spans + local, re-rotated to contiguous positions (Eq. 1-3).
@@ -29,6 +31,9 @@ class ReAttention(AttendingPolicy):
     """
 
     name = "reattention"
+    summary = 'global + top-k spans by position-agnostic scores + local, re-rotated to positions 0..L-1'
+    paper = 'Liu et al., 2024, *ReAttention*, Sec. 2, App. A'
+    color = "#882255"
     needs_prerope = True
     chunks_prompt = True  # the runner hands it the whole prompt; it cuts its own chunks
     budget: int = 64
@@ -36,6 +41,13 @@ class ReAttention(AttendingPolicy):
     span: int = 8
     topk: int = 2
     chunk: int = 16
+
+    @classmethod
+    def for_budget(cls, budget: int) -> "ReAttention":
+        """Below 40 the default parts leave no local window: shrink them with the budget (the app's slider)."""
+        if budget >= 40:
+            return cls(budget=budget)
+        return cls(budget=budget, global_size=min(4, budget // 8), span=max(1, budget // 8), chunk=max(1, budget // 4))
 
     @property
     def local(self) -> int:

@@ -7,8 +7,10 @@ import torch
 from kernels.sparq import sparq_attention, sparq_attention_reference, sparq_transfer_bytes
 
 from .base import AttendingPolicy, BlockResult
+from .registry import register
 
 
+@register
 @dataclass(frozen=True)
 class SparQ(AttendingPolicy):
     """Approximate scores from the r largest query components pick the k positions each query reads.
@@ -29,6 +31,9 @@ class SparQ(AttendingPolicy):
     """
 
     name = "sparq"
+    summary = 'each query reads `budget` positions picked by approximate scores from `r` query components, mixed with the mean value'
+    paper = 'Ribar et al., 2024, *SparQ Attention*, Sec. 3, App. B-D'
+    color = "#999933"
     budget: int = 32
     r: int = 16
     local: int = -1

@@ -2,8 +2,10 @@
 from dataclasses import dataclass
 
 from .base import EvictionPolicy
+from .registry import register
 
 
+@register
 @dataclass(frozen=True)
 class TOVA(EvictionPolicy):
     """At each step, drop the token that drew the lowest attention from the current query.
@@ -18,6 +20,9 @@ class TOVA(EvictionPolicy):
     """
 
     name = "tova"
+    summary = 'drop the token the current query attends to least; layer-wise by default'
+    paper = 'Oren et al., 2024, *Transformers are Multi-State RNNs*, Sec. 3.4'
+    color = "#0072B2"
     heads: str = "layer"
     sinks: int = 0
 

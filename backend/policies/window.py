@@ -4,8 +4,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from .base import EvictionPolicy
+from .registry import register
 
 
+@register
 @dataclass(frozen=True)
 class Window(EvictionPolicy):
     """The most recent ``budget`` tokens: when full, the oldest cached token leaves.
@@ -14,6 +16,9 @@ class Window(EvictionPolicy):
     """
 
     name = "window"
+    summary = 'the most recent `budget` tokens'
+    paper = 'Beltagy et al., 2020 (Longformer); TOVA Sec. 3.3'
+    color = "#E69F00"
     uses_attention = False
 
     def score(self, state, attn, t):

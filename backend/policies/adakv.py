@@ -1,0 +1,76 @@
+"""AdaKV (Feng et al., 2024, *Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation*, Alg. 1)."""
+from dataclasses import dataclass
+
+import numpy as np
+
+from .base import CacheView, CompressionPolicy
+from .registry import POLICIES, register
+
+
+@register
+@dataclass(frozen=True)
+class AdaKV(CompressionPolicy):
+    """Head-adaptive budgets around a scorer: a layer's heads share budget x n_kv_heads slots.
+
+    With B' = budget - the scorer's window: the top n_kv_heads x B' scores over all the layer's heads
+    (window tokens aside) count, per head, how many slots it earned; head h then keeps
+    round(count_h (1 - alpha_floor) + floor(B' alpha_floor)) of its best tokens plus the window (the
+    authors' code; alpha_floor = 0.2 as their runs use). Scores come from ``scorer``, any registered
+    compression policy at this budget (SnapKV by default, as the paper); the schedule is AdaKV's own.
+
+    budget: mean tokens kept per KV head, the window included. scorer: e.g. snapkv or knorm.
+    alpha_floor: the share of B' every head keeps whatever its scores (the paper's safeguard).
+    interval, every: when it compresses (see CompressionPolicy).
+    """
+
+    name = "adakv"
+    summary = "head-adaptive budgets: a layer's slots go to the best scores across its heads (scorer: SnapKV)"
+    paper = "Feng et al., 2024, *Ada-KV*, Alg. 1"
+    color = "#332288"
+    allocation = "head-adaptive"
+    scorer: str = "snapkv"
+    alpha_floor: float = 0.2
+
+    def __post_init__(self):
+        super().__post_init__()
+        cls = POLICIES.get(self.scorer)
+        if cls is None or cls.kind != "compression" or cls is AdaKV:
+            names = ", ".join(n for n, c in POLICIES.items() if c.kind == "compression" and c is not AdaKV)
+            raise ValueError(f"adakv: scorer must be one of {names}, got {self.scorer!r}")
+        if not 0.0 <= self.alpha_floor <= 1.0:
+            raise ValueError(f"adakv: alpha_floor must be in [0, 1], got {self.alpha_floor}")
+        self.inner  # a budget the scorer refuses is refused here
+
+    @property
+    def inner(self) -> CompressionPolicy:
+        return POLICIES[self.scorer].for_budget(self.budget)
+
+    @property
+    def uses_attention(self) -> bool:
+        return self.inner.uses_attention
+
+    @property
+    def recent(self) -> int:
+        return self.inner.recent
+
+    @property
+    def window_queries(self) -> int:
+        return self.inner.window_queries
+
+    def keep(self, view: CacheView) -> np.ndarray:
+        kept, window = view.kept, self.recent
+        order = np.cumsum(kept[:, ::-1], axis=1)[:, ::-1]  # 1 = each head's latest cached token
+        in_window = kept & (order <= window)
+        candidates = kept & ~in_window
+        share = self.budget - window  # B'
+        if candidates.sum(-1).max() <= share:
+            return kept.copy()  # nothing to compress yet
+        score = np.where(candidates, self.inner.score(view), -np.inf)
+        flat = np.argsort(-score, axis=None, kind="stable")[: share * kept.shape[0]]
+        earned = np.bincount(np.unravel_index(flat, score.shape)[0], minlength=kept.shape[0])
+        capacity = np.rint(earned * (1 - self.alpha_floor) + int(share * self.alpha_floor)).astype(int)
+        out = in_window.copy()
+        for h, cap in enumerate(capacity):
+            best = np.argsort(-score[h], kind="stable")[: min(cap, int(candidates[h].sum()))]
+            out[h, best] = True
+        return out

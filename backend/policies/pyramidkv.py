@@ -1,0 +1,64 @@
+"""PyramidKV (Cai et al., 2024, *PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information
+Funneling*, Sec. 3.3): SnapKV's scores, with budgets that shrink with depth."""
+from dataclasses import dataclass
+
+import numpy as np
+
+from .base import CacheView
+from .registry import register
+from .snapkv import SnapKV
+
+
+def pyramid(mean: int, available: int, n_layers: int, beta: int) -> np.ndarray:
+    """Tokens each layer keeps besides the window: an arithmetic sequence from the first layer down to the
+    last, with mean ``mean`` (so the layers' total is n_layers x mean, rounded by largest remainder) and
+    last layer ``mean / beta`` (Sec. 3.3); the first layer never exceeds what is ``available``."""
+    if n_layers == 1:
+        return np.array([mean])
+    low = mean / beta
+    high = 2 * mean - low
+    if high > available:  # the first layer cannot keep more than there is: flatten the pyramid
+        high, low = available, 2 * mean - available
+    exact = high - np.arange(n_layers) * (high - low) / (n_layers - 1)
+    floor = np.floor(exact).astype(int)
+    short = n_layers * mean - int(floor.sum())
+    floor[np.argsort(-(exact - floor), kind="stable")[:short]] += 1
+    return floor
+
+
+@register
+@dataclass(frozen=True)
+class PyramidKV(SnapKV):
+    """SnapKV with a budget per layer: layer l keeps window + a share that falls linearly with depth.
+
+    The shares are the paper's schedule as KVCache-Factory computes it: the last layer gets
+    (budget - window) / beta, the first 2 (budget - window) minus that, capped by what is cached; the
+    total over layers is budget x n_layers (KVCache-Factory floors the step and overshoots by up to ~5%;
+    the largest-remainder rounding here hits the total exactly). A cache of at most ``budget`` tokens is
+    kept whole.
+
+    budget: mean tokens kept per KV head and layer, the window included.
+    beta: the first-to-last ratio parameter (20, the authors' default).
+    window, kernel, pooling, interval, every: as SnapKV.
+    """
+
+    name = "pyramidkv"
+    summary = "SnapKV's scores with per-layer budgets that shrink with depth (total = budget x layers)"
+    paper = "Cai et al., 2024, *PyramidKV*, Sec. 3.3"
+    color = "#117733"
+    allocation = "pyramid across layers"
+    beta: int = 20
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.beta < 1:
+            raise ValueError(f"pyramidkv: beta must be >= 1, got {self.beta}")
+
+    def layer_budget(self, view: CacheView) -> int:
+        # Every layer plans with the same length (the tokens read so far, KVCache-Factory's prompt length),
+        # so the layers' shares add up even when, compressing again, each holds a different cache.
+        available = view.t + 1 - self.window
+        mean = self.budget - self.window
+        if available <= mean:
+            return self.budget
+        return self.window + int(pyramid(mean, available, view.n_layers, self.beta)[view.layer])

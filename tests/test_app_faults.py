@@ -1,0 +1,170 @@
+"""The app killed (SIGKILL) in the middle of a run: it restarts on the same store, the run completes, a
+repeat replays, and the store on disk stays readable.
+
+End to end: the real app as a subprocess (default model, the normal model cache), driven through its
+API with gradio_client on 127.0.0.1 only.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NEEDLE = (ROOT / "assets" / "examples" / "needle.txt").read_text().strip()
+MODEL = "smollm2-135m-instruct"
+# needle.txt (~200 tokens) scored teacher-forced under 3 policies (+ Full): several seconds of model work.
+RUN = (NEEDLE, "prompt", 8, ["sinks", "tova", "a2sf"], 40, 4, 0.1, "paper default", "", MODEL)
+OFFLINE_ENV = {"GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class AppProcess:
+    """``app.py`` as a subprocess on a loopback port, its store in ``store``; started again on the same
+    store after a kill. Each start logs to its own file."""
+
+    def __init__(self, store: Path, logs: Path):
+        self.store, self.logs = store, logs
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    @property
+    def log(self) -> Path:
+        return self.logs / f"app-{self.starts}.log"
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-chars:]
+        except OSError:
+            return "(no log)"
+
+    def start(self, timeout_s: float = 90) -> str:
+        """Start the app and return its URL once ``GET /`` answers 200."""
+        assert self.proc is None or self.proc.poll() is not None, "the app is already running"
+        self.starts += 1
+        port = free_port()
+        env = {**os.environ, **OFFLINE_ENV, "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port),
+               "KVLENS_STORE_DIR": str(self.store)}
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=log,
+                                         stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}/"
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with urllib.request.urlopen(url, timeout=5) as response:
+                    if response.status == 200:
+                        return url
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                pytest.fail(f"the app did not start (start {self.starts}); its log ends:\n{self.log_tail()}")
+            time.sleep(0.25)
+
+    def kill(self) -> None:
+        """SIGKILL: no cleanup of any kind runs in the app."""
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=20)
+
+
+@pytest.fixture
+def app(tmp_path, monkeypatch):
+    for name, value in OFFLINE_ENV.items():  # gradio_client's telemetry reads the environment
+        monkeypatch.setenv(name, value)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    process = AppProcess(tmp_path / "store", logs)
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+def client(url: str):
+    from gradio_client import Client
+
+    return Client(url, verbose=False, download_files=False, analytics_enabled=False, httpx_kwargs={"timeout": 30})
+
+
+def run_and_render(url: str, timeout_s: float) -> tuple[str, str]:
+    """(status, run id) of RUN in a fresh session."""
+    c = client(url)
+    try:
+        status = c.submit(*RUN, api_name="/on_run").result(timeout=timeout_s)[0]
+        views = c.submit(api_name="/render_run").result(timeout=30)
+    finally:
+        c.close()
+    run_id = re.search(r"Run id: `([0-9a-f]{32})`", views[-1])
+    assert run_id, views[-1]
+    return status, run_id.group(1)
+
+
+def test_killed_mid_run_restarts_completes_and_replays(app):
+    url = app.start()
+    first = client(url)
+    try:
+        job = first.submit(*RUN, api_name="/on_run")
+        deadline = time.monotonic() + 60  # the model may still be loading when the page answers
+        while not job.status().progress_data:  # the runner has reported its first block
+            assert not job.done(), f"the run ended before the kill: {job.status()}\n{app.log_tail()}"
+            assert time.monotonic() < deadline, f"the run did not start: {job.status()}\n{app.log_tail()}"
+            time.sleep(0.1)
+        time.sleep(1.5)  # well inside the model work
+        assert not job.done(), "the run ended before the kill: make RUN longer"
+        app.kill()
+    finally:
+        first.close()
+    assert (app.store / "cache.db").exists()
+    first_log = app.log
+
+    url = app.start()  # same store directory
+    status, _ = run_and_render(url, timeout_s=120)
+    assert re.fullmatch(r"3 policies, \d+ tokens, (computed|replayed from the store)\.", status), status
+    status, run_id = run_and_render(url, timeout_s=60)
+    assert status.endswith("replayed from the store."), status
+    app.stop()
+
+    # The store survived in place (not set aside) and every entry reads back intact in this process.
+    assert not list(app.store.parent.glob(f"{app.store.name}.broken-*")), "the store was set aside"
+    assert "was damaged" not in first_log.read_text() + app.log.read_text()
+    assert (app.store / "cache.db").is_file()
+    from backend import session
+    from backend.store import TraceStore
+
+    db = sqlite3.connect(app.store / "cache.db")
+    try:
+        assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+        keys = [key for (key,) in db.execute("SELECT key FROM Cache")]
+    finally:
+        db.close()
+    assert len(keys) >= 6  # 3 policies + Full + the two share-link manifests
+    with TraceStore(app.store) as store:
+        assert store.available, store.disabled_reason
+        assert all(store.get(key) is not None for key in keys)
+        run = session.reopen(run_id, store)
+    assert [trace.spec for trace in run.traces] == ["sinks:budget=40,sinks=4", "tova:budget=40",
+                                                    "a2sf:budget=40,alpha=0.1"]

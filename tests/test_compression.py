@@ -1,0 +1,158 @@
+"""Compression policies (SnapKV, PyramidKV, AdaKV, Knorm) on hand-worked numbers, their schedule, the
+engine's prefill behaviour, and plugins."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from backend.policies import POLICIES, AdaKV, CacheView, Knorm, PyramidKV, SnapKV, load_plugins, parse_spec
+from backend.policies.pyramidkv import pyramid
+from backend.policies.registry import PluginError
+from backend.policies.snapkv import pool
+from backend.runner import run
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def view(n: int, heads: int = 1, attn_window=None, keys=None, values=None, kept=None, layer=0, n_layers=1):
+    return CacheView(t=n - 1, n_prompt=None, layer=layer, n_layers=n_layers,
+                     attn_window=np.zeros((heads, 0, n)) if attn_window is None else np.asarray(attn_window, float),
+                     keys=np.ones((heads, n, 2)) if keys is None else np.asarray(keys, float),
+                     values=np.ones((heads, n, 2)) if values is None else np.asarray(values, float),
+                     kept=np.ones((heads, n), bool) if kept is None else np.asarray(kept, bool))
+
+
+def test_pooling_keeps_the_length_max_pads_with_minus_infinity_avg_with_zeros():
+    x = np.array([[1.0, 5, 2, 0, 3]])
+    np.testing.assert_array_equal(pool(x, 3, "max"), [[5, 5, 5, 3, 3]])
+    np.testing.assert_allclose(pool(x, 3, "avg"), [[2, 8 / 3, 7 / 3, 5 / 3, 1]])
+    np.testing.assert_array_equal(pool(x, 1, "max"), x)
+
+
+def test_snapkv_keeps_the_window_and_the_prefix_tokens_the_window_attends_to():
+    # 8 tokens, window 2 (tokens 6, 7), budget 4: two prefix tokens by summed window attention.
+    rows = [[0.125, 0.0, 0.5, 0.0, 0.25, 0.0, 0.125, 0.0],
+            [0.125, 0.0, 0.125, 0.0, 0.375, 0.125, 0.125, 0.125]]  # sums .25 0 .625 0 .625 .125 | window
+    keep = SnapKV(budget=4, window=2, kernel=1).keep(view(8, attn_window=[rows]))
+    assert np.flatnonzero(keep[0]).tolist() == [2, 4, 6, 7]
+    # Ties keep the earlier position: 2 and 4 tie at 0.625 when only one prefix token fits.
+    keep = SnapKV(budget=3, window=2, kernel=1).keep(view(8, attn_window=[rows]))
+    assert np.flatnonzero(keep[0]).tolist() == [2, 6, 7]
+
+
+def test_snapkv_pooling_keeps_the_neighbourhood_of_a_strong_token():
+    rows = [[0.0, 0.0, 0.0, 0.9, 0.0, 0.0, 0.05, 0.0, 0.0, 0.05]]  # token 3 is the one the window wants
+    keep = SnapKV(budget=4, window=1, kernel=3, pooling="max").keep(view(10, attn_window=[rows]))
+    assert np.flatnonzero(keep[0]).tolist() == [2, 3, 4, 9]  # 3 and its neighbours, and the window
+
+
+def test_snapkv_keeps_a_cache_within_its_budget_whole():
+    assert SnapKV(budget=8, window=2).keep(view(8, attn_window=[[[0.1] * 8] * 2])).all()
+
+
+def test_pyramid_falls_linearly_with_depth_and_adds_up_to_layers_times_budget():
+    # mean 10, beta 20: last layer 0.5, first 19.5; largest remainders round to a total of exactly 40.
+    assert pyramid(10, 100, 4, 20).tolist() == [20, 13, 7, 0]
+    # The first layer cannot keep more than the 12 cached: the pyramid flattens to 12 ... 8.
+    assert pyramid(10, 12, 4, 20).tolist() == [12, 11, 9, 8]
+    assert pyramid(10, 100, 1, 20).tolist() == [10]
+
+
+def test_pyramidkv_gives_each_layer_its_share_plus_the_window():
+    policy = PyramidKV(budget=12, window=2, beta=20)
+    budgets = [policy.layer_budget(view(100, layer=layer, n_layers=4)) for layer in range(4)]
+    assert budgets == [2 + b for b in pyramid(10, 98, 4, 20)] and sum(budgets) == 4 * 12
+    assert budgets[0] > budgets[1] > budgets[2] > budgets[3]
+
+
+def test_adakv_gives_slots_to_the_best_scores_across_heads_with_a_floor():
+    # Knorm scores (-|k|): head 0's keys have norms 1..5, head 1's 10, 0.5, 0.6, 20, 30.
+    norms = np.array([[1.0, 2, 3, 4, 5], [10, 0.5, 0.6, 20, 30]])
+    keys = np.stack([norms, np.zeros_like(norms)], -1)
+    # B' = 3 per head, 6 slots: the best six over both heads are 0.5, 0.6 (head 1) and 1, 2, 3, 4 (head 0).
+    keep = AdaKV(budget=3, scorer="knorm", alpha_floor=0.0).keep(view(5, heads=2, keys=keys))
+    assert np.flatnonzero(keep[0]).tolist() == [0, 1, 2, 3] and np.flatnonzero(keep[1]).tolist() == [1, 2]
+    # alpha 0.2: capacity round(4 x 0.8 + int(0.6)) = 3 and round(2 x 0.8) = 2.
+    keep = AdaKV(budget=3, scorer="knorm", alpha_floor=0.2).keep(view(5, heads=2, keys=keys))
+    assert keep.sum(-1).tolist() == [3, 2]
+    # alpha 1: every head keeps exactly its floor, B' = 3: uniform, as plain Knorm.
+    np.testing.assert_array_equal(AdaKV(budget=3, scorer="knorm", alpha_floor=1.0).keep(view(5, heads=2, keys=keys)),
+                                  Knorm(budget=3).keep(view(5, heads=2, keys=keys)))
+
+
+def test_knorm_keeps_the_lowest_norm_keys():
+    keys = [[[3.0, 0], [0, 1], [2, 0], [0, 5]]]
+    assert np.flatnonzero(Knorm(budget=2).keep(view(4, keys=keys))[0]).tolist() == [1, 2]
+
+
+def test_schedule_once_after_the_prompt_then_every_n_decoding_steps_or_every_interval_in_prompt_mode():
+    once, every = SnapKV(budget=8, window=2), SnapKV(budget=8, window=2, every=3, interval=4)
+    assert [t for t in range(20) if once.compresses_after(t, 10)] == [9]
+    assert [t for t in range(20) if every.compresses_after(t, 10)] == [9, 12, 15, 18]
+    assert [t for t in range(12) if every.compresses_after(t, None)] == [3, 7, 11]
+
+
+def test_a_prefill_method_reads_the_whole_prompt_then_the_kept_set_and_appends_generated_tokens(tiny, text_ids):
+    prompt = text_ids[:24]
+    policies = [parse_spec("snapkv:budget=8,window=2"), parse_spec("knorm:budget=8")]
+    traces, full = run(tiny, [p.spec() for p in policies], policies, prompt, mode="generate", max_new_tokens=5,
+                       record_layers=())
+    for trace in traces:
+        evicted = trace.evicted_at
+        assert set(np.unique(evicted)) <= {-1, len(prompt)}  # one compression, when the prompt was read
+        reads = trace.reads(0)  # [H, T, T]
+        assert (reads[:, len(prompt) - 1, : len(prompt)]).all()  # the last prompt query read everything
+        after = reads[:, len(prompt):].sum(-1)  # then 8 kept + one more each decoding step
+        assert (after == 8 + np.arange(1, after.shape[1] + 1)).all()
+
+
+# --- Plugins ---------------------------------------------------------------------------------------------
+
+def test_a_plugin_module_adds_its_policy_everywhere(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "docs" / "examples"))
+    try:
+        assert load_plugins("vnorm_plugin") == ["vnorm_plugin"]
+        policy = parse_spec("vnorm:budget=6")
+        assert policy.spec() == "vnorm:budget=6" and "vnorm" in POLICIES
+        from viz.colors import family_colors
+        assert "vnorm" in family_colors()
+    finally:
+        POLICIES.pop("vnorm", None)
+
+
+def test_plugins_are_named_by_the_operator_and_a_bad_one_is_a_one_line_error(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "docs" / "examples"), "KVLENS_PLUGINS": "vnorm_plugin"}
+    listed = subprocess.run([sys.executable, "-m", "backend", "policies"], capture_output=True, text=True, env=env,
+                            cwd=ROOT, timeout=120)
+    assert listed.returncode == 0 and "| `vnorm` |" in listed.stdout
+    env["KVLENS_PLUGINS"] = "no_such_module_here"
+    bad = subprocess.run([sys.executable, "-m", "backend", "policies"], capture_output=True, text=True, env=env,
+                         cwd=ROOT, timeout=120)
+    assert bad.returncode == 2 and "could not import no_such_module_here" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
+    with pytest.raises(PluginError, match="not a module name"):
+        load_plugins("os; rm -rf /")
+
+
+def test_every_view_renders_the_compression_policies_and_the_summary_names_their_schedule(tiny, tmp_path,
+                                                                                          monkeypatch):
+    import app
+    from backend import session
+    from backend.models import DEFAULT_MODEL
+    from backend.store import TraceStore
+
+    monkeypatch.setitem(session._models, DEFAULT_MODEL, tiny)
+    monkeypatch.setattr(app, "STORE", TraceStore(tmp_path / "store"))
+    specs = ["snapkv:budget=8,window=2", "pyramidkv:budget=8,window=2", "adakv:budget=8", "knorm:budget=8"]
+    run = session.execute(session.RunRequest(prompt="the cat sat on the mat and the dog sat on the log", specs=specs,
+                                             max_new_tokens=4), app.STORE)
+    summary, *others = app.render_run(run.run_id)
+    assert list(summary["Policy"]) == specs and all(o is not None for o in others)
+    assert all(d.startswith("once after the prompt") for d in summary["Decides"])
+    assert list(summary["Budget shared"]) == ["uniform", "pyramid across layers", "head-adaptive", "uniform"]
+    heatmap, kept, curves, steps = app.render_views(run.run_id, "all", "all", 10, 0.3)
+    assert len(heatmap.data) == 4 and all(f"{s}" in kept for s in specs)
+    assert app.on_tsne(run.run_id, "snapkv", "1", "0").data
