@@ -123,7 +123,7 @@ class RowLayerState:
             window[:, j, : row.shape[-1]] = row
         view = CacheView(t=t, n_prompt=n_prompt, layer=self.layer, n_layers=self.n_layers, attn_window=window,
                          keys=keys[:, : t + 1].double().cpu().numpy(), values=values[:, : t + 1].double().cpu().numpy(),
-                         kept=kept.copy())
+                         kept=kept.copy(), state=self.state)
         dropped = kept & ~policy.keep(view)
         self.alive[:, : t + 1] &= ~dropped
         self.evicted_at[:, : t + 1][dropped] = t + 1

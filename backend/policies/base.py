@@ -140,6 +140,7 @@ class CacheView:
     zero where a query did not read), oldest first. keys, values: [H, t+1, d] float64, the cached keys
     (after RoPE; RoPE keeps their norms) and values; kept: [H, t+1] what is cached now.
     n_prompt: the prompt's length in generate mode, None in prompt mode (no prompt/continuation split).
+    state: the policy's own state (``init_state``), which it may update in place; a fork copies it.
     """
 
     t: int
@@ -150,6 +151,7 @@ class CacheView:
     keys: np.ndarray
     values: np.ndarray
     kept: np.ndarray
+    state: State = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
