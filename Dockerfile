@@ -3,7 +3,10 @@ FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1 \
     HOME=/home/user GRADIO_SERVER_NAME=0.0.0.0 GRADIO_SERVER_PORT=7860 \
-    KVLENS_MODEL_CACHE=/home/user/.cache/kvlens/models KVLENS_STORE_DIR=/home/user/.cache/kvlens/store
+    KVLENS_MODEL_CACHE=/home/user/.cache/kvlens/models KVLENS_STORE_DIR=/home/user/.cache/kvlens/store \
+    FORWARDED_ALLOW_IPS="*"
+# FORWARDED_ALLOW_IPS: a Space is reached only through its proxy, so the visitor's address comes from
+# X-Forwarded-For (the per-address run limit needs it). Leave it out where clients reach the container directly.
 RUN useradd --create-home --uid 1000 user
 WORKDIR /home/user/app
 

@@ -76,6 +76,22 @@ class AppProcess:
                 pytest.fail(f"the app did not start (start {self.starts}); its log ends:\n{self.log_tail()}")
             time.sleep(0.25)
 
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system) the app has used so far."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def wait_idle(self, window_s: float = 2.0, timeout_s: float = 60) -> None:
+        """Until the app has used under 0.2 s of CPU for ``window_s``: the model, which loads in a
+        background thread after the page answers, is loaded."""
+        deadline = time.monotonic() + timeout_s
+        since, cpu = time.monotonic(), self.cpu_s()
+        while time.monotonic() - since < window_s:
+            assert time.monotonic() < deadline, f"the app never went idle\n{self.log_tail()}"
+            time.sleep(0.25)
+            if self.cpu_s() - cpu > 0.2:
+                since, cpu = time.monotonic(), self.cpu_s()
+
     def kill(self) -> None:
         """SIGKILL: no cleanup of any kind runs in the app."""
         os.kill(self.proc.pid, signal.SIGKILL)
@@ -110,8 +126,8 @@ def client(url: str):
     return Client(url, verbose=False, download_files=False, analytics_enabled=False, httpx_kwargs={"timeout": 30})
 
 
-def run_and_render(url: str, timeout_s: float) -> tuple[str, str]:
-    """(status, run id) of RUN in a fresh session."""
+def run_and_render(url: str, timeout_s: float) -> tuple[str, str, list[str]]:
+    """(status, run id, the summary's policies) of RUN in a fresh session."""
     c = client(url)
     try:
         status = c.submit(*RUN, api_name="/on_run").result(timeout=timeout_s)[0]
@@ -120,37 +136,52 @@ def run_and_render(url: str, timeout_s: float) -> tuple[str, str]:
         c.close()
     run_id = re.search(r"Run id: `([0-9a-f]{32})`", views[-1])
     assert run_id, views[-1]
-    return status, run_id.group(1)
+    summary = views[0]
+    column = summary["headers"].index("Policy")
+    return status, run_id.group(1), [row[column] for row in summary["data"]]
 
 
 def test_killed_mid_run_restarts_completes_and_replays(app):
+    from gradio_client.utils import Status
+
     url = app.start()
+    app.wait_idle()  # the model is loaded: the kill lands in the run, not in the model load
     first = client(url)
     try:
         job = first.submit(*RUN, api_name="/on_run")
-        deadline = time.monotonic() + 60  # the model may still be loading when the page answers
-        while not job.status().progress_data:  # the runner has reported its first block
+        deadline = time.monotonic() + 30
+        while job.status().code not in (Status.PROCESSING, Status.PROGRESS):
             assert not job.done(), f"the run ended before the kill: {job.status()}\n{app.log_tail()}"
             assert time.monotonic() < deadline, f"the run did not start: {job.status()}\n{app.log_tail()}"
-            time.sleep(0.1)
-        time.sleep(1.5)  # well inside the model work
+            time.sleep(0.05)
+        cpu, deadline = app.cpu_s(), time.monotonic() + 15
+        while app.cpu_s() - cpu < 1.0:  # one CPU second into the model work
+            assert time.monotonic() < deadline, f"the app is not computing the run\n{app.log_tail()}"
+            time.sleep(0.05)
         assert not job.done(), "the run ended before the kill: make RUN longer"
         app.kill()
+        try:  # the visitor's run is lost with the process (the client reports it cancelled)
+            pytest.fail(f"the killed run returned {job.result(timeout=30)!r}")
+        except Exception as err:
+            assert not isinstance(err, (TimeoutError, pytest.fail.Exception)), err
     finally:
         first.close()
     assert (app.store / "cache.db").exists()
     first_log = app.log
 
     url = app.start()  # same store directory
-    status, _ = run_and_render(url, timeout_s=120)
+    status, _, specs = run_and_render(url, timeout_s=120)
     assert re.fullmatch(r"3 policies, \d+ tokens, (computed|replayed from the store)\.", status), status
-    status, run_id = run_and_render(url, timeout_s=60)
+    assert [spec.partition(":")[0] for spec in specs] == RUN[3]
+    status, run_id, again = run_and_render(url, timeout_s=60)
     assert status.endswith("replayed from the store."), status
+    assert again == specs
     app.stop()
 
-    # The store survived in place (not set aside) and every entry reads back intact in this process.
-    assert not list(app.store.parent.glob(f"{app.store.name}.broken-*")), "the store was set aside"
-    assert "was damaged" not in first_log.read_text() + app.log.read_text()
+    # The store is in place with its database (intact, or set aside and rebuilt: the log then says so),
+    # and every entry reads back intact in this process.
+    set_aside = list(app.store.parent.glob(f"{app.store.name}.broken-*"))
+    assert bool(set_aside) == ("was damaged" in first_log.read_text() + app.log.read_text()), set_aside
     assert (app.store / "cache.db").is_file()
     from backend import session
     from backend.store import TraceStore
@@ -166,5 +197,4 @@ def test_killed_mid_run_restarts_completes_and_replays(app):
         assert store.available, store.disabled_reason
         assert all(store.get(key) is not None for key in keys)
         run = session.reopen(run_id, store)
-    assert [trace.spec for trace in run.traces] == ["sinks:budget=40,sinks=4", "tova:budget=40",
-                                                    "a2sf:budget=40,alpha=0.1"]
+    assert [trace.spec for trace in run.traces] == specs

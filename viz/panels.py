@@ -6,6 +6,7 @@ component of the page shows. Layer and head selectors are strings: ``"all"`` or 
 from __future__ import annotations
 
 import html
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -34,20 +35,25 @@ may read. Budget = cached tokens each query reads. Every run is stored, so revis
 the budget slider over a computed sweep replays instantly."""
 
 _runs: OrderedDict = OrderedDict()  # run_id -> Run, the few most recent (the store holds them all)
+_runs_lock = threading.Lock()
 KEEP_RUNS = 4  # a run at the limits holds ~100 MB of traces; the store replays older ones in milliseconds
 
 
 def remember(run) -> None:
-    _runs[run.run_id] = run
-    _runs.move_to_end(run.run_id)
-    while len(_runs) > KEEP_RUNS:
-        _runs.popitem(last=False)
+    with _runs_lock:  # page loads (unqueued) and views may remember runs at the same time
+        _runs[run.run_id] = run
+        _runs.move_to_end(run.run_id)
+        while len(_runs) > KEEP_RUNS:
+            _runs.popitem(last=False)
 
 
 def cached_run(run_id: str, load: Callable):
-    if run_id not in _runs:
-        remember(load())
-    return _runs[run_id]
+    with _runs_lock:
+        run = _runs.get(run_id)
+    if run is None:
+        run = load()
+        remember(run)
+    return run
 
 
 def layer_choices(n_layers: int = 30) -> list[str]:
