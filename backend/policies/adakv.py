@@ -3,7 +3,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import CacheView, CompressionPolicy
+from .base import CacheView, CompressionPolicy, latest
 from .registry import POLICIES, register
 
 
@@ -12,11 +12,10 @@ from .registry import POLICIES, register
 class AdaKV(CompressionPolicy):
     """Head-adaptive budgets around a scorer: a layer's heads share budget x n_kv_heads slots.
 
-    With B' = budget - the scorer's window: the top n_kv_heads x B' scores over all the layer's heads
-    (window tokens aside) count, per head, how many slots it earned; head h then keeps
-    round(count_h (1 - alpha_floor) + floor(B' alpha_floor)) of its best tokens plus the window (the
-    authors' code; alpha_floor = 0.2 as their runs use). Scores come from ``scorer``, any registered
-    compression policy at this budget (SnapKV by default, as the paper); the schedule is AdaKV's own.
+    With B' = budget - the scorer's window: the top n_kv_heads x B' scores over the layer's heads count
+    the slots each head earned; head h keeps round(earned_h (1 - alpha_floor) + floor(B' alpha_floor)) of
+    its best tokens plus the window (the authors' code and their runs' alpha 0.2). Scores come from
+    ``scorer``, any registered compression policy at this budget (SnapKV, as the paper).
 
     budget: mean tokens kept per KV head, the window included. scorer: e.g. snapkv or knorm.
     alpha_floor: the share of B' every head keeps whatever its scores (the paper's safeguard).
@@ -58,11 +57,8 @@ class AdaKV(CompressionPolicy):
         return self.inner.window_queries
 
     def keep(self, view: CacheView) -> np.ndarray:
-        kept, window = view.kept, self.recent
-        order = np.cumsum(kept[:, ::-1], axis=1)[:, ::-1]  # 1 = each head's latest cached token
-        in_window = kept & (order <= window)
-        candidates = kept & ~in_window
-        share = self.budget - window  # B'
+        kept, in_window = view.kept, latest(view.kept, self.recent)
+        candidates, share = kept & ~in_window, self.budget - self.recent  # share: B'
         if candidates.sum(-1).max() <= share:
             return kept.copy()  # nothing to compress yet
         score = np.where(candidates, self.inner.score(view), -np.inf)

@@ -211,12 +211,17 @@ class CompressionPolicy(Policy):
         return keep_top(self.score(view), view.kept, self.layer_budget(view), self.recent)
 
 
+def latest(kept: np.ndarray, n: int) -> np.ndarray:
+    """Bool [H, m]: each head's ``n`` latest cached tokens."""
+    order = np.cumsum(kept[:, ::-1], axis=1)[:, ::-1]  # 1 = the latest cached token, 2 = the one before...
+    return kept & (order <= n)
+
+
 def keep_top(score: np.ndarray, kept: np.ndarray, budget: int, recent: int) -> np.ndarray:
     """Bool [H, n]: per head, its last ``recent`` cached tokens and the best-scored other cached tokens,
     ``budget`` in all (everything when fewer are cached); ties keep the earlier position."""
     score = np.where(kept, np.asarray(score, np.float64), -np.inf)
-    order = np.cumsum(kept[:, ::-1], axis=1)[:, ::-1]  # 1 = the latest cached token, 2 = the one before...
-    score = np.where(kept & (order <= recent), np.inf, score)
+    score = np.where(latest(kept, recent), np.inf, score)
     out = np.zeros(kept.shape, bool)
     for h in range(kept.shape[0]):
         count = min(budget, int(kept[h].sum()))

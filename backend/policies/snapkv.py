@@ -8,8 +8,7 @@ from .registry import register
 
 
 def pool(x: np.ndarray, kernel: int, how: str) -> np.ndarray:
-    """1-D pooling along the last axis, stride 1, padding kernel // 2 (length kept, as SnapKV's
-    ``max_pool1d`` / ``avg_pool1d``: -inf padding for max, zeros counted in the mean for avg)."""
+    """1-D pooling along the last axis, stride 1, padding kernel // 2 (as SnapKV's max/avg_pool1d)."""
     pad = kernel // 2
     padded = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(pad, pad)], constant_values=-np.inf if how == "max" else 0.0)
     windows = np.lib.stride_tricks.sliding_window_view(padded, kernel, axis=-1)
@@ -24,14 +23,8 @@ class SnapKV(CompressionPolicy):
     Score of a cached token: the attention it draws from the ``window`` latest queries, summed, then
     pooled along the cached positions (``pooling`` over ``kernel`` neighbours, so a kept token keeps its
     neighbourhood); per KV head the window plus the ``budget - window`` best others stay (Alg. 1).
-    Defaults are KVCache-Factory's LongBench run (window 8, kernel 7, max pooling), made for budgets down
-    to 64: KV Lens's budgets are 16-256, where the SnapKV repository's window of 32 (its LongBench configs,
-    budgets 1024-4096) would take half the cache, and on the needle example at budget 40 it loses the
-    needle that window 8 keeps (docs/results.md). Its class defaults (64, 5, avg) and kvpress (64, 5,
-    avg) differ again; all three are parameters.
-    GQA: a KV head scores with the mean attention of its query heads, as kvpress and AdaKV's GQA mode do
-    (the authors' code expands the cache per query head instead). Pooling runs over the cached tokens in
-    order, as over the compacted cache of the original. A cache of at most ``budget`` tokens is kept whole.
+    Defaults (8, 7, max) are KVCache-Factory's, for small budgets (docs/policies.md says why, and what the
+    SnapKV repository and kvpress use). GQA: a KV head scores with its query heads' mean attention (kvpress).
 
     budget: tokens kept per KV head at each compression, the window included (SnapKV's capacity).
     window: observation window: queries that vote, and latest tokens always kept.
