@@ -61,10 +61,12 @@ def test_pyramid_falls_linearly_with_depth_and_adds_up_to_layers_times_budget():
     assert pyramid(10, 100, 1, 20).tolist() == [10]
 
 
-def test_pyramidkv_gives_each_layer_its_share_plus_the_window():
-    policy = PyramidKV(budget=12, window=2, beta=20)
+def test_pyramidkv_gives_each_layer_its_share_plus_the_scorers_window():
+    policy = PyramidKV(budget=12, beta=20)  # SnapKV's scores; at budget 12 its window is 6
     budgets = [policy.layer_budget(view(100, layer=layer, n_layers=4)) for layer in range(4)]
-    assert budgets == [2 + b for b in pyramid(10, 98, 4, 20)] and sum(budgets) == 4 * 12
+    assert policy.recent == 6 and budgets == [6 + b for b in pyramid(6, 94, 4, 20)] and sum(budgets) == 4 * 12
+    knorm = PyramidKV(budget=12, scorer="knorm")  # any scorer: Knorm has no window
+    assert [knorm.layer_budget(view(100, layer=layer, n_layers=4)) for layer in range(4)] == list(pyramid(12, 100, 4, 20))
     assert budgets[0] > budgets[1] > budgets[2] > budgets[3]
 
 
@@ -146,7 +148,7 @@ def test_every_view_renders_the_compression_policies_and_the_summary_names_their
 
     monkeypatch.setitem(session._models, DEFAULT_MODEL, tiny)
     monkeypatch.setattr(app, "STORE", TraceStore(tmp_path / "store"))
-    specs = ["snapkv:budget=8,window=2", "pyramidkv:budget=8,window=2", "adakv:budget=8", "knorm:budget=8"]
+    specs = ["snapkv:budget=8,window=2", "pyramidkv:budget=8", "adakv:budget=8,scorer=knorm", "knorm:budget=8"]
     run = session.execute(session.RunRequest(prompt="the cat sat on the mat and the dog sat on the log", specs=specs,
                                              max_new_tokens=4), app.STORE)
     summary, *others = app.render_run(run.run_id)

@@ -3,13 +3,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import CacheView, CompressionPolicy, latest
-from .registry import POLICIES, register
+from .allocation import SharesBudget
+from .base import CacheView, latest
+from .registry import register
 
 
 @register
 @dataclass(frozen=True)
-class AdaKV(CompressionPolicy):
+class AdaKV(SharesBudget):
     """Head-adaptive budgets around a scorer: a layer's heads share budget x n_kv_heads slots.
 
     With B' = budget - the scorer's window: the top n_kv_heads x B' scores over the layer's heads count
@@ -27,41 +28,19 @@ class AdaKV(CompressionPolicy):
     paper = "Feng et al., 2024, *Ada-KV*, Alg. 1"
     color = "#332288"
     allocation = "head-adaptive"
-    scorer: str = "snapkv"
     alpha_floor: float = 0.2
 
     def __post_init__(self):
         super().__post_init__()
-        cls = POLICIES.get(self.scorer)
-        if cls is None or cls.kind != "compression" or cls is AdaKV:
-            names = ", ".join(n for n, c in POLICIES.items() if c.kind == "compression" and c is not AdaKV)
-            raise ValueError(f"adakv: scorer must be one of {names}, got {self.scorer!r}")
         if not 0.0 <= self.alpha_floor <= 1.0:
             raise ValueError(f"adakv: alpha_floor must be in [0, 1], got {self.alpha_floor}")
-        self.inner  # a budget the scorer refuses is refused here
-
-    @property
-    def inner(self) -> CompressionPolicy:
-        return POLICIES[self.scorer].for_budget(self.budget)
-
-    @property
-    def uses_attention(self) -> bool:
-        return self.inner.uses_attention
-
-    @property
-    def recent(self) -> int:
-        return self.inner.recent
-
-    @property
-    def window_queries(self) -> int:
-        return self.inner.window_queries
 
     def keep(self, view: CacheView) -> np.ndarray:
         kept, in_window = view.kept, latest(view.kept, self.recent)
         candidates, share = kept & ~in_window, self.budget - self.recent  # share: B'
         if candidates.sum(-1).max() <= share:
             return kept.copy()  # nothing to compress yet
-        score = np.where(candidates, self.inner.score(view), -np.inf)
+        score = np.where(candidates, self.score(view), -np.inf)
         flat = np.argsort(-score, axis=None, kind="stable")[: share * kept.shape[0]]
         earned = np.bincount(np.unravel_index(flat, score.shape)[0], minlength=kept.shape[0])
         capacity = np.rint(earned * (1 - self.alpha_floor) + int(share * self.alpha_floor)).astype(int)

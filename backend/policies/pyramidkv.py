@@ -1,12 +1,12 @@
 """PyramidKV (Cai et al., 2024, *PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information
-Funneling*, Sec. 3.3): SnapKV's scores, with budgets that shrink with depth."""
+Funneling*, Sec. 3.3): a scorer's scores (SnapKV's, as the paper), with budgets that shrink with depth."""
 from dataclasses import dataclass
 
 import numpy as np
 
+from .allocation import SharesBudget
 from .base import CacheView
 from .registry import register
-from .snapkv import SnapKV
 
 
 def pyramid(mean: int, available: int, n_layers: int, beta: int) -> np.ndarray:
@@ -28,8 +28,8 @@ def pyramid(mean: int, available: int, n_layers: int, beta: int) -> np.ndarray:
 
 @register
 @dataclass(frozen=True)
-class PyramidKV(SnapKV):
-    """SnapKV with a budget per layer: layer l keeps window + a share that falls linearly with depth.
+class PyramidKV(SharesBudget):
+    """A budget per layer: layer l keeps the scorer's window + a share that falls linearly with depth.
 
     The shares are the paper's schedule as KVCache-Factory computes it: the last layer gets
     (budget - window) / beta, the first 2 (budget - window) minus that, capped by what is cached; the
@@ -39,7 +39,8 @@ class PyramidKV(SnapKV):
 
     budget: mean tokens kept per KV head and layer, the window included.
     beta: the first-to-last ratio parameter (20, the authors' default).
-    window, kernel, pooling, interval, every: as SnapKV.
+    scorer: whose scores (snapkv, as the paper; any registered compression policy).
+    interval, every: when it compresses (see CompressionPolicy).
     """
 
     name = "pyramidkv"
@@ -57,8 +58,8 @@ class PyramidKV(SnapKV):
     def layer_budget(self, view: CacheView) -> int:
         # Every layer plans with the same length (the tokens read so far, KVCache-Factory's prompt length),
         # so the layers' shares add up even when, compressing again, each holds a different cache.
-        available = view.t + 1 - self.window
-        mean = self.budget - self.window
+        available = view.t + 1 - self.recent
+        mean = self.budget - self.recent
         if available <= mean:
             return self.budget
-        return self.window + int(pyramid(mean, available, view.n_layers, self.beta)[view.layer])
+        return self.recent + int(pyramid(mean, available, view.n_layers, self.beta)[view.layer])
