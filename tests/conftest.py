@@ -1,6 +1,7 @@
 """Shared fixtures: a tiny random-weight Llama (fast), and the default model (end to end)."""
 from __future__ import annotations
 
+import socket
 from types import SimpleNamespace
 
 import pytest
@@ -67,3 +68,24 @@ def text_file(tmp_path):
     path = tmp_path / "text.txt"
     path.write_text("The quick brown fox jumps over the lazy dog.")
     return path
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on (for the app servers the tests start)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def tiny_session(tiny, tmp_path, monkeypatch):
+    """The app's session with the tiny model standing in for the default one, and a private store."""
+    import app
+    from backend import session
+    from backend.models import DEFAULT_MODEL
+    from backend.store import TraceStore
+
+    monkeypatch.setitem(session._models, DEFAULT_MODEL, tiny)
+    store = TraceStore(tmp_path / "store")
+    monkeypatch.setattr(app, "STORE", store)
+    return store

@@ -1,10 +1,10 @@
 """The app's helpers without a browser: controls -> specs, requests, run ids, deep links, export."""
 import io
+import json
 import os
 import time
-from pathlib import Path
-import json
 import zipfile
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -17,15 +17,6 @@ from backend.models import DEFAULT_MODEL
 from backend.policies import parse_spec
 from backend.session import RequestError, RunRequest
 from backend.store import TraceStore
-
-
-@pytest.fixture
-def tiny_session(tiny, tmp_path, monkeypatch):
-    """The app's session with the tiny model standing in for the default one, and a private store."""
-    monkeypatch.setitem(session._models, DEFAULT_MODEL, tiny)
-    store = TraceStore(tmp_path / "store")
-    monkeypatch.setattr(app, "STORE", store)
-    return store
 
 
 def test_controls_become_specs_every_policy_accepts():

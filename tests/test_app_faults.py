@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -19,18 +18,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 NEEDLE = (ROOT / "assets" / "examples" / "needle.txt").read_text().strip()
 MODEL = "smollm2-135m-instruct"
 # needle.txt (~200 tokens) scored teacher-forced under 3 policies (+ Full): several seconds of model work.
 RUN = (NEEDLE, "prompt", 8, ["sinks", "tova", "a2sf"], 40, 4, 0.1, "paper default", "", MODEL)
 OFFLINE_ENV = {"GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_OFFLINE": "1"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class AppProcess:

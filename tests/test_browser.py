@@ -1,7 +1,6 @@
 """The running app in a real browser (Debian's Chromium driven by Playwright)."""
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -10,14 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 POLICIES = ("sinks", "tova", "reattention")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

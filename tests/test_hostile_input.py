@@ -4,7 +4,6 @@ The list mirrors docs/results.md ("Bad input").
 """
 import html
 import json
-import socket
 import time
 
 import httpx
@@ -16,17 +15,9 @@ from backend.limits import Limits
 from backend.models import DEFAULT_MODEL
 from backend.session import RequestError, RunRequest
 from backend.store import TraceStore
-from tests.conftest import make_tiny
+from tests.conftest import free_port, make_tiny
 
 LIMITS = Limits()
-
-
-@pytest.fixture
-def tiny_session(tiny, tmp_path, monkeypatch):
-    monkeypatch.setitem(session._models, DEFAULT_MODEL, tiny)
-    store = TraceStore(tmp_path / "store")
-    monkeypatch.setattr(app, "STORE", store)
-    return store
 
 
 def request(**changes) -> RunRequest:
@@ -143,11 +134,6 @@ def test_controls_out_of_range_from_the_raw_api_are_messages():
 
 
 # --- The real HTTP API, served in this process with the tiny model -----------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,85 @@
+"""How a run scales with the text (issue 12): several eviction policies plus Full in one prompt-mode run,
+at each length, against one plain SDPA forward of the same text measured in the same process.
+
+    python -m benchmarks.scaling [--lengths 1024,2048] [--policies sinks,h2o,tova,a2sf] [--budget 256]
+
+Each length runs in its own child process, so its peak RSS is its own. Reported per length: the run's wall
+time, the plain forward's, their ratio (and per row), the child's peak RSS and the bytes of the traces as
+stored. The text is the shipped inaugural addresses, concatenated. Issue 12's goals at 8k: the whole run
+at most 5x one plain forward, peak RSS at most 6 GB.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+
+from backend.policies import parse_spec
+from backend.runner import default_record_layers, run
+from backend.texts import corpus_files, corpus_text
+
+from .common import model
+
+
+def long_text() -> str:
+    return "\n\n".join(corpus_text("inaugural", name) for name in corpus_files("inaugural"))
+
+
+def measure(length: int, policies: list[str], budget: int, record: bool) -> dict:
+    """One length, in this process: plain forward, then the instrumented run."""
+    lm = model()
+    ids = lm.tokenizer(long_text()).input_ids[:length]
+    specs = [f"{name}:budget={budget}" for name in policies]
+    with torch.inference_mode():
+        lm.model(torch.tensor([ids[:64]]))  # warm-up
+        start = time.perf_counter()
+        lm.model(torch.tensor([ids]))
+        plain = time.perf_counter() - start
+    start = time.perf_counter()
+    traces, full = run(lm, specs, [parse_spec(s) for s in specs], ids, mode="prompt",
+                       record_layers=default_record_layers(lm) if record else ())
+    wall = time.perf_counter() - start
+    trace_bytes = {t.spec: len(t.to_bytes()) for t in [*traces, full]}
+    return {"tokens": len(ids), "rows": len(specs) + 1, "plain_s": plain, "run_s": wall,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "trace_bytes": trace_bytes}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lengths", default="1024,2048")
+    parser.add_argument("--policies", default="sinks,h2o,tova,a2sf")
+    parser.add_argument("--budget", type=int, default=256)
+    parser.add_argument("--record", action="store_true", help="also record the app's layers (attention, keys)")
+    parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # the child: measure one length, print JSON
+    args = parser.parse_args()
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if args.one:
+        print(json.dumps(measure(args.one, policies, args.budget, args.record)))
+        return
+    print(f"{', '.join(policies)} + Full at budget {args.budget}, prompt mode"
+          f"{', recording the app layers' if args.record else ''} (torch threads: {torch.get_num_threads()})")
+    print("| T | run | plain forward | ratio | per row | peak RSS | Full trace | each policy trace |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for length in (int(x) for x in args.lengths.split(",")):
+        child = [sys.executable, "-m", "benchmarks.scaling", "--one", str(length), "--policies", args.policies,
+                 "--budget", str(args.budget)] + (["--record"] if args.record else [])
+        result = subprocess.run(child, capture_output=True, text=True)
+        if result.returncode != 0:
+            print(f"| {length} | failed: {result.stderr.strip().splitlines()[-1] if result.stderr else result.returncode} |")
+            continue
+        r = json.loads(result.stdout.strip().splitlines()[-1])
+        ratio = r["run_s"] / r["plain_s"]
+        sizes = r["trace_bytes"]
+        others = [v for k, v in sizes.items() if k != "full"]
+        print(f"| {r['tokens']} | {r['run_s']:.1f} s | {r['plain_s']:.2f} s | {ratio:.1f}x | {ratio / r['rows']:.2f}x "
+              f"| {r['peak_rss_mb'] / 1024:.2f} GB | {sizes['full'] / 2**20:.1f} MB "
+              f"| {sum(others) / len(others) / 2**20:.1f} MB |")
+
+
+if __name__ == "__main__":
+    main()
