@@ -30,6 +30,8 @@ bench: venv
 	$(BIN)/python -m benchmarks.replay
 	$(BIN)/python -m benchmarks.app_run
 	$(BIN)/python -m benchmarks.kernels_bench
+	$(BIN)/python -m benchmarks.scaling
+	$(BIN)/python -m benchmarks.load_test --visitors 20
 
 clean:
 	rm -rf $(VENV)

@@ -116,23 +116,25 @@ def sweep_request(prompt, mode, max_new, names, sinks, alpha, heads, model):
                                 chat=True, record=True)
 
 
-def _admit(request: gr.Request | None, message_slots: int):
-    """Validator verdicts: [] when admitted, else the refusal on the first input."""
+def _visitor(request: gr.Request | None) -> tuple[str, str]:
+    """(browser session, client address) of a request."""
     session_hash = getattr(request, "session_hash", None) or "anonymous"
-    address = getattr(getattr(request, "client", None), "host", None) or "unknown"
-    ticket, reason = ADMISSION.enter(session_hash, address)
-    if ticket is None:
-        return [gr.validate(False, reason)] + [gr.validate(True, "")] * (message_slots - 1)
-    return []
+    return session_hash, getattr(getattr(request, "client", None), "host", None) or "unknown"
+
+
+def _refuse(message: str, n_inputs: int) -> list:
+    """Validator verdicts that show ``message`` under the first input (the prompt)."""
+    return [gr.validate(False, message)] + [gr.validate(True, "")] * (n_inputs - 1)
 
 
 def _verdicts(check, n_inputs: int, request: gr.Request | None):
-    """Run the cheap check; refuse with its message on the prompt box, else take an admission ticket."""
+    """Run the cheap check, then take an admission ticket (one model job per session, a few per address)."""
     try:
         check()
     except RequestError as err:
-        return [gr.validate(False, str(err))] + [gr.validate(True, "")] * (n_inputs - 1)
-    return _admit(request, n_inputs) or [gr.validate(True, "")] * n_inputs
+        return _refuse(str(err), n_inputs)
+    ticket, reason = ADMISSION.enter(*_visitor(request))
+    return _refuse(reason, n_inputs) if ticket is None else [gr.validate(True, "")] * n_inputs
 
 
 def check_run(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model, request: gr.Request = None):
@@ -147,7 +149,7 @@ def check_sweep(prompt, mode, max_new, names, sinks, alpha, heads, model, reques
 
 
 def _leave(request: gr.Request | None) -> None:
-    ADMISSION.leave_one(getattr(request, "session_hash", None) or "anonymous")
+    ADMISSION.leave_one(_visitor(request)[0])
 
 
 def on_run(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model, request: gr.Request = None,

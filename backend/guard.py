@@ -54,11 +54,6 @@ class Admission:
             if mine:
                 del self._jobs[min(mine)]
 
-    def waiting(self) -> int:
-        with self._lock:
-            self._expire(time.monotonic())
-            return len(self._jobs)
-
 
 class RequestGuard:
     """ASGI middleware: 403 for the upload route, 413 for a body over ``max_body`` bytes."""

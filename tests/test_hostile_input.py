@@ -230,3 +230,20 @@ def test_html_in_the_prompt_is_text_in_every_view(tmp_path, monkeypatch):
     figures = [o for o in outputs if hasattr(o, "to_json")]
     for figure in figures:  # plotly renders a subset of HTML in labels: token texts reach it escaped
         assert "<img src=x" not in figure.to_json() and "<script>" not in figure.to_json()
+
+
+def test_admission_limits_each_session_and_each_address_and_forgets_lost_jobs(monkeypatch):
+    from backend import guard
+
+    clock = [0.0]
+    monkeypatch.setattr(guard.time, "monotonic", lambda: clock[0])
+    gate = guard.Admission(per_session=1, per_address=2, expire_s=10)
+    assert gate.enter("a", "1.2.3.4")[0] and gate.enter("b", "1.2.3.4")[0]
+    assert gate.enter("a", "5.6.7.8") == (None, "Your previous run is still waiting or running; it comes first.")
+    ticket, reason = gate.enter("c", "1.2.3.4")
+    assert ticket is None and "from your address" in reason
+    assert gate.enter("d", "5.6.7.8")[0]  # another address is not held up
+    gate.leave_one("a")
+    assert gate.enter("c", "1.2.3.4")[0]
+    clock[0] = 11.0  # jobs whose visitors left while waiting stop counting
+    assert gate.enter("b", "1.2.3.4")[0] and gate.enter("e", "1.2.3.4")[0]
