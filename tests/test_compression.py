@@ -158,3 +158,10 @@ def test_every_view_renders_the_compression_policies_and_the_summary_names_their
     heatmap, kept, curves, steps = app.render_views(run.run_id, "all", "all", 10, 0.3)
     assert len(heatmap.data) == 4 and all(f"{s}" in kept for s in specs)
     assert app.on_tsne(run.run_id, "snapkv", "1", "0").data
+
+
+def test_the_schedule_is_said_for_the_mode_a_trace_ran_in():
+    policy = SnapKV(budget=8, window=2, every=16)
+    assert policy.schedule("generate") == "once after the prompt, then every 16 decoding steps"
+    assert policy.schedule("prompt") == "every 32 tokens"
+    assert parse_spec("tova").schedule("prompt") == "every step"

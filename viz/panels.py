@@ -120,7 +120,7 @@ def summary_table(run) -> pd.DataFrame:
     frame["Token 0 kept"] = first_token
     frame["Non-recent share"] = non_recent
     policies = [policy_of(t.meta) for t in run.traces]
-    frame["Decides"] = [p.schedule() if p else "—" for p in policies]
+    frame["Decides"] = [p.schedule(t.meta["mode"]) if p else "—" for p, t in zip(policies, run.traces)]
     frame["Budget shared"] = [p.allocation if p and p.kind != "full" else "—" for p in policies]
     return frame
 

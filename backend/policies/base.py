@@ -62,8 +62,8 @@ class Policy:
     def params(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
-    def schedule(self) -> str:
-        """When the policy decides, in words (the app's summary shows it)."""
+    def schedule(self, mode: str | None = None) -> str:
+        """When the policy decides in ``mode`` (generate, prompt, or None for both), in words (the app's summary)."""
         return {"full": "never drops", "eviction": "every step", "selection": "before every query"}.get(self.kind, "")
 
     def spec(self) -> str:
@@ -190,9 +190,10 @@ class CompressionPolicy(Policy):
         """How many recent queries' attention rows the scorer reads (``CacheView.attn_window``)."""
         return 0
 
-    def schedule(self) -> str:
-        decoding = f", then every {self.every} decoding steps" if self.every else ""
-        return f"once after the prompt{decoding} (prompt mode: every {self.interval} tokens)"
+    def schedule(self, mode: str | None = None) -> str:
+        generate = "once after the prompt" + (f", then every {self.every} decoding steps" if self.every else "")
+        prompt = f"every {self.interval} tokens"
+        return {"generate": generate, "prompt": prompt}.get(mode, f"{generate} (prompt mode: {prompt})")
 
     def compresses_after(self, t: int, n_prompt: int | None) -> bool:
         if n_prompt is None:
