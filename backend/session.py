@@ -231,9 +231,9 @@ def execute(request: RunRequest, store: TraceStore | None, progress: Progress | 
 def execute_sweep(request: SweepRequest, store: TraceStore | None, progress: Progress | None = None,
                   limits: Limits = LIMITS) -> pd.DataFrame:
     """The sweep's table (sweep.sweep), every trace through the store."""
-    check_sweep(request, limits)
+    policies = check_sweep(request, limits)
     lm = get_model(request.model)
-    ids = _tokens(lm, request, _parse([spec for _, _, spec in request.jobs]), limits)
+    ids = _tokens(lm, request, policies, limits)
     _check_cost(len(request.jobs), ids, request, limits.sweep_row_tokens, "This sweep")
     record = default_record_layers(lm) if request.record else ()
     try:

@@ -63,10 +63,8 @@ def test_cheap_checks_refuse_bad_requests_with_one_line_and_no_model(what, bad, 
 def test_a_20_mb_prompt_is_refused_by_its_size_before_tokenizing(monkeypatch, tiny_session):
     monkeypatch.setattr(type(session._models[DEFAULT_MODEL]), "encode",
                         lambda *a, **k: pytest.fail("must not tokenize"))
-    start = time.perf_counter()
-    with pytest.raises(RequestError, match="20,000,000 characters long"):
+    with pytest.raises(RequestError, match="20,000,000 characters long"):  # refused by size: encode never runs
         session.execute(request(prompt="x" * 20_000_000), tiny_session)
-    assert time.perf_counter() - start < 1.0  # well under the 18.8 s it took to tokenize
 
 
 @pytest.mark.parametrize("what, bad, message", [
@@ -170,10 +168,8 @@ def test_uploads_are_refused_and_nothing_is_kept(server):
 
 
 def test_a_20_mb_api_call_is_refused_by_size_at_the_door(server):
-    start = time.perf_counter()
     response = join(server, ["x" * 20_000_000, *CONTROLS])
     assert response.status_code == 413 and "Request too large" in response.text
-    assert time.perf_counter() - start < 10
 
 
 def test_api_bad_inputs_get_their_one_line_message(server):
