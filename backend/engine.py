@@ -5,19 +5,21 @@ Plugging in uses transformers' own extension points only. ``kvlens_attention`` i
 call that passes ``kv_lens=<PolicyCache>`` gets policy-masked attention; any other call falls back to
 plain SDPA, so one loaded model serves both instrumented and baseline runs.
 
-How a block of ``n`` new queries is processed (``n = 1`` when decoding, the whole text or a chunk
-of it on the prompt path; the code is the same):
+How a block of ``n`` new queries is processed in one layer (``n = 1`` when decoding, a chunk of the
+text on the prompt path; the code is the same), for each batch row:
 
-1. one matmul gives every score of the block against every cached key (per layer, all rows);
-2. per batch row, the row's policy walks the block query by query (cheap numpy on one row each),
-   deciding what query ``t`` reads; eviction policies drop a token once the cache is full, and
-   compression policies, when their schedule says so (e.g. once the prompt has been read), keep their
-   budget and drop the rest;
-3. one masked softmax and one matmul give the attention output of the whole block.
+* **Full** attends with SDPA.
+* **Eviction and compression** rows score the block's queries against the tokens the row holds at the
+  block's start plus the block's own tokens, nothing else: ``budget + n`` keys, however long the text.
+  The row's policy then walks the block query by query (cheap numpy over those columns), deciding what
+  query ``t`` reads; an eviction policy drops a token per KV head once the cache is full, a compression
+  policy keeps its budget when its schedule says so. One masked softmax gives the block's output.
+* **Selection** rows (oracle, SparQ, ReAttention) need every key for every query: that is their cost.
+  They hold one block's masks at a time and record what each query read as spans (spans.py).
 
-Keys and values of dropped tokens stay in storage but are masked out for every later query: the
-attention is the same as if they had been removed (TOVA App. D computes it the same way), rows with
-different budgets share one tensor, and every token keeps its own RoPE position (gaps, no shifts).
+Dropped tokens leave the row's columns (their keys stay in the shared tensor for the other rows): the
+attention is the same as if they had been removed (TOVA App. D computes it the same way), and every
+token keeps its own RoPE position (gaps, no shifts).
 """
 from __future__ import annotations
 
@@ -26,157 +28,239 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from .policies import Policy
 from .policies.base import AttendingPolicy, Block, CacheView
+from .recorded import TopAttention
+from .spans import ReadSpans, SpanRecorder
 
 ATTN_IMPLEMENTATION = "kvlens"
 
 
-class RowLayerState:
-    """What one policy has done in one layer of one batch row: its state, and what each head reads."""
+class TopRecorder:
+    """Keeps the top-k entries of one (layer, row)'s attention rows as the blocks go by (recorded.py)."""
 
-    def __init__(self, policy: Policy, n_kv_heads: int, record: bool = False, layer: int = 0, n_layers: int = 1):
+    def __init__(self, top_k: int):
+        self.top_k = top_k
+        self.pos: list[np.ndarray] = []  # per block [H, n, k]
+        self.val: list[np.ndarray] = []
+
+    def add(self, attn: torch.Tensor, positions: torch.Tensor) -> None:
+        """attn: [H, n, C] rows over C columns at ``positions`` [H, C]; zero where not read."""
+        k = min(self.top_k, attn.shape[-1])
+        val, col = torch.topk(attn.float(), k, dim=-1)
+        pos = torch.gather(positions[:, None].expand(-1, attn.shape[1], -1), 2, col)
+        pos = torch.where(val > 0, pos, torch.full_like(pos, -1)).cpu().numpy().astype(np.int32)
+        val = val.cpu().numpy().astype(np.float16)
+        pad = self.top_k - k
+        if pad:
+            pos = np.concatenate([pos, np.full(pos.shape[:2] + (pad,), -1, np.int32)], -1)
+            val = np.concatenate([val, np.zeros(val.shape[:2] + (pad,), np.float16)], -1)
+        self.pos.append(pos)
+        self.val.append(np.where(pos >= 0, val, np.float16(0)))
+
+    def rows(self, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """([H, T, k] positions, [H, T, k] weights) of the first ``length`` queries."""
+        return np.concatenate(self.pos, 1)[:, :length], np.concatenate(self.val, 1)[:, :length]
+
+
+def _causal(first: int, n: int, total: int, device) -> torch.Tensor:
+    """bool [n, total]: query first + i sees keys 0..first + i."""
+    return torch.arange(total, device=device)[None] <= torch.arange(first, first + n, device=device)[:, None]
+
+
+class RowLayerState:
+    """What one policy has done in one layer of one batch row: its state, what it holds, what it read."""
+
+    def __init__(self, policy: Policy, n_kv_heads: int, record_top_k: int = 0, layer: int = 0, n_layers: int = 1):
         self.policy = policy
         self.layer, self.n_layers = layer, n_layers
-        self.window_rows: list[np.ndarray] = []  # compression policies: the last queries' attention rows
-        self.record = record  # keep each query's attention row (for heatmaps and score curves)
-        self.attention_rows: list[np.ndarray] = []
-        self.state = policy.init_state(n_kv_heads)
         self.n_kv_heads = n_kv_heads
-        self.alive = np.zeros((n_kv_heads, 0), bool)
+        self.state = policy.init_state(n_kv_heads)
+        # Eviction and compression: the positions the row holds, per KV head in position order (-1 pads
+        # heads that hold fewer, as AdaKV's do); every policy array of shape [H, columns] follows them.
+        self.slots = np.zeros((n_kv_heads, 0), np.int64)
+        self.alive = np.zeros((n_kv_heads, 0), bool)  # compression: by position, for its CacheView
         self.evicted_at = np.zeros((n_kv_heads, 0), np.int32)
-        self.selected_rows: list[np.ndarray] = []  # selection policies: mask read by each query
+        self.window_rows: list[tuple[np.ndarray, np.ndarray]] = []  # compression: (positions, attention) rows
+        self.spans = SpanRecorder(n_kv_heads) if policy.kind == "selection" else None
+        self.top = TopRecorder(record_top_k) if record_top_k else None
         self.stat_rows: dict[str, list[np.ndarray]] = {}  # attending policies: per-step numbers
 
     def _extend(self, total: int) -> None:
-        new = total - self.alive.shape[1]
-        self.alive = np.concatenate([self.alive, np.ones((self.n_kv_heads, new), bool)], 1)
-        self.evicted_at = np.concatenate([self.evicted_at, np.full((self.n_kv_heads, new), -1, np.int32)], 1)
+        new = total - self.evicted_at.shape[1]
+        if new > 0:
+            self.evicted_at = np.concatenate([self.evicted_at, np.full((self.n_kv_heads, new), -1, np.int32)], 1)
+            self.alive = np.concatenate([self.alive, np.ones((self.n_kv_heads, new), bool)], 1)
 
-    def run_block(self, scores: torch.Tensor, first: int, keys: torch.Tensor | None = None,
-                  values: torch.Tensor | None = None, n_prompt: int | None = None) -> np.ndarray:
-        """Walk queries ``first..first+n-1`` in order; return the read mask [H_kv, n, M].
+    # --- one block of queries -------------------------------------------------------------------------
 
-        scores: [H_kv, G, n, M] pre-softmax scores of the block's queries against all M keys; keys, values:
-        [H_kv, M, d] (read by compression policies); n_prompt: the prompt's length (generate mode) or None.
-        """
-        n_heads, _, n, total = scores.shape
-        self._extend(total)
-        causal = np.tri(n, total, first, dtype=bool)
-        kind, policy = self.policy.kind, self.policy
-        weights = None
-        if kind == "selection" or policy.uses_attention or self.record:
-            # exp(score - row max) once for the block; each step then only masks and normalises.
-            s = scores.double().cpu().numpy()  # the policy's per-step decisions run in numpy
-            s = np.where(causal[None, None], s, -np.inf)
-            weights = np.exp(s - s.max(-1, keepdims=True))
+    def attend(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, first: int, scaling: float,
+               n_prompt: int | None) -> torch.Tensor:
+        """q [H_kv, G, n, d] (query head h*G + g uses KV head h), key/value [H_kv, M, d] -> out [H_kv, G, n, d]."""
+        self._extend(key.shape[1])
+        kind = self.policy.kind
         if kind == "full":
-            if self.record:
-                rows = (weights / weights.sum(-1, keepdims=True)).mean(1)
-                self.attention_rows.extend(rows[:, i, : first + i + 1] for i in range(n))
-            return np.broadcast_to(causal, (n_heads, n, total))
-        reads = np.zeros((n_heads, n, total), bool)
+            return self._attend_full(q, key, value, first, scaling)
+        if kind == "selection":
+            return self._attend_selection(q, key, value, first, scaling)
+        return self._attend_cached(q, key, value, first, scaling, n_prompt)
+
+    def _attend_full(self, q, key, value, first, scaling):
+        n, total = q.shape[2], key.shape[1]
+        mask = None if first == 0 and n == total else _causal(first, n, total, q.device)
+        out = F.scaled_dot_product_attention(q, key[:, None], value[:, None], attn_mask=mask,
+                                             is_causal=mask is None, scale=scaling)
+        if self.top is not None:
+            scores = (q @ key[:, None].transpose(-1, -2)) * scaling
+            weights = torch.softmax(scores.masked_fill(~_causal(first, n, total, q.device), float("-inf")), -1)
+            self.top.add(weights.mean(1), torch.arange(total).expand(self.n_kv_heads, -1))
+        return out
+
+    def _attend_selection(self, q, key, value, first, scaling):
+        n, total = q.shape[2], key.shape[1]
+        scores = (q @ key[:, None].transpose(-1, -2)) * scaling  # [H, G, n, M]
+        causal = _causal(first, n, total, q.device)
+        # The policy sees each query's exact softmax row (float64, mean over the group's query heads).
+        s = scores.double().cpu().masked_fill(~causal.cpu(), float("-inf"))
+        attn_full = torch.softmax(s, -1).mean(1).numpy()
+        self.state, reads = self.policy.select_block(self.state, attn_full, first)
+        self.spans.add(reads, first)
+        bias = torch.zeros(reads.shape, dtype=scores.dtype).masked_fill_(torch.from_numpy(~reads), float("-inf"))
+        probs = torch.softmax(scores + bias.to(scores.device)[:, None], dim=-1)
+        if self.top is not None:
+            self.top.add(probs.mean(1), torch.arange(total).expand(self.n_kv_heads, -1))
+        return probs @ value[:, None]
+
+    def _attend_cached(self, q, key, value, first, scaling, n_prompt):
+        n_heads, _, n, _ = q.shape
+        block = np.broadcast_to(np.arange(first, first + n), (n_heads, n))
+        columns = np.concatenate([self.slots, block], 1)  # [H, C]: held at the block's start, then the block
+        at = torch.from_numpy(np.maximum(columns, 0)).to(key.device)
+        heads = torch.arange(n_heads, device=key.device)[:, None]
+        keys, values = key[heads, at], value[heads, at]  # [H, C, d]
+        scores = (q @ keys[:, None].transpose(-1, -2)) * scaling  # [H, G, n, C]
+        reads, attn_rows = self._walk(scores, columns, first, key, value, n_prompt)
+        bias = torch.zeros(reads.shape, dtype=scores.dtype).masked_fill_(torch.from_numpy(~reads), float("-inf"))
+        probs = torch.softmax(scores + bias.to(scores.device)[:, None], dim=-1)
+        if self.top is not None:
+            self.top.add(torch.from_numpy(attn_rows), torch.from_numpy(columns))
+        return probs @ values[:, None]
+
+    def _walk(self, scores: torch.Tensor, columns: np.ndarray, first: int, key, value, n_prompt):
+        """Decide query by query what the block's queries read; return reads bool [H, n, C] and, when
+        recording, their attention rows [H, n, C]."""
+        n_heads, _, n, width = scores.shape
+        held = width - n
+        policy, compression = self.policy, self.policy.kind == "compression"
+        alive = np.zeros((n_heads, width), bool)
+        alive[:, :held] = columns[:, :held] >= 0
+        weights = None
+        if policy.uses_attention or self.top is not None:
+            # exp(score - row max) once for the block; each step then only masks and normalises.
+            s = scores.double().cpu().numpy()
+            visible = np.ones((n, width), bool)
+            visible[:, held:] = np.tri(n, dtype=bool)
+            s = np.where(visible & (columns >= 0)[:, None, None, :], s, -np.inf)
+            weights = np.exp(s - s.max(-1, keepdims=True))
+        reads = np.zeros((n_heads, n, width), bool)
+        attn_rows = np.zeros((n_heads, n, width)) if self.top is not None else None
         heads = np.arange(n_heads)
         for i in range(n):
-            t = first + i
-            if kind == "selection":
-                row = weights[:, :, i, : t + 1]
-                attn_full = (row / row.sum(-1, keepdims=True)).mean(1)
-                self.state, mask = policy.select(self.state, attn_full, t)
-                reads[:, i, : t + 1] = mask
-                self.selected_rows.append(mask)
-                if self.record:
-                    row = row * mask[:, None]
-                    self.attention_rows.append((row / row.sum(-1, keepdims=True)).mean(1))
-                continue
-            kept = self.alive[:, : t + 1]
-            reads[:, i, : t + 1] = kept
+            t, c = first + i, held + i + 1  # query t; columns 0..c-1 exist for it
+            alive[:, c - 1] = True
+            kept = alive[:, :c]
+            reads[:, i, :c] = kept
             attn = None
             if weights is not None:
-                row = weights[:, :, i, : t + 1] * kept[:, None]
+                row = weights[:, :, i, :c] * kept[:, None]
                 attn = (row / row.sum(-1, keepdims=True)).mean(1)
-                if self.record:
-                    self.attention_rows.append(attn)
-            if kind == "compression":
-                self._compress(attn, t, keys, values, n_prompt)
+                if attn_rows is not None:
+                    attn_rows[:, i, :c] = attn
+            if compression:
+                self._compress(attn, t, columns[:, :c], kept, key, value, n_prompt)
                 continue
-            self.state, victims = policy.step(self.state, attn, kept, t)
+            self.state, victims = policy.step(self.state, attn, kept, t, columns[:, :c])
             if victims is not None:
-                self.alive[heads, victims] = False
-                self.evicted_at[heads, victims] = t + 1
-        return reads
+                alive[heads, victims] = False
+                self.evicted_at[heads, columns[heads, victims]] = t + 1
+        self._keep_columns(columns, alive)
+        return reads, attn_rows
 
-    def _compress(self, attn: np.ndarray | None, t: int, keys, values, n_prompt: int | None) -> None:
-        """After query t has read: remember its attention row, and compress if the schedule says so."""
+    def _keep_columns(self, columns: np.ndarray, alive: np.ndarray) -> None:
+        """After a block: hold the alive columns only, and drop the others from the policy's arrays."""
+        counts = alive.sum(1)
+        width = int(counts.max())
+        if (counts == width).all():
+            self.slots = columns[alive].reshape(len(alive), width)
+            self.state = {name: a[alive].reshape(a.shape[0], width)
+                          if isinstance(a, np.ndarray) and a.shape == alive.shape else a
+                          for name, a in self.state.items()}
+            return
+        # Heads hold different counts (compression with per-head budgets): pad with -1.
+        self.slots = np.full((len(alive), width), -1, np.int64)
+        for h in range(len(alive)):
+            self.slots[h, : counts[h]] = columns[h, alive[h]]
+
+    def _compress(self, attn, t: int, columns: np.ndarray, kept: np.ndarray, key, value, n_prompt) -> None:
+        """After query t has read: remember its attention row, and compress if the schedule says so.
+
+        The policy sees a CacheView by position (0..t), as it would in a model that removes tokens; building
+        it costs O(t) but happens once per ``interval`` tokens (prompt mode) or once per prompt.
+        """
         policy = self.policy
         if policy.window_queries:
-            self.window_rows = [*self.window_rows, attn][-policy.window_queries:]
+            self.window_rows = [*self.window_rows, (columns, attn)][-policy.window_queries:]
         if not policy.compresses_after(t, n_prompt):
             return
-        kept = self.alive[:, : t + 1]
         window = np.zeros((self.n_kv_heads, len(self.window_rows), t + 1))
-        for j, row in enumerate(self.window_rows):
-            window[:, j, : row.shape[-1]] = row
+        for j, (where, row) in enumerate(self.window_rows):
+            np.put_along_axis(window[:, j], np.maximum(where, 0), np.where(where >= 0, row, 0), axis=1)
+        held = self.alive[:, : t + 1]
         view = CacheView(t=t, n_prompt=n_prompt, layer=self.layer, n_layers=self.n_layers, attn_window=window,
-                         keys=keys[:, : t + 1].double().cpu().numpy(), values=values[:, : t + 1].double().cpu().numpy(),
-                         kept=kept.copy(), state=self.state)
-        dropped = kept & ~policy.keep(view)
+                         keys=key[:, : t + 1], values=value[:, : t + 1], kept=held.copy(), state=self.state)
+        dropped = held & ~policy.keep(view)
         self.alive[:, : t + 1] &= ~dropped
         self.evicted_at[:, : t + 1][dropped] = t + 1
+        kept &= np.take_along_axis(self.alive, np.maximum(columns, 0), axis=1)
 
-    def fork(self) -> "RowLayerState":
-        """A copy that goes on from here with its own policy state; it records nothing and keeps no history."""
-        twin = copy.copy(self)
-        twin.record = False
-        twin.state = copy.deepcopy(self.state)
-        twin.alive, twin.evicted_at = self.alive.copy(), self.evicted_at.copy()
-        twin.window_rows = list(self.window_rows)
-        twin.attention_rows, twin.selected_rows, twin.stat_rows = [], [], {}
-        return twin
+    # --- attending policies (SparQ, ReAttention) ------------------------------------------------------
 
-    def run_attending(self, block: Block) -> tuple[torch.Tensor, np.ndarray]:
+    def run_attending(self, block: Block) -> torch.Tensor:
         """An attending policy computes the block's output itself; record what it read."""
+        self._extend(block.k.shape[1])
         self.state, result = self.policy.attend_block(self.state, block)
-        n = block.q.shape[1]
-        for i in range(n):
-            t = block.first + i
-            self.selected_rows.append(result.reads[:, i, : t + 1])
-            if self.record:
-                self.attention_rows.append(result.attn[:, i, : t + 1])
+        self.spans.add(result.reads, block.first)
+        if self.top is not None:
+            self.top.add(torch.from_numpy(result.attn), torch.arange(block.k.shape[1]).expand(self.n_kv_heads, -1))
         for name, values in result.stats.items():
             self.stat_rows.setdefault(name, []).extend(values)
-        return result.out, result.reads
+        return result.out
+
+    def fork(self) -> "RowLayerState":
+        """A copy that goes on from here with its own policy state; it records nothing."""
+        twin = copy.copy(self)
+        twin.state = copy.deepcopy(self.state)
+        twin.slots, twin.alive, twin.evicted_at = self.slots.copy(), self.alive.copy(), self.evicted_at.copy()
+        twin.window_rows = list(self.window_rows)
+        twin.spans = SpanRecorder(self.n_kv_heads) if self.spans is not None else None
+        twin.top, twin.stat_rows = None, {}
+        return twin
 
     def stats(self) -> dict[str, np.ndarray]:
         """Per-step numbers recorded by an attending policy: name -> [T, ...]."""
         return {name: np.stack(rows) for name, rows in self.stat_rows.items()}
-
-    def selected(self) -> np.ndarray:
-        """Selection policies: bool [H_kv, T, T], row t = the positions query t read."""
-        return _lower_square(self.selected_rows, self.n_kv_heads, bool)
-
-    def attention(self) -> np.ndarray:
-        """Recorded rows as float32 [H_kv, T, T]: row t = query t's attention (mean over its query heads)."""
-        return _lower_square(self.attention_rows, self.n_kv_heads, np.float32)
-
-
-def _lower_square(rows: list[np.ndarray], n_heads: int, dtype) -> np.ndarray:
-    """Stack per-step rows of growing length (row t has t + 1 entries) into [H, T, T]."""
-    out = np.zeros((n_heads, len(rows), len(rows)), dtype)
-    for t, row in enumerate(rows):
-        out[:, t, : t + 1] = row
-    return out
 
 
 class PolicyCache(DynamicCache):
     """A DynamicCache whose batch row ``b`` is governed by ``policies[b]`` in every layer."""
 
     def __init__(self, policies: list[Policy], n_layers: int, n_kv_heads: int, record_layers: tuple[int, ...] = (),
-                 rope: Callable | None = None):
+                 rope: Callable | None = None, record_top_k: int = 0):
         super().__init__()
         self.policies = list(policies)
         self.record_layers = tuple(record_layers)
@@ -184,7 +268,9 @@ class PolicyCache(DynamicCache):
         self.needs_prerope = any(getattr(p, "needs_prerope", False) for p in self.policies)
         self.prerope_q: dict[int, torch.Tensor] = {}  # layer -> this block's queries before RoPE
         self.prerope_k: dict[int, torch.Tensor] = {}  # layer -> every key so far, before RoPE
-        self.rows = [[RowLayerState(p, n_kv_heads, layer in self.record_layers, layer, n_layers) for p in self.policies]
+        self.recorded_k: dict[int, list[torch.Tensor]] = {}  # recorded layer -> blocks of keys before RoPE
+        self.rows = [[RowLayerState(p, n_kv_heads, record_top_k if layer in self.record_layers else 0, layer,
+                                    n_layers) for p in self.policies]
                      for layer in range(n_layers)]
         self.decoding = False  # True: the next blocks' queries are decoding steps (see Block.decoding)
         self.n_prompt: int | None = None  # generate mode: where the prompt ends (compression policies act there)
@@ -195,28 +281,21 @@ class PolicyCache(DynamicCache):
         batch, n_q_heads, n, dim = query.shape
         n_kv_heads, total = key.shape[1], key.shape[2]
         group = n_q_heads // n_kv_heads
-        # Query head h shares KV head h // group (transformers' repeat_kv order).
-        q = query.view(batch, n_kv_heads, group, n, dim)
-        scores = torch.matmul(q, key.unsqueeze(2).transpose(-1, -2)) * scaling
-        reads, own_outputs = [], {}
+        first = total - n
+        outputs = []
         for b, state in enumerate(self.rows[layer]):
             if isinstance(state.policy, AttendingPolicy):
-                block = Block(q=query[b], k=key[b], v=value[b], first=total - n, scaling=scaling, rope=self.rope,
+                block = Block(q=query[b], k=key[b], v=value[b], first=first, scaling=scaling, rope=self.rope,
                               decoding=self.decoding,
                               q_pre=self.prerope_q[layer][b] if self.needs_prerope else None,
                               k_pre=self.prerope_k[layer][b] if self.needs_prerope else None)
-                own_outputs[b], block_reads = state.run_attending(block)
-                reads.append(block_reads)
-            else:
-                reads.append(state.run_block(scores[b], total - n, key[b], value[b], self.n_prompt))
-        reads = np.stack(reads)
-        bias = torch.zeros(reads.shape, dtype=scores.dtype, device=scores.device).masked_fill_(
-            torch.from_numpy(~reads).to(scores.device), float("-inf"))
-        probs = torch.softmax(scores + bias[:, :, None], dim=-1)
-        out = torch.matmul(probs, value.unsqueeze(2)).reshape(batch, n_q_heads, n, dim).transpose(1, 2).contiguous()
-        for b, own in own_outputs.items():
-            out[b] = own.to(out.dtype)
-        return out
+                outputs.append(state.run_attending(block).to(query.dtype))
+                continue
+            # Query head h shares KV head h // group (transformers' repeat_kv order).
+            q = query[b].view(n_kv_heads, group, n, dim)
+            out = state.attend(q, key[b], value[b], first, scaling, self.n_prompt)
+            outputs.append(out.reshape(n_q_heads, n, dim).transpose(0, 1))
+        return torch.stack(outputs).contiguous()
 
     def fork(self) -> "PolicyCache":
         """A copy that can read other tokens from here on (the runner scores Full's continuation this way).
@@ -227,7 +306,7 @@ class PolicyCache(DynamicCache):
         twin = copy.copy(self)
         twin.layers = [copy.copy(layer) for layer in self.layers]
         twin.prerope_q, twin.prerope_k = dict(self.prerope_q), dict(self.prerope_k)
-        twin.record_layers = ()
+        twin.record_layers, twin.recorded_k = (), {}
         twin.rows = [[state.fork() for state in layer] for layer in self.rows]
         return twin
 
@@ -235,13 +314,29 @@ class PolicyCache(DynamicCache):
         """int32 [L, H_kv, T] for batch row ``row`` (see docs/trace-format.md)."""
         return np.stack([layer[row].evicted_at for layer in self.rows])
 
-    def selected(self, row: int) -> np.ndarray:
-        """bool [L, H_kv, T, T] for a selection policy's batch row."""
-        return np.stack([layer[row].selected() for layer in self.rows])
+    def spans(self, row: int, length: int) -> ReadSpans:
+        """What a selection row's queries read, over its first ``length`` steps."""
+        per_layer = []
+        for layer in self.rows:
+            recorder = copy.deepcopy(layer[row].spans)
+            per_layer.append([(p[s < length], s[s < length], np.minimum(e[s < length], length))
+                              for p, s, e in recorder.finish(length)])
+        return ReadSpans.join(per_layer, length)
 
-    def recorded_attention(self, row: int) -> np.ndarray:
-        """float32 [R, H_kv, T, T] for the recorded layers (``record_layers``)."""
-        return np.stack([self.rows[layer][row].attention() for layer in self.record_layers])
+    def selected(self, row: int) -> np.ndarray:
+        """bool [L, H_kv, T, T] for a selection row (small texts and tests)."""
+        return self.spans(row, self.rows[0][row].evicted_at.shape[1]).dense()
+
+    def recorded_attention(self, row: int, length: int) -> TopAttention:
+        """The recorded layers' attention rows (top-k entries each) over the first ``length`` steps."""
+        parts = [self.rows[layer][row].top.rows(length) for layer in self.record_layers]
+        return TopAttention(pos=np.stack([p for p, _ in parts]), val=np.stack([v for _, v in parts]))
+
+    def recorded_keys(self, row: int, positions: np.ndarray) -> np.ndarray:
+        """Keys before RoPE, float16 [R, H_kv, S, d], of the recorded layers at ``positions``."""
+        index = torch.from_numpy(positions.astype(np.int64))
+        return np.stack([torch.cat(self.recorded_k[layer], 2)[row][:, index].float().cpu().numpy()
+                         for layer in self.record_layers]).astype(np.float16)
 
     def stats(self, row: int) -> dict[str, np.ndarray]:
         """An attending policy's per-step numbers: name -> [L, T, ...]."""
@@ -249,17 +344,14 @@ class PolicyCache(DynamicCache):
         return {name: np.stack([layer[name] for layer in per_layer]) for name in per_layer[0]}
 
     def capture_prerope(self, model) -> "PreRopeCapture":
-        """Context manager: while active, keep every layer's queries and keys before RoPE."""
+        """Context manager: while active, keep queries and keys before RoPE (every layer's for policies
+        that select with them, the recorded layers' keys for the trace)."""
         return PreRopeCapture(model, self)
-
-    def recorded_keys(self, row: int) -> np.ndarray:
-        """Keys after RoPE, float32 [R, H_kv, T, d], for the recorded layers."""
-        return np.stack([self.layers[layer].keys[row].float().cpu().numpy() for layer in self.record_layers])
 
 
 class PreRopeCapture:
     """Forward hooks (PyTorch's own extension point) on each attention layer's query and key
-    projections: they see the vectors before RoPE, which ReAttention selects with."""
+    projections: they see the vectors before RoPE, which ReAttention selects with and traces record."""
 
     def __init__(self, model, cache: PolicyCache):
         self.model, self.cache, self.handles = model, cache, []
@@ -267,26 +359,32 @@ class PreRopeCapture:
     def _hook(self, layer: int, which: str, module):
         n_heads_attr = "num_attention_heads" if which == "q" else "num_key_value_heads"
         n_heads = getattr(self.model.config, n_heads_attr)
+        cache = self.cache
 
         def store(_module, _inputs, output):
             batch, n = output.shape[:2]
             x = output.reshape(batch, n, n_heads, -1).transpose(1, 2)  # [B, H, n, d]
             if which == "q":
-                self.cache.prerope_q[layer] = x
-            else:
-                past = self.cache.prerope_k.get(layer)
-                self.cache.prerope_k[layer] = x if past is None else torch.cat([past, x], dim=2)
+                cache.prerope_q[layer] = x
+                return
+            if cache.needs_prerope:
+                past = cache.prerope_k.get(layer)
+                cache.prerope_k[layer] = x if past is None else torch.cat([past, x], dim=2)
+            if layer in cache.record_layers:
+                cache.recorded_k.setdefault(layer, []).append(x.to(torch.float16))
 
         return module.register_forward_hook(store)
 
     def __enter__(self):
-        if self.cache.needs_prerope:
-            for layer, block in enumerate(self.model.model.layers):
-                attn = block.self_attn
-                # Qwen3-style models normalise q and k after the projection: RoPE comes after that.
-                q_mod = getattr(attn, "q_norm", None) or attn.q_proj
-                k_mod = getattr(attn, "k_norm", None) or attn.k_proj
-                self.handles += [self._hook(layer, "q", q_mod), self._hook(layer, "k", k_mod)]
+        for layer, block in enumerate(self.model.model.layers):
+            attn = block.self_attn
+            # Qwen3-style models normalise q and k after the projection: RoPE comes after that.
+            q_mod = getattr(attn, "q_norm", None) or attn.q_proj
+            k_mod = getattr(attn, "k_norm", None) or attn.k_proj
+            if self.cache.needs_prerope:
+                self.handles.append(self._hook(layer, "q", q_mod))
+            if self.cache.needs_prerope or layer in self.cache.record_layers:
+                self.handles.append(self._hook(layer, "k", k_mod))
         return self
 
     def __exit__(self, *exc):

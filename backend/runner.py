@@ -21,6 +21,7 @@ from transformers.models.llama.modeling_llama import rotate_half
 from .engine import PolicyCache
 from .models import LoadedModel
 from .policies import Full, Policy
+from .recorded import choose_top_k, key_positions
 from .trace import FORMAT_VERSION, Trace
 
 DEFAULT_CHUNK = 256
@@ -58,14 +59,27 @@ def rope_function(lm: LoadedModel) -> Callable:
     return rope
 
 
-def new_cache(lm: LoadedModel, rows: Sequence[Policy], record_layers: Sequence[int]) -> PolicyCache:
-    return PolicyCache(list(rows), lm.n_layers, lm.n_kv_heads, tuple(record_layers), rope_function(lm))
+def new_cache(lm: LoadedModel, rows: Sequence[Policy], record_layers: Sequence[int], length: int) -> PolicyCache:
+    """A cache for ``rows`` on a text of up to ``length`` tokens (which sizes the recorded attention)."""
+    top_k = choose_top_k(length, len(record_layers), lm.n_kv_heads)
+    return PolicyCache(list(rows), lm.n_layers, lm.n_kv_heads, tuple(record_layers), rope_function(lm), top_k)
 
 
-def _block(chunk: int, n: int, rows: Sequence[Policy]) -> int:
-    """Tokens per forward call on a prompt: ``chunk``, or the whole prompt when a policy chunks it itself
-    (ReAttention's Algorithm 1 needs all of a chunk's queries in one call to vote together)."""
-    return n if any(getattr(p, "chunks_prompt", False) for p in rows) else chunk
+def block_ends(chunk: int, n: int, rows: Sequence[Policy]) -> list[int]:
+    """Where the forward calls on a prompt of ``n`` tokens end: every ``chunk`` tokens, moved back (or, if
+    there is none in reach, forward) to a place where every row may cut (ReAttention's Algorithm 1 needs
+    all of one of its chunks' queries in one call to vote together)."""
+    def ok(end: int) -> bool:
+        return end == n or all(p.may_cut(end) for p in rows if hasattr(p, "may_cut"))
+
+    ends, lo = [], 0
+    while lo < n:
+        aim = min(lo + chunk, n)
+        end = next((e for e in range(aim, lo, -1) if ok(e)), None)
+        end = end if end is not None else next(e for e in range(aim + 1, n + 1) if ok(e))
+        ends.append(end)
+        lo = end
+    return ends
 
 
 def _forward(lm: LoadedModel, cache: PolicyCache, ids: torch.Tensor, start: int) -> torch.Tensor:
@@ -102,10 +116,10 @@ def _joined(pieces: Sequence[dict[str, np.ndarray]], n_rows: int) -> dict[str, n
             for name, zero in empty.items()}
 
 
-def _teacher_force(lm: LoadedModel, cache: PolicyCache, ids: Sequence[int], start: int, block: int,
+def _teacher_force(lm: LoadedModel, cache: PolicyCache, ids: Sequence[int], start: int, ends: Sequence[int],
                    next_ids: Sequence[int] | None = None, progress: Progress | None = None, label: str = "scoring"
                    ) -> tuple[torch.Tensor | None, dict[str, np.ndarray]]:
-    """Feed ``ids`` to every row at positions start.. in blocks of ``block`` tokens.
+    """Feed ``ids`` to every row at positions start.. in blocks ending at ``ends`` (offsets into ``ids``).
 
     Returns the last position's hidden states [B, D] (None if ``ids`` is empty) and what each position
     predicts for its next token: ``next_ids`` (default ``ids[1:]``, so the last position predicts nothing).
@@ -114,12 +128,13 @@ def _teacher_force(lm: LoadedModel, cache: PolicyCache, ids: Sequence[int], star
     n_rows = len(cache.policies)
     batch = torch.tensor(ids, dtype=torch.long, device=device).expand(n_rows, -1)
     targets = torch.tensor(list(ids[1:] if next_ids is None else next_ids), dtype=torch.long, device=device)
-    pieces, hidden = [], None
-    for lo in range(0, len(ids), block):
-        hidden = _forward(lm, cache, batch[:, lo:lo + block], start + lo)
-        pieces.append(_predictions(lm, hidden, targets[lo:lo + block]))
+    pieces, hidden, lo = [], None, 0
+    for hi in ends:
+        hidden = _forward(lm, cache, batch[:, lo:hi], start + lo)
+        pieces.append(_predictions(lm, hidden, targets[lo:hi]))
         if progress:
-            progress(min(lo + block, len(ids)) / len(ids), label)
+            progress(hi / len(ids), f"{label}: token {start + hi} of {start + len(ids)}")
+        lo = hi
     return (None if hidden is None else hidden[:, -1]), _joined(pieces, n_rows)
 
 
@@ -141,7 +156,7 @@ def _decode(lm: LoadedModel, cache: PolicyCache, hidden: torch.Tensor, position:
         if done.all():
             break
         if progress:
-            progress((step + 1) / max_new_tokens, "generating")
+            progress((step + 1) / max_new_tokens, f"generating: token {step + 1} of at most {max_new_tokens}")
     return outputs
 
 
@@ -154,9 +169,9 @@ def score_text(lm: LoadedModel, ids: Sequence[int], policies: Sequence[Policy], 
     (each [rows, T-1], position i predicting ids[i+1]) and the row index of each policy.
     """
     rows, index = _rows(policies, reference)
-    cache = new_cache(lm, rows, record_layers)
+    cache = new_cache(lm, rows, record_layers, len(ids))
     with torch.inference_mode(), cache.capture_prerope(lm.model):
-        _, stats = _teacher_force(lm, cache, ids, 0, _block(chunk, len(ids), rows), progress=progress)
+        _, stats = _teacher_force(lm, cache, ids, 0, block_ends(chunk, len(ids), rows), progress=progress)
     return cache, stats, index
 
 
@@ -179,12 +194,12 @@ def _generate_and_score(lm: LoadedModel, prompt_ids: Sequence[int], policies: Se
     state as its generation and each continuation token is read as decoding reads it.
     """
     rows, index = _rows(policies, reference)
-    cache = new_cache(lm, rows, record_layers)
     n = len(prompt_ids)
+    cache = new_cache(lm, rows, record_layers, n + max_new_tokens)
     cache.n_prompt = n  # compression policies act once the prompt has been read
     with torch.inference_mode():
         with cache.capture_prerope(lm.model):
-            hidden, prompt_stats = _teacher_force(lm, cache, prompt_ids, 0, _block(chunk, n, rows),
+            hidden, prompt_stats = _teacher_force(lm, cache, prompt_ids, 0, block_ends(chunk, n, rows),
                                                   next_ids=None if score else [],  # [] : no predictions
                                                   progress=progress, label="reading the prompt")
             scoring = cache.fork() if score else None
@@ -195,7 +210,7 @@ def _generate_and_score(lm: LoadedModel, prompt_ids: Sequence[int], policies: Se
         first = _predictions(lm, hidden[:, None], torch.tensor(full[:1], device=hidden.device))
         scoring.decoding = True
         with scoring.capture_prerope(lm.model):
-            _, rest = _teacher_force(lm, scoring, full[:-1], n, max(len(full) - 1, 1), next_ids=full[1:],
+            _, rest = _teacher_force(lm, scoring, full[:-1], n, [len(full) - 1] if len(full) > 1 else [], next_ids=full[1:],
                                      progress=progress)
     return cache, outputs, index, _joined([prompt_stats, first, rest], len(rows))
 
@@ -205,14 +220,15 @@ def default_record_layers(lm: LoadedModel) -> tuple[int, ...]:
     return tuple(sorted({0, lm.n_layers // 2, lm.n_layers - 1}))
 
 
-def _recorded(lm: LoadedModel, cache: PolicyCache, row: int, length: int) -> dict[str, np.ndarray]:
-    """Attention rows and keys of the recorded layers, cut to the row's own length."""
+def _recorded(lm: LoadedModel, cache: PolicyCache, row: int, length: int) -> dict:
+    """Attention rows (top-k entries) and sampled keys before RoPE of the recorded layers, over the row's
+    own length."""
     if not cache.record_layers:
         return {}
     rope = lm.model.model.rotary_emb
-    return {"attention": cache.recorded_attention(row)[..., :length, :length].astype(np.float16),
-            "keys": cache.recorded_keys(row)[:, :, :length].astype(np.float16),
-            "rope_inv_freq": rope.inv_freq.float().cpu().numpy().astype(np.float32)}
+    where = key_positions(length)
+    return {"attention": cache.recorded_attention(row, length), "keys": cache.recorded_keys(row, where),
+            "key_positions": where, "rope_inv_freq": rope.inv_freq.float().cpu().numpy().astype(np.float32)}
 
 
 def _meta(lm: LoadedModel, spec: str, policy: Policy, mode: str, tokens: Sequence[int], n_prompt: int,
@@ -235,7 +251,7 @@ def _masks(cache: PolicyCache, row: int, policy: Policy, length: int) -> dict[st
         return {"evicted_at": np.where(evicted > length, -1, evicted).astype(np.int32)}
     if policy.kind == "selection":
         stats = {f"stat_{name}": values[:, :length] for name, values in cache.stats(row).items()}
-        return {"selected": cache.selected(row)[:, :, :length, :length], **stats}
+        return {"spans": cache.spans(row, length), **stats}
     return {}
 
 

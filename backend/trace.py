@@ -8,47 +8,83 @@ from pathlib import Path
 
 import numpy as np
 
-FORMAT_VERSION = 1
-ARRAY_FIELDS = ("tokens", "evicted_at", "selected", "scored_ids", "logprobs", "top1_ids", "kl_to_full",
-                "generated_ids", "attention", "keys", "rope_inv_freq")
+from .recorded import TopAttention
+from .spans import ReadSpans
+
+FORMAT_VERSION = 2
+ARRAY_FIELDS = ("tokens", "evicted_at", "scored_ids", "logprobs", "top1_ids", "kl_to_full", "generated_ids",
+                "keys", "key_positions", "rope_inv_freq")
 
 
 class Trace:
-    """Arrays of one policy's run (see docs/trace-format.md) plus its metadata dict."""
+    """Arrays of one policy's run (see docs/trace-format.md) plus its metadata dict.
 
-    def __init__(self, meta: dict, tokens, scored_ids, logprobs, top1_ids, kl_to_full, evicted_at=None, selected=None,
-                 generated_ids=None, attention=None, keys=None, rope_inv_freq=None, stats=None, **stat_arrays):
-        # Per-step numbers travel as ``stat_<name>`` arrays (e.g. SparQ's stat_alpha [L, T, H_q]).
+    ``spans`` (selection policies) says what each query read; ``attention`` (recorded layers) is a
+    ``TopAttention``; ``keys`` are the recorded layers' keys before RoPE at ``key_positions``. For tests
+    and small texts, ``selected`` (bool [L, H, T, T]) and a dense ``attention`` [R, H, T, T] are accepted
+    and converted.
+    """
+
+    def __init__(self, meta: dict, tokens, scored_ids, logprobs, top1_ids, kl_to_full, evicted_at=None, spans=None,
+                 selected=None, generated_ids=None, attention=None, keys=None, key_positions=None,
+                 rope_inv_freq=None, stats=None, **arrays):
         self.meta, self.tokens, self.scored_ids, self.logprobs = meta, tokens, scored_ids, logprobs
-        self.top1_ids, self.kl_to_full, self.evicted_at, self.selected = top1_ids, kl_to_full, evicted_at, selected
-        self.generated_ids, self.attention, self.keys, self.rope_inv_freq = generated_ids, attention, keys, rope_inv_freq
+        self.top1_ids, self.kl_to_full, self.evicted_at = top1_ids, kl_to_full, evicted_at
+        self.generated_ids, self.keys, self.rope_inv_freq = generated_ids, keys, rope_inv_freq
+        if selected is not None:
+            spans = ReadSpans.from_masks(np.asarray(selected, bool))
+        self.spans: ReadSpans | None = spans
+        if attention is not None and not isinstance(attention, TopAttention):
+            attention = TopAttention.from_dense(attention)
+        self.attention: TopAttention | None = attention
+        if keys is not None and key_positions is None:
+            key_positions = np.arange(keys.shape[2], dtype=np.int32)
+        self.key_positions = key_positions
+        # Per-step numbers travel as ``stat_<name>`` arrays (e.g. SparQ's stat_alpha [L, T, H_q]).
         self.stats = dict(stats or {})
-        for name, values in stat_arrays.items():
-            if not name.startswith("stat_"):
+        for name, values in arrays.items():
+            if name.startswith("stat_"):
+                self.stats[name[5:]] = values
+            elif not name.startswith(("span_", "attn_")):
                 raise TypeError(f"unexpected trace field {name!r}")
-            self.stats[name[5:]] = values
 
     @property
     def spec(self) -> str:
         return self.meta["spec"]
 
-    def reads(self, layer: int) -> np.ndarray:
-        """bool [H_kv, T, T]: reads[h, t, j] is True when query t read token j in this layer."""
-        if self.selected is not None:
-            return self.selected[layer]
+    @property
+    def selected(self) -> np.ndarray | None:
+        """bool [L, H_kv, T, T] of a selection trace (T * T bits per head: small texts only)."""
+        return None if self.spans is None else self.spans.dense()
+
+    def reads(self, layer: int, steps: slice = slice(None), positions: slice = slice(None)) -> np.ndarray:
+        """bool [H_kv, s, p]: ``[h, i, k]`` is True when query ``steps.start + i`` read token ``positions.start + k``
+        in this layer. The default is the whole [H_kv, T, T]; at 8k ask for a window."""
         n = len(self.tokens)
-        t = np.arange(n)[:, None]
-        j = np.arange(n)[None, :]
+        s0, s1, _ = steps.indices(n)
+        p0, p1, _ = positions.indices(n)
+        if self.spans is not None:
+            return self.spans.window(layer, slice(s0, s1), slice(p0, p1))
+        t = np.arange(s0, max(s0, s1))[:, None]
+        j = np.arange(p0, max(p0, p1))[None, :]
         if self.evicted_at is None:  # full attention
-            return np.broadcast_to(j <= t, (self.meta["n_kv_heads"], n, n))
-        gone = self.evicted_at[layer][:, None, :]
+            return np.broadcast_to(j <= t, (self.meta["n_kv_heads"], t.shape[0], j.shape[1]))
+        gone = self.evicted_at[layer][:, None, p0:max(p0, p1)]
         return (j <= t)[None] & ((gone < 0) | (t[None] < gone))
+
+    def reads_at(self, layer: int, step: int) -> np.ndarray:
+        """bool [H_kv, T]: the tokens query ``step`` read in this layer."""
+        if self.spans is not None:
+            return self.spans.at(layer, step)
+        return self.reads(layer, slice(step, step + 1))[:, 0]
 
     def arrays(self) -> dict[str, np.ndarray]:
         out = {name: getattr(self, name) for name in ARRAY_FIELDS if getattr(self, name) is not None}
         out.update({f"stat_{name}": values for name, values in self.stats.items()})
-        if "selected" in out:
-            out["selected"] = np.packbits(out["selected"], axis=-1)
+        if self.spans is not None:
+            out.update(self.spans.arrays())
+        if self.attention is not None:
+            out.update(attn_pos=self.attention.pos, attn_val=self.attention.val)
         return out
 
     def to_bytes(self) -> bytes:
@@ -68,9 +104,10 @@ class Trace:
     def _from_arrays(cls, meta: dict, arrays: dict) -> "Trace":
         if meta.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"trace format {meta.get('format_version')} is not {FORMAT_VERSION}")
-        if "selected" in arrays:
-            n = len(arrays["tokens"])
-            arrays["selected"] = np.unpackbits(arrays["selected"], axis=-1, count=n).astype(bool)
+        if "span_offsets" in arrays:
+            arrays["spans"] = ReadSpans.from_arrays(arrays, meta["n_layers"], meta["n_kv_heads"], len(arrays["tokens"]))
+        if "attn_pos" in arrays:
+            arrays["attention"] = TopAttention(pos=arrays.pop("attn_pos"), val=arrays.pop("attn_val"))
         return cls(meta=meta, **arrays)
 
     def npz_bytes(self) -> bytes:

@@ -5,7 +5,7 @@ import torch
 
 from backend.engine import PolicyCache
 from backend.policies import A2SF, H2O, TOVA, Full, Oracle, ReAttention, Sinks, SparQ, Window
-from backend.runner import generate, run, score_text
+from backend.runner import generate, rope_function, run, score_text
 
 SMALL = [Window(budget=5), Sinks(budget=6, sinks=2), H2O(budget=6), H2O(budget=6, heads="layer"), TOVA(budget=5),
          TOVA(budget=5, heads="head"), TOVA(budget=5, sinks=1), A2SF(budget=5, alpha=0.3), Oracle(budget=4),
@@ -156,10 +156,21 @@ def test_our_kernels_folder_is_not_taken_for_hugging_faces_kernels_library():
 def test_recorded_attention_rows_are_what_each_query_read(tiny, text_ids, policy):
     traces, _ = run(tiny, [policy.name], [policy], text_ids, record_layers=(1,))
     (trace,) = traces
-    rows = trace.attention[0].astype(np.float64)  # [H_kv, T, T]
+    assert trace.attention.exact  # a short text keeps every entry of every row
+    rows = trace.attention.dense(0).astype(np.float64)  # [H_kv, T, T]
     np.testing.assert_allclose(rows.sum(-1), 1.0, atol=2e-3)  # float16 on disk
     assert ((rows > 0) == trace.reads(1)).all()
     assert trace.keys.shape == (1, 2, len(text_ids), 8)
+
+
+def test_recorded_keys_are_the_keys_before_rope(tiny, text_ids):
+    """The hook's keys, rotated by the model's RoPE at their positions, are the keys the cache holds."""
+    cache, _, _ = score_text(tiny, text_ids, [TOVA(budget=5)], record_layers=(1,))
+    where = np.array([0, 3, 7, len(text_ids) - 1])
+    before = torch.from_numpy(cache.recorded_keys(1, where)[0].astype(np.float32))  # [H_kv, 4, d]
+    after = rope_function(tiny)(before, torch.from_numpy(where))
+    np.testing.assert_allclose(after.numpy(), cache.layers[1].keys[1][:, where].numpy(), atol=2e-2)
+    assert not np.allclose(before.numpy(), cache.layers[1].keys[1][:, where].numpy(), atol=2e-2)
 
 
 GENERATING = [Window(budget=6), TOVA(budget=6), H2O(budget=6), SparQ(budget=6, r=2),

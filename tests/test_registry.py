@@ -99,7 +99,7 @@ def test_what_each_query_reads_stays_within_the_budget(lm, ids, name):
     assert counts.max() <= 2 * policy.budget + policy.interval  # PyramidKV's first layer keeps up to 2x
 
 
-@pytest.mark.parametrize("name", [n for n in NAMES if not getattr(POLICIES[n], "chunks_prompt", False)])
+@pytest.mark.parametrize("name", NAMES)
 def test_prompt_path_equals_token_by_token_decoding(lm, ids, name):
     policy = small(name)
     whole, s_whole, _ = score_text(lm, ids, [policy], chunk=T)
@@ -115,14 +115,15 @@ def test_prompt_path_equals_token_by_token_decoding(lm, ids, name):
 @pytest.mark.parametrize("name", NAMES)
 def test_a_fork_goes_on_exactly_as_the_original(lm, ids, name, n_prompt):
     policy = small(name)
-    cache = new_cache(lm, [Full(), policy], ())
+    cache = new_cache(lm, [Full(), policy], (), len(ids))
     cache.n_prompt = n_prompt
     with torch.inference_mode(), cache.capture_prerope(lm.model):
-        _teacher_force(lm, cache, ids[:20], 0, 20)
+        _teacher_force(lm, cache, ids[:20], 0, [20])
         twin = cache.fork()
-        _, original = _teacher_force(lm, cache, ids[20:], 20, 1)
+        one_by_one = list(range(1, len(ids) - 20 + 1))
+        _, original = _teacher_force(lm, cache, ids[20:], 20, one_by_one)
     with torch.inference_mode(), twin.capture_prerope(lm.model):
-        _, forked = _teacher_force(lm, twin, ids[20:], 20, 1)
+        _, forked = _teacher_force(lm, twin, ids[20:], 20, one_by_one)
     np.testing.assert_allclose(original["logprobs"], forked["logprobs"], atol=1e-12)
     if policy.kind in ("eviction", "compression"):
         np.testing.assert_array_equal(cache.evicted_at(1), twin.evicted_at(1))

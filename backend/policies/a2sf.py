@@ -40,9 +40,9 @@ class A2SF(EvictionPolicy):
         return {"score": np.zeros((n_heads, 0))}
 
     def update(self, state, attn, t):
-        return {"score": self.alpha * grow(state["score"], t + 1) + attn}
+        return {"score": self.alpha * grow(state["score"], attn.shape[-1]) + attn}
 
-    def score(self, state, attn, t):
+    def score(self, state, attn, t, positions):
         return state["score"]
 
     def protected(self, t):

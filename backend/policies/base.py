@@ -107,19 +107,29 @@ class EvictionPolicy(Policy):
     def update(self, state: State, attn: np.ndarray | None, t: int) -> State:
         return state
 
-    def score(self, state: State, attn: np.ndarray | None, t: int) -> np.ndarray:
+    def score(self, state: State, attn: np.ndarray | None, t: int, positions: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
     def protected(self, t: int) -> slice | None:
         return None
 
-    def step(self, state: State, attn: np.ndarray | None, kept: np.ndarray, t: int
-             ) -> tuple[State, np.ndarray | None]:
-        """(state, attention of query t, kept [H, t+1]) -> (new state, position each head drops or None)."""
+    def step(self, state: State, attn: np.ndarray | None, kept: np.ndarray, t: int,
+             positions: np.ndarray | None = None) -> tuple[State, np.ndarray | None]:
+        """(state, attention of query t, kept [H, m], t, positions [H, m]) -> (new state, column each head
+        drops or None).
+
+        The m columns are the tokens a head holds plus the ones that arrived since the engine last
+        compacted, in position order (``positions``; default 0..m-1, every token since the start); ``kept``
+        marks those still cached, ``attn`` is query t's attention over them. Per-token state arrays are
+        [H, m] in the same columns: ``update`` grows them by one column a step (``grow``), and the engine
+        removes the columns of dropped tokens, so a step costs O(budget), not O(t).
+        """
+        if positions is None:
+            positions = np.broadcast_to(np.arange(kept.shape[-1]), kept.shape)
         state = self.update(state, attn, t)
         if kept.sum(-1).max() < self.budget:
             return state, None
-        score = np.array(self.score(state, attn, t), dtype=np.float64)
+        score = np.array(self.score(state, attn, t, positions), dtype=np.float64)
         if score.ndim == 1:
             score = np.broadcast_to(score, kept.shape).copy()
         if getattr(self, "heads", "head") == "layer":
@@ -128,7 +138,8 @@ class EvictionPolicy(Policy):
         score[~kept] = np.inf
         guard = self.protected(t)
         if guard is not None:
-            score[:, guard] = np.inf
+            lo, hi = guard.start or 0, t + 1 if guard.stop is None else guard.stop
+            score[(positions >= lo) & (positions < hi)] = np.inf
         return state, score.argmin(-1)
 
 
@@ -138,7 +149,8 @@ class CacheView:
 
     attn_window: [H, w, t+1] attention rows of the last w queries (mean of each KV head's query heads;
     zero where a query did not read), oldest first. keys, values: [H, t+1, d] float64, the cached keys
-    (after RoPE; RoPE keeps their norms) and values; kept: [H, t+1] what is cached now.
+    (after RoPE; RoPE keeps their norms) and values, converted from the engine's tensors the first time a
+    policy reads them; kept: [H, t+1] what is cached now.
     n_prompt: the prompt's length in generate mode, None in prompt mode (no prompt/continuation split).
     state: the policy's own state (``init_state``), which it may update in place; a fork copies it.
     """
@@ -148,10 +160,17 @@ class CacheView:
     layer: int
     n_layers: int
     attn_window: np.ndarray
-    keys: np.ndarray
-    values: np.ndarray
+    keys: "np.ndarray | torch.Tensor"
+    values: "np.ndarray | torch.Tensor"
     kept: np.ndarray
     state: State = field(default_factory=dict)
+
+    def __getattribute__(self, name):
+        value = object.__getattribute__(self, name)
+        if name in ("keys", "values") and not isinstance(value, np.ndarray):
+            value = value.double().cpu().numpy()  # only policies that read them pay for the copy
+            object.__setattr__(self, name, value)
+        return value
 
 
 @dataclass(frozen=True)
@@ -241,6 +260,15 @@ class SelectionPolicy(Policy):
     def select(self, state: State, attn_full: np.ndarray, t: int) -> tuple[State, np.ndarray]:
         raise NotImplementedError
 
+    def select_block(self, state: State, attn_full: np.ndarray, first: int) -> tuple[State, np.ndarray]:
+        """``select`` for queries first..first+n-1 in turn: attn_full [H, n, M] -> reads bool [H, n, M]."""
+        n_heads, n, total = attn_full.shape
+        reads = np.zeros((n_heads, n, total), bool)
+        for i in range(n):
+            t = first + i
+            state, reads[:, i, : t + 1] = self.select(state, attn_full[:, i, : t + 1], t)
+        return state, reads
+
 
 def top_positions(score: np.ndarray, k: int, heads: str) -> np.ndarray:
     """Bool mask [H, n] of the k highest scores per head (per layer if heads='layer'); ties keep the earlier."""
@@ -256,6 +284,23 @@ def top_positions(score: np.ndarray, k: int, heads: str) -> np.ndarray:
     return mask
 
 
+def top_positions_block(score: np.ndarray, k: int, heads: str, first: int) -> np.ndarray:
+    """``top_positions`` for every query of a block at once: score [H, n, M] (query first + i sees
+    positions 0..first+i) -> bool [H, n, M]. The k-th largest score is the threshold; of the scores equal
+    to it, the earliest positions fill what is left (the stable order ``top_positions`` uses)."""
+    n_heads, n, total = score.shape
+    if heads == "layer":
+        score = np.broadcast_to(score.mean(0), score.shape)
+    visible = np.arange(total)[None, :] <= np.arange(first, first + n)[:, None]  # [n, M]
+    score = np.where(visible, score, -np.inf)
+    whole = (np.arange(first, first + n) + 1 <= k)[None, :, None]  # rows with at most k candidates
+    kth = -np.partition(-score, min(k, total) - 1, axis=-1)[..., min(k, total) - 1: min(k, total)]
+    above = score > kth
+    tied = (score == kth) & visible
+    fill = np.cumsum(tied, axis=-1) <= (k - above.sum(-1, keepdims=True))
+    return np.where(whole, visible, above | (tied & fill))
+
+
 @dataclass
 class Block:
     """What an attending policy sees in one layer for one batch row: a block of ``n`` new queries.
@@ -265,7 +310,7 @@ class Block:
     q_pre, k_pre: the same queries and keys before RoPE (only for policies with ``needs_prerope``).
     rope(x, positions): applies the model's RoPE to x [H, L, d] at the given positions.
     decoding: each query is a decoding step, though they arrive together (teacher-forced decoding);
-    otherwise they are a prompt. Only a policy that treats prompts differently (``chunks_prompt``) cares.
+    otherwise they are a prompt. Only a policy that cuts prompts its own way (``may_cut``) cares.
     """
 
     q: "torch.Tensor"
@@ -296,7 +341,11 @@ class AttendingPolicy(SelectionPolicy):
     (SparQ mixes in the mean value vector; ReAttention re-rotates the keys it selects)."""
 
     needs_prerope: ClassVar[bool] = False
-    chunks_prompt: ClassVar[bool] = False  # True: give it the whole prompt in one block
+
+    def may_cut(self, end: int) -> bool:
+        """May a forward call on a prompt end before position ``end``? ReAttention says no inside one of its
+        chunks, whose queries vote together; the runner moves its block ends to where every row says yes."""
+        return True
 
     def attend_block(self, state: State, block: Block) -> tuple[State, BlockResult]:
         raise NotImplementedError

@@ -44,9 +44,9 @@ class H2O(EvictionPolicy):
         return {"a2s": np.zeros((n_heads, 0))}
 
     def update(self, state, attn, t):
-        return {"a2s": grow(state["a2s"], t + 1) + attn}
+        return {"a2s": grow(state["a2s"], attn.shape[-1]) + attn}
 
-    def score(self, state, attn, t):
+    def score(self, state, attn, t, positions):
         return state["a2s"]
 
     def protected(self, t):

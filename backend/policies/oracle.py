@@ -1,7 +1,7 @@
 """Oracle ("Ideal" in the A2SF paper, Sec. 4.3): a reference, not a deployable policy."""
 from dataclasses import dataclass
 
-from .base import SelectionPolicy, top_positions
+from .base import SelectionPolicy, top_positions, top_positions_block
 from .registry import register
 
 
@@ -25,3 +25,6 @@ class Oracle(SelectionPolicy):
 
     def select(self, state, attn_full, t):
         return state, top_positions(attn_full, self.budget, self.heads)
+
+    def select_block(self, state, attn_full, first):
+        return state, top_positions_block(attn_full, self.budget, self.heads, first)

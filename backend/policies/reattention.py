@@ -35,7 +35,6 @@ class ReAttention(AttendingPolicy):
     paper = 'Liu et al., 2024, *ReAttention*, Sec. 2, App. A'
     color = "#882255"
     needs_prerope = True
-    chunks_prompt = True  # the runner hands it the whole prompt; it cuts its own chunks
     budget: int = 64
     global_size: int = 4
     span: int = 8
@@ -60,6 +59,11 @@ class ReAttention(AttendingPolicy):
         if not 1 <= self.chunk <= self.local:
             raise ValueError(f"reattention: budget {self.budget} leaves local = {self.local} tokens; it must be "
                              f">= chunk ({self.chunk}): raise budget or lower topk, span, chunk")
+
+    def may_cut(self, end: int) -> bool:
+        """Prompt blocks end where Algorithm 1's chunks do: after global + local tokens, then every ``chunk``."""
+        opening = self.global_size + self.local
+        return end == opening or (end > opening and (end - opening) % self.chunk == 0)
 
     def chunks(self, first: int, n: int, decoding: bool = False) -> list[tuple[int, int]]:
         """Query ranges [s, e) of this block: Algorithm 1's chunks, cut at the block's ends, or one query

@@ -31,7 +31,7 @@ class TOVA(EvictionPolicy):
         if not 0 <= self.sinks < self.budget:
             raise ValueError(f"tova: need 0 <= sinks < budget, got sinks={self.sinks}, budget={self.budget}")
 
-    def score(self, state, attn, t):
+    def score(self, state, attn, t, positions):
         return attn
 
     def protected(self, t):

@@ -21,6 +21,6 @@ class Window(EvictionPolicy):
     color = "#E69F00"
     uses_attention = False
 
-    def score(self, state, attn, t):
+    def score(self, state, attn, t, positions):
         # Older = lower score, so argmin picks the earliest cached position.
-        return np.arange(t + 1, dtype=np.float64)
+        return positions.astype(np.float64)
