@@ -130,8 +130,8 @@ class RowLayerState:
         attn_full = torch.softmax(s, -1).mean(1).numpy()
         self.state, reads = self.policy.select_block(self.state, attn_full, first)
         self.spans.add(reads, first)
-        bias = torch.zeros(reads.shape, dtype=scores.dtype).masked_fill_(torch.from_numpy(~reads), float("-inf"))
-        probs = torch.softmax(scores + bias.to(scores.device)[:, None], dim=-1)
+        unread = torch.from_numpy(~reads).to(scores.device)[:, None]
+        probs = torch.softmax(scores.masked_fill_(unread, float("-inf")), dim=-1)
         if self.top is not None:
             self.top.add(probs.mean(1), torch.arange(total).expand(self.n_kv_heads, -1))
         return probs @ value[:, None]
@@ -145,8 +145,8 @@ class RowLayerState:
         keys, values = key[heads, at], value[heads, at]  # [H, C, d]
         scores = (q @ keys[:, None].transpose(-1, -2)) * scaling  # [H, G, n, C]
         reads, attn_rows = self._walk(scores, columns, first, key, value, n_prompt)
-        bias = torch.zeros(reads.shape, dtype=scores.dtype).masked_fill_(torch.from_numpy(~reads), float("-inf"))
-        probs = torch.softmax(scores + bias.to(scores.device)[:, None], dim=-1)
+        unread = torch.from_numpy(~reads).to(scores.device)[:, None]
+        probs = torch.softmax(scores.masked_fill_(unread, float("-inf")), dim=-1)
         if self.top is not None:
             self.top.add(torch.from_numpy(attn_rows), torch.from_numpy(columns))
         return probs @ values[:, None]
@@ -154,19 +154,21 @@ class RowLayerState:
     def _walk(self, scores: torch.Tensor, columns: np.ndarray, first: int, key, value, n_prompt):
         """Decide query by query what the block's queries read; return reads bool [H, n, C] and, when
         recording, their attention rows [H, n, C]."""
-        n_heads, _, n, width = scores.shape
+        n_heads, group, n, width = scores.shape
         held = width - n
         policy, compression = self.policy, self.policy.kind == "compression"
         alive = np.zeros((n_heads, width), bool)
         alive[:, :held] = columns[:, :held] >= 0
         weights = None
         if policy.uses_attention or self.top is not None:
-            # exp(score - row max) once for the block; each step then only masks and normalises.
-            s = scores.double().cpu().numpy()
-            visible = np.ones((n, width), bool)
-            visible[:, held:] = np.tri(n, dtype=bool)
-            s = np.where(visible & (columns >= 0)[:, None, None, :], s, -np.inf)
-            weights = np.exp(s - s.max(-1, keepdims=True))
+            # exp(score - row max) once for the block (float64, as the policy decides in float64); each step
+            # then only masks and normalises.
+            visible = torch.ones(n, width, dtype=torch.bool)
+            visible[:, held:] = torch.ones(n, n, dtype=torch.bool).tril()
+            visible = visible & torch.from_numpy(columns >= 0)[:, None, None, :]
+            s = scores.double().cpu().masked_fill(~visible, float("-inf"))
+            weights = torch.exp(s - s.amax(-1, keepdim=True)).numpy()
+            alive_f = alive.astype(np.float64)  # alive as 0/1: the masked sums become matrix products
         reads = np.zeros((n_heads, n, width), bool)
         attn_rows = np.zeros((n_heads, n, width)) if self.top is not None else None
         heads = np.arange(n_heads)
@@ -177,16 +179,23 @@ class RowLayerState:
             reads[:, i, :c] = kept
             attn = None
             if weights is not None:
-                row = weights[:, :, i, :c] * kept[:, None]
-                attn = (row / row.sum(-1, keepdims=True)).mean(1)
+                # Mean over the group's query heads of each head's softmax over the kept columns.
+                alive_f[:, c - 1] = 1.0
+                w = weights[:, :, i, :c]  # [H, G, c]
+                share = 1.0 / (group * (w @ alive_f[:, :c, None]))  # [H, G, 1]
+                attn = (share.transpose(0, 2, 1) @ w)[:, 0] * alive_f[:, :c]
                 if attn_rows is not None:
                     attn_rows[:, i, :c] = attn
             if compression:
                 self._compress(attn, t, columns[:, :c], kept, key, value, n_prompt)
+                if weights is not None:
+                    alive_f[:, :c] = kept
                 continue
             self.state, victims = policy.step(self.state, attn, kept, t, columns[:, :c])
             if victims is not None:
                 alive[heads, victims] = False
+                if weights is not None:
+                    alive_f[heads, victims] = 0.0
                 self.evicted_at[heads, columns[heads, victims]] = t + 1
         self._keep_columns(columns, alive)
         return reads, attn_rows

@@ -1,0 +1,155 @@
+"""Issue 12: what makes long texts affordable. Eviction rows only ever score the tokens they hold plus the
+block; selection reads are stored as spans; recorded attention as top-k rows; ReAttention cuts prompts its
+own way without forcing the other rows into one block."""
+import numpy as np
+import pytest
+import torch
+
+from backend.engine import RowLayerState
+from backend.policies import A2SF, H2O, TOVA, Full, Oracle, ReAttention, Sinks, SnapKV, SparQ
+from backend.policies.base import top_positions, top_positions_block
+from backend.recorded import TopAttention, choose_top_k, key_positions
+from backend.runner import block_ends, run, score_text
+from backend.spans import ReadSpans, SpanRecorder
+from backend.trace import Trace
+
+
+def random_masks(seed=0, layers=2, heads=3, n=40, share=0.3):
+    rng = np.random.default_rng(seed)
+    masks = (rng.random((layers, heads, n, n)) < share) & np.tri(n, dtype=bool)
+    masks[..., np.arange(n), np.arange(n)] = True
+    return masks
+
+
+def test_spans_give_back_every_window_of_the_mask():
+    masks = random_masks()
+    spans = ReadSpans.from_masks(masks)
+    np.testing.assert_array_equal(spans.dense(), masks)
+    np.testing.assert_array_equal(spans.window(1, slice(5, 17), slice(3, 30)), masks[1][:, 5:17, 3:30])
+    np.testing.assert_array_equal(spans.at(0, 13), masks[0][:, 13])
+    np.testing.assert_array_equal(spans.counts(), masks.sum(2))
+    np.testing.assert_array_equal(spans.sizes(1), masks[1].sum(-1))
+
+
+def test_spans_recorded_block_by_block_equal_spans_of_the_whole_mask():
+    masks = random_masks(seed=3)
+    whole = ReadSpans.from_masks(masks)
+    for layer in range(masks.shape[0]):
+        recorder = SpanRecorder(masks.shape[1])
+        for lo in range(0, 40, 7):
+            recorder.add(masks[layer][:, lo:lo + 7, :lo + 7], lo)
+        for head, (pos, start, end) in enumerate(recorder.finish(40)):
+            for mine, theirs in zip((pos, start, end), whole.head(layer, head)):
+                np.testing.assert_array_equal(mine, theirs)
+
+
+def test_a_token_read_by_every_query_is_one_span():
+    masks = np.tri(10, dtype=bool)[None, None]
+    spans = ReadSpans.from_masks(masks)
+    assert len(spans.pos) == 10  # one span per token: from its arrival to the end
+    np.testing.assert_array_equal(spans.end, 10)
+
+
+def test_block_selection_equals_step_by_step_top_positions_ties_included():
+    rng = np.random.default_rng(0)
+    score = rng.integers(0, 4, (2, 6, 12)).astype(float)  # many ties
+    first = 6
+    for heads in ("head", "layer"):
+        block = top_positions_block(score, 4, heads, first)
+        for i in range(6):
+            t = first + i
+            np.testing.assert_array_equal(block[:, i, : t + 1], top_positions(score[:, i, : t + 1], 4, heads))
+            assert not block[:, i, t + 1:].any()
+
+
+@pytest.mark.parametrize("policy", [Sinks(budget=6, sinks=2), H2O(budget=6), TOVA(budget=5), A2SF(budget=5)],
+                         ids=lambda p: p.name)
+def test_an_eviction_row_scores_only_what_it_holds_plus_the_block(policy, monkeypatch):
+    """However long the text, a block's queries meet at most budget + block keys."""
+    widths = []
+    walk = RowLayerState._walk
+
+    def spy(self, scores, *args):
+        widths.append(scores.shape[-1])
+        return walk(self, scores, *args)
+
+    monkeypatch.setattr(RowLayerState, "_walk", spy)
+    state = RowLayerState(policy, 2)
+    torch.manual_seed(0)
+    keys, values = torch.randn(2, 200, 8, dtype=torch.float64), torch.randn(2, 200, 8, dtype=torch.float64)
+    for lo in range(0, 200, 10):
+        state.attend(torch.randn(2, 3, 10, 8, dtype=torch.float64), keys[:, :lo + 10], values[:, :lo + 10], lo,
+                     0.3, None)
+        assert state.slots.shape[1] <= policy.budget
+    assert max(widths) <= policy.budget + 10
+    assert (state.evicted_at >= 0).sum(1).tolist() == [200 - policy.budget + 1] * 2
+
+
+def test_reattention_cuts_blocks_at_its_chunks_and_no_longer_takes_the_whole_prompt():
+    policy = ReAttention(budget=12, global_size=2, span=2, topk=2, chunk=4)  # opens with 8, then chunks of 4
+    assert block_ends(10, 40, [Full(), policy]) == [8, 16, 24, 32, 40]
+    assert block_ends(10, 40, [Full(), TOVA(budget=5)]) == [10, 20, 30, 40]
+    assert block_ends(3, 30, [policy]) == [8, 12, 16, 20, 24, 28, 30]
+
+
+def test_reattention_in_blocks_equals_reattention_over_the_whole_prompt(tiny, text_ids):
+    policy = ReAttention(budget=12, global_size=2, span=2, topk=2, chunk=4)
+    whole, s_whole, _ = score_text(tiny, text_ids, [policy, TOVA(budget=5)], chunk=len(text_ids))
+    blocks, s_blocks, _ = score_text(tiny, text_ids, [policy, TOVA(budget=5)], chunk=5)
+    np.testing.assert_allclose(s_whole["logprobs"], s_blocks["logprobs"], atol=1e-9)
+    np.testing.assert_array_equal(whole.selected(1), blocks.selected(1))
+
+
+def test_top_attention_keeps_the_largest_entries_and_is_exact_when_they_fit():
+    rows = np.zeros((1, 1, 4, 4))
+    rows[0, 0] = [[1, 0, 0, 0], [0.3, 0.7, 0, 0], [0.5, 0.1, 0.4, 0], [0.1, 0.2, 0.3, 0.4]]
+    exact = TopAttention.from_dense(rows)
+    assert exact.exact
+    np.testing.assert_allclose(exact.dense(0)[0], rows[0, 0], atol=1e-3)
+    np.testing.assert_allclose(exact.column(0, 0, 1), [0, 0.7, 0.1, 0.2], atol=1e-3)
+    pos = np.array([[[[0, -1], [1, 0], [0, 2], [3, 2]]]], np.int32)  # the top 2 of each row
+    top = TopAttention(pos=pos, val=np.where(pos >= 0, np.take_along_axis(rows, np.maximum(pos, 0), -1), 0)
+                       .astype(np.float16))
+    assert not top.exact
+    np.testing.assert_allclose(top.rows(0, 0, slice(2, 4)), [[0.5, 0, 0.4, 0], [0, 0, 0.3, 0.4]], atol=1e-3)
+    np.testing.assert_allclose(top.covered(0, 0), [1, 1, 0.9, 0.7], atol=1e-3)
+
+
+def test_recorded_sizes_stay_bounded_at_8k():
+    k = choose_top_k(8192, 3, 3)
+    assert 16 <= k < 100 and 3 * 3 * 8192 * k * 4 <= 6.5 * 2 ** 20
+    assert choose_top_k(200, 3, 3) == 200  # short texts are exact
+    assert len(key_positions(8192)) == 1024 and key_positions(8192)[[0, -1]].tolist() == [0, 8191]
+    np.testing.assert_array_equal(key_positions(300), np.arange(300))
+
+
+def test_a_recorded_eviction_row_keeps_whole_rows_when_its_budget_fits(tiny, text_ids, monkeypatch):
+    """With k >= budget, an eviction row's recorded attention is exact even though k < T."""
+    monkeypatch.setattr("backend.runner.choose_top_k", lambda *args: 8)
+    (trace,), _ = run(tiny, ["tova"], [TOVA(budget=6)], text_ids, record_layers=(0,))
+    assert trace.attention.top_k == 8 and not trace.attention.exact
+    np.testing.assert_allclose(trace.attention.covered(0, 0), 1.0, atol=2e-3)
+    assert ((trace.attention.dense(0) > 0) == trace.reads(0)).all()
+
+
+@pytest.mark.parametrize("policy", [Oracle(budget=5), SparQ(budget=6, r=2), SnapKV(budget=12, window=4, interval=8)],
+                         ids=lambda p: p.name)
+def test_traces_v2_round_trip(tiny, text_ids, policy):
+    (trace,), _ = run(tiny, [policy.name], [policy], text_ids, record_layers=(1,))
+    back = Trace.from_bytes(trace.to_bytes())
+    assert back.meta["format_version"] == 2
+    for layer in range(2):
+        np.testing.assert_array_equal(back.reads(layer), trace.reads(layer))
+    np.testing.assert_array_equal(back.attention.pos, trace.attention.pos)
+    np.testing.assert_array_equal(back.keys, trace.keys)
+    np.testing.assert_array_equal(back.key_positions, trace.key_positions)
+    if policy.kind == "selection":
+        # Fewer spans than the bytes of the bit-packed mask they replace (at 8k: far fewer).
+        assert "selected" not in back.arrays() and len(back.spans.pos) < 2 * 2 * len(text_ids) ** 2 / 8
+
+
+def test_old_traces_are_refused_so_they_recompute(tiny, text_ids):
+    (trace,), _ = run(tiny, ["tova"], [TOVA(budget=5)], text_ids, record_layers=())
+    trace.meta["format_version"] = 1
+    with pytest.raises(ValueError, match="format"):
+        Trace.from_bytes(trace.to_bytes())
