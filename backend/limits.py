@@ -1,8 +1,12 @@
 """The one set of limits every front end (app, CLI, sweep) enforces, so a public Space stays responsive.
 
-Defaults fit a 2-vCPU Space: one run of the default model at the limits takes about half a minute and
-under 2 GB. An operator may change any limit with an environment variable ``KVLENS_MAX_<FIELD>``
-(e.g. ``KVLENS_MAX_ROW_TOKENS=40000`` for long sweeps on a workstation); visitors cannot.
+Texts may fill the default model's context (8192 tokens). What a run may cost is bounded in
+**row-tokens**: each policy's row costs its length in tokens, and a selection row (oracle, SparQ,
+ReAttention, which read every key for every query) costs more as the text grows, ``length * length /
+SELECTION_UNIT`` when that is more. On a 2-vCPU Space, 32k row-tokens is four eviction policies at 8k
+tokens (or eight at 4k, or one selection policy at 5.8k): a few minutes of work and under 6 GB, so the
+queue moves. An operator may change any limit with an environment variable ``KVLENS_MAX_<FIELD>``
+(e.g. ``KVLENS_MAX_ROW_TOKENS=100000`` on a workstation); visitors cannot.
 """
 from __future__ import annotations
 
@@ -12,12 +16,12 @@ from dataclasses import dataclass, fields, replace
 
 @dataclass(frozen=True)
 class Limits:
-    prompt_tokens: int = 1024  # tokens of the text (chat template included)
-    text_chars: int = 32 * 1024  # characters, checked before tokenizing (no token is that short on average)
+    prompt_tokens: int = 8192  # tokens of the text (chat template included); the model's context bounds it too
+    text_chars: int = 64 * 1024  # characters, checked before tokenizing (8192 tokens of English take ~40k)
     new_tokens: int = 256  # generate mode
     policies: int = 8  # policies side by side in one run
-    row_tokens: int = 5 * 1024  # one run: policies x (text tokens + new tokens)
-    sweep_row_tokens: int = 16 * 1024  # one sweep: (policy, budget) pairs x (text tokens + new tokens)
+    row_tokens: int = 32 * 1024  # one run: the sum of its rows' costs (row_cost)
+    sweep_row_tokens: int = 64 * 1024  # one sweep: the same over its (policy, budget) pairs
 
     @classmethod
     def from_env(cls, environ=os.environ) -> "Limits":
@@ -32,3 +36,12 @@ class Limits:
                 raise ValueError(f"{name}={text!r} must be a positive integer")
             changes[field.name] = int(text)
         return replace(cls(), **changes)
+
+
+SELECTION_UNIT = 1024  # a selection row costs length * length / SELECTION_UNIT row-tokens when that is more
+
+
+def row_cost(kind: str, length: int) -> int:
+    """Row-tokens of one policy's row over ``length`` tokens: linear for eviction and compression (their
+    work per step is bounded by the budget), quadratic beyond SELECTION_UNIT for selection."""
+    return length * max(1, length // SELECTION_UNIT) if kind == "selection" else length

@@ -62,6 +62,11 @@ class LoadedModel:
         return self.model.config.num_attention_heads
 
     @property
+    def context(self) -> int:
+        """The longest text (prompt and new tokens) the model was trained to read."""
+        return int(getattr(self.model.config, "max_position_embeddings", 0) or 2 ** 31 - 1)
+
+    @property
     def head_dim(self) -> int:
         config = self.model.config
         return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from .limits import Limits
+from .limits import Limits, row_cost
 from .models import ALLOWED_MODELS, DEFAULT_MODEL, LoadedModel, ModelError, load_model
 from .policies import Policy, SpecError, parse_spec
 from .runner import Progress, default_record_layers
@@ -192,11 +192,19 @@ def _tokens(lm: LoadedModel, request, policies: list[Policy], limits: Limits) ->
     return list(ids)
 
 
-def _check_cost(rows: int, ids: list[int], request, limit: int, what: str) -> None:
+def _check_cost(lm: LoadedModel, policies: list[Policy], ids: list[int], request, limit: int, what: str) -> None:
     length = len(ids) + (request.max_new_tokens if request.mode == "generate" else 0)
-    if rows * length > limit:
-        raise RequestError(f"{what}: {rows} x {length} tokens is more than the {limit:,} row-tokens one request "
-                           f"may use here; use fewer policies, fewer new tokens or a shorter text.")
+    if length > lm.context:
+        raise RequestError(f"The text and the new tokens come to {length} tokens; the model reads at most "
+                           f"{lm.context}.")
+    cost = sum(row_cost(p.kind, length) for p in policies)
+    if cost > limit:
+        selection = [p.name for p in policies if p.kind == "selection"]
+        why = (f" ({', '.join(dict.fromkeys(selection))} read every key for every query: at {length} tokens each "
+               f"counts {row_cost('selection', length) // length}x)") if selection and row_cost("selection", length) > length else ""
+        raise RequestError(f"{what}: {len(policies)} policies x {length} tokens come to {cost:,} row-tokens, more "
+                           f"than the {limit:,} row-tokens one request may use here{why}; use fewer policies, fewer "
+                           f"new tokens or a shorter text.")
 
 
 def release_memory() -> None:
@@ -214,7 +222,7 @@ def execute(request: RunRequest, store: TraceStore | None, progress: Progress | 
     policies = check_run(request, limits)
     lm = get_model(request.model)
     ids = _tokens(lm, request, policies, limits)
-    _check_cost(len(policies), ids, request, limits.row_tokens, "This run")
+    _check_cost(lm, policies, ids, request, limits.row_tokens, "This run")
     extra = {} if chunk is None else {"chunk": chunk}
     try:
         result = run_policies(lm, request.specs, policies, ids, request.mode, request.max_new_tokens, store,
@@ -234,7 +242,7 @@ def execute_sweep(request: SweepRequest, store: TraceStore | None, progress: Pro
     policies = check_sweep(request, limits)
     lm = get_model(request.model)
     ids = _tokens(lm, request, policies, limits)
-    _check_cost(len(request.jobs), ids, request, limits.sweep_row_tokens, "This sweep")
+    _check_cost(lm, policies, ids, request, limits.sweep_row_tokens, "This sweep")
     record = default_record_layers(lm) if request.record else ()
     try:
         return sweep(lm, ids, request.jobs, progress, request.max_rows, store, request.mode, request.max_new_tokens,

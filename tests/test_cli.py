@@ -93,7 +93,7 @@ def test_default_model_generate_run_writes_traces_and_summary(tmp_path):
     (["--policy", "tova:budget=8", "--policy", "tova:budget=8"], "list each policy once"),
     (["--mode", "generate", "--max-new-tokens", "10000"], "Max new tokens must be a whole number from 1 to 256"),
     (["--policy", "tova:budget=8,budget=9"], "parameter budget is given twice"),
-    (["--max-tokens", "5000"], "Max tokens must be an integer from 2 to 1024"),
+    (["--max-tokens", "9000"], "Max tokens must be an integer from 2 to 8192"),
 ])
 def test_cheap_mistakes_are_reported_before_the_model_loads(text_file, tmp_path, monkeypatch, capsys, args, message):
     from backend import cli, session

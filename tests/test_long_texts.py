@@ -153,3 +153,39 @@ def test_old_traces_are_refused_so_they_recompute(tiny, text_ids):
     trace.meta["format_version"] = 1
     with pytest.raises(ValueError, match="format"):
         Trace.from_bytes(trace.to_bytes())
+
+
+def test_texts_up_to_the_models_context_are_accepted_and_longer_ones_refused(tiny_session):
+    from backend import session
+    from backend.limits import Limits
+    from backend.session import RequestError, RunRequest
+
+    roomy = Limits(prompt_tokens=8192, row_tokens=10 ** 6)
+    run = session.execute(RunRequest(prompt="ab" * 250, specs=["tova:budget=8"], mode="prompt"), tiny_session,
+                          limits=roomy)
+    assert len(run.traces[0].tokens) == 500
+    with pytest.raises(RequestError, match="reads at most 512"):  # the tiny model's context
+        session.execute(RunRequest(prompt="ab" * 260, specs=["tova:budget=8"], mode="prompt"), tiny_session,
+                        limits=roomy)
+
+
+def test_a_selection_row_costs_more_as_the_text_grows():
+    from backend.limits import Limits, row_cost
+
+    assert row_cost("eviction", 8192) == 8192 and row_cost("compression", 8192) == 8192
+    assert row_cost("selection", 1000) == 1000 and row_cost("selection", 8192) == 8 * 8192
+    limits = Limits()
+    assert 4 * row_cost("eviction", 8192) <= limits.row_tokens < 5 * row_cost("eviction", 8192)
+    assert row_cost("selection", 8192) > limits.row_tokens  # not on a shared Space; an operator may raise it
+
+
+def test_the_message_says_why_a_selection_row_at_length_is_refused(tiny_session, monkeypatch):
+    from backend import limits as limits_module
+    from backend import session
+    from backend.limits import Limits
+    from backend.session import RequestError, RunRequest
+
+    monkeypatch.setattr(limits_module, "SELECTION_UNIT", 100)  # the tiny model's context is 512
+    request = RunRequest(prompt="ab" * 240, specs=["tova:budget=8", "oracle:budget=8"], mode="prompt")
+    with pytest.raises(RequestError, match=r"oracle read every key for every query: at 480 tokens each counts 4x"):
+        session.execute(request, tiny_session, limits=Limits(row_tokens=1000))
