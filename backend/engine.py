@@ -278,6 +278,7 @@ class PolicyCache(DynamicCache):
         self.prerope_q: dict[int, torch.Tensor] = {}  # layer -> this block's queries before RoPE
         self.prerope_k: dict[int, torch.Tensor] = {}  # layer -> every key so far, before RoPE
         self.recorded_k: dict[int, list[torch.Tensor]] = {}  # recorded layer -> blocks of keys before RoPE
+        self.record_top_k = record_top_k  # entries kept of each recorded attention row
         self.rows = [[RowLayerState(p, n_kv_heads, record_top_k if layer in self.record_layers else 0, layer,
                                     n_layers) for p in self.policies]
                      for layer in range(n_layers)]

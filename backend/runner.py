@@ -282,7 +282,8 @@ def run(lm: LoadedModel, specs: Sequence[str], policies: Sequence[Policy], ids: 
         own = ids if continuations is None else ids + continuations[row]
         generated = {} if continuations is None else {"generated_ids": np.array(continuations[row], np.int32)}
         scored = ids if continuations is None else ids + continuations[0]
-        return Trace(meta=_meta(lm, spec, policy, mode, own, len(ids), record), tokens=np.array(own, np.int32),
+        meta = {**_meta(lm, spec, policy, mode, own, len(ids), record), "attention_top_k": cache.record_top_k}
+        return Trace(meta=meta, tokens=np.array(own, np.int32),
                      scored_ids=np.array(scored, np.int32), **{k: v[row] for k, v in stats.items()},
                      **_masks(cache, row, policy, len(own)), **_recorded(lm, cache, row, len(own)), **generated)
 

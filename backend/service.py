@@ -18,7 +18,7 @@ from .trace import Trace
 
 # Bump when the engine's decisions or outputs change for every policy (a policy's own changes bump its
 # ``version``): either puts the old traces out of reach, so changed code never replays stale traces.
-ENGINE_VERSION = 2
+ENGINE_VERSION = 3
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """How a run scales with the text (issue 12): several eviction policies plus Full in one prompt-mode run,
 at each length, against one plain SDPA forward of the same text measured in the same process.
 
-    python -m benchmarks.scaling [--lengths 1024,2048] [--policies sinks,h2o,tova,a2sf] [--budget 256]
+    python -m benchmarks.scaling [--lengths 1024,2048,4096,8192] [--policies sinks,h2o,tova,a2sf] [--budget 256]
+                                 [--record] [--chunk 256]
 
 Each length runs in its own child process, so its peak RSS is its own. Reported per length: the run's wall
 time, the plain forward's, their ratio (and per row), the child's peak RSS and the bytes of the traces as
@@ -20,7 +21,7 @@ import time
 import torch
 
 from backend.policies import parse_spec
-from backend.runner import default_record_layers, run
+from backend.runner import DEFAULT_CHUNK, default_record_layers, run
 from backend.texts import corpus_files, corpus_text
 
 from .common import model
@@ -30,7 +31,13 @@ def long_text() -> str:
     return "\n\n".join(corpus_text("inaugural", name) for name in corpus_files("inaugural"))
 
 
-def measure(length: int, policies: list[str], budget: int, record: bool) -> dict:
+def _recorded_bytes(trace) -> int:
+    """Bytes of a trace's recorded data (attention rows and keys), as stored."""
+    arrays = trace.arrays()
+    return sum(arrays[k].nbytes for k in ("attn_pos", "attn_val", "keys", "key_positions") if k in arrays)
+
+
+def measure(length: int, policies: list[str], budget: int, record: bool, chunk: int) -> dict:
     """One length, in this process: plain forward, then the instrumented run."""
     lm = model()
     ids = lm.tokenizer(long_text()).input_ids[:length]
@@ -43,12 +50,13 @@ def measure(length: int, policies: list[str], budget: int, record: bool) -> dict
             lm.model(torch.tensor([ids]))
             plain = min(plain, time.perf_counter() - start)
     start = time.perf_counter()
-    traces, full = run(lm, specs, [parse_spec(s) for s in specs], ids, mode="prompt",
+    traces, full = run(lm, specs, [parse_spec(s) for s in specs], ids, mode="prompt", chunk=chunk,
                        record_layers=default_record_layers(lm) if record else ())
     wall = time.perf_counter() - start
     trace_bytes = {t.spec: len(t.to_bytes()) for t in [*traces, full]}
     return {"tokens": len(ids), "rows": len(specs) + 1, "plain_s": plain, "run_s": wall,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "trace_bytes": trace_bytes}
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "trace_bytes": trace_bytes,
+            "recorded_bytes": sum(_recorded_bytes(t) for t in [*traces, full])}
 
 
 def main() -> None:
@@ -57,19 +65,20 @@ def main() -> None:
     parser.add_argument("--policies", default="sinks,h2o,tova,a2sf")
     parser.add_argument("--budget", type=int, default=256)
     parser.add_argument("--record", action="store_true", help="also record the app's layers (attention, keys)")
+    parser.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help="prompt tokens per forward call")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # the child: measure one length, print JSON
     args = parser.parse_args()
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if args.one:
-        print(json.dumps(measure(args.one, policies, args.budget, args.record)))
+        print(json.dumps(measure(args.one, policies, args.budget, args.record, args.chunk)))
         return
     print(f"{', '.join(policies)} + Full at budget {args.budget}, prompt mode"
           f"{', recording the app layers' if args.record else ''} (torch threads: {torch.get_num_threads()})")
-    print("| T | run | plain forward | ratio | per row | peak RSS | Full trace | each policy trace |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| T | run | plain forward | ratio | per row | peak RSS | Full trace | each policy trace | recorded (run) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for length in (int(x) for x in args.lengths.split(",")):
         child = [sys.executable, "-m", "benchmarks.scaling", "--one", str(length), "--policies", args.policies,
-                 "--budget", str(args.budget)] + (["--record"] if args.record else [])
+                 "--budget", str(args.budget), "--chunk", str(args.chunk)] + (["--record"] if args.record else [])
         result = subprocess.run(child, capture_output=True, text=True)
         if result.returncode != 0:
             print(f"| {length} | failed: {result.stderr.strip().splitlines()[-1] if result.stderr else result.returncode} |")
@@ -80,7 +89,7 @@ def main() -> None:
         others = [v for k, v in sizes.items() if k != "full"]
         print(f"| {r['tokens']} | {r['run_s']:.1f} s | {r['plain_s']:.2f} s | {ratio:.1f}x | {ratio / r['rows']:.2f}x "
               f"| {r['peak_rss_mb'] / 1024:.2f} GB | {sizes['full'] / 2**20:.1f} MB "
-              f"| {sum(others) / len(others) / 2**20:.1f} MB |")
+              f"| {sum(others) / len(others) / 2**20:.1f} MB | {r['recorded_bytes'] / 2**20:.1f} MB |", flush=True)
 
 
 if __name__ == "__main__":
