@@ -86,14 +86,22 @@ def render_run(run_id):
     return [panels.summary_table(run), *panels.divergence(run), *panels.retention(run), panels.share_markdown(run)]
 
 
-def render_views(run_id, layer, head, step, alpha):
+def render_heatmap(run_id, layer, head, zoom=False, first_step=0, first_pos=0, size=panels.ZOOM_SIZES[1]):
+    """The masks: the whole text (binned when long), or a window of it at one token per cell."""
+    if not run_id:
+        return None
+    run = load_run(run_id)
+    return panels.heatmaps(run, layer, head, panels.zoom_window(run, zoom, first_step, first_pos, size))
+
+
+def render_views(run_id, layer, head, step, alpha, zoom=False, first_step=0, first_pos=0, size=panels.ZOOM_SIZES[1]):
     """The views that follow the layer, head and step selectors (t-SNE is computed on demand)."""
     if not run_id:
         return [None] * 4
     run = load_run(run_id)
     step = panels.clamp_step(run, step)
-    return [panels.heatmaps(run, layer, head), panels.kept_tokens(run, step, layer, head),
-            *panels.score_curves(run, layer, head, alpha, step)]
+    return [render_heatmap(run_id, layer, head, zoom, first_step, first_pos, size),
+            panels.kept_tokens(run, step, layer, head), *panels.score_curves(run, layer, head, alpha, step)]
 
 
 def run_request(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model):
@@ -271,6 +279,15 @@ def build() -> gr.Blocks:
                 with gr.Tabs():
                     with gr.Tab("Masks"):
                         gr.Markdown(NOTES["masks"])
+                        with gr.Row(equal_height=True):
+                            zoom = gr.Checkbox(False, label="Zoom: one token per cell", elem_id="zoom",
+                                               info="Off: the whole text (long texts in bins)")
+                            zoom_step = gr.Number(0, label="First step (row)", precision=0, minimum=0,
+                                                  elem_id="zoom-step")
+                            zoom_pos = gr.Number(0, label="First position (column)", precision=0, minimum=0,
+                                                 elem_id="zoom-pos")
+                            zoom_size = gr.Dropdown(list(panels.ZOOM_SIZES), value=panels.ZOOM_SIZES[1],
+                                                    label="Window (tokens)", elem_id="zoom-size")
                         heatmap = gr.Plot(elem_id="heatmap")
                     with gr.Tab("Kept tokens"):
                         gr.Markdown(NOTES["kept"])
@@ -313,6 +330,7 @@ def build() -> gr.Blocks:
                      pos_table, share]
         views = [heatmap, kept, curves, curves_steps]
         selectors = [run_id, layer, head, step, curve_alpha]
+        zoom_controls = [zoom, zoom_step, zoom_pos, zoom_size]
         run_inputs = [prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model]
         # The model runs one job at a time ("model"); the views of stored runs share two workers ("views").
         # Moving the budget re-runs too: replayed from the store when that budget was computed before.
@@ -320,17 +338,23 @@ def build() -> gr.Blocks:
         for trigger in (run_button.click, budget.change):
             trigger(on_run, run_inputs, [run_id, status, step, layer, head], validator=check_run,
                     concurrency_id="model", trigger_mode="always_last").then(
-                render_run, run_id, run_views, **views_).then(render_views, selectors, views, **views_)
+                render_run, run_id, run_views, **views_).then(render_views, selectors + zoom_controls, views, **views_)
         for control in (layer, head, curve_alpha):
-            control.change(render_views, selectors, views, **views_)
-        step.release(render_views, selectors, views, **views_)
+            control.change(render_views, selectors + zoom_controls, views, **views_)
+        step.release(render_views, selectors + zoom_controls, views, **views_)
+        # The zoom moves only the masks: the other views do not depend on it.
+        for control in (zoom, zoom_size):
+            control.change(render_heatmap, [run_id, layer, head, *zoom_controls], heatmap, **views_)
+        for control in (zoom_step, zoom_pos):  # typed numbers count once done (Enter or leaving the box)
+            for event in (control.submit, control.blur):
+                event(render_heatmap, [run_id, layer, head, *zoom_controls], heatmap, **views_)
         tsne_button.click(on_tsne, [run_id, tsne_policy, layer, head], tsne_plot, **views_)
         sweep_button.click(on_sweep, [prompt, mode, max_new, names, sinks, alpha, heads, model],
                            [sweep_plot, sweep_status], validator=check_sweep, concurrency_id="model")
         export_button.click(on_export, selectors, export_file, **views_).then(after_export, None, None, queue=False)
         # A page load never waits behind the queue (reopening a link reads the store only).
         demo.load(on_load, None, [run_id, status], queue=False).then(render_run, run_id, run_views, **views_).then(
-            render_views, selectors, views, **views_)
+            render_views, selectors + zoom_controls, views, **views_)
     return demo
 
 

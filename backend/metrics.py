@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import reads
 from .trace import Trace
 
 
@@ -87,12 +88,6 @@ def _check_same_tokens(trace: Trace, other: Trace, what: str) -> None:
             raise ValueError(f"{what} needs traces of the same model ({key} {trace.meta[key]} != {other.meta[key]})")
 
 
-def _row_cosine(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Cosine similarity of matching rows (last axis) of two float arrays."""
-    num = (x * y).sum(-1)
-    return num / np.sqrt((x * x).sum(-1) * (y * y).sum(-1))
-
-
 def mask_similarity(trace: Trace, oracle_trace: Trace, from_step: int = 0) -> dict:
     """Cosine similarity of the read masks of two traces on the same tokens, A2SF Table 2 on masks.
 
@@ -101,21 +96,42 @@ def mask_similarity(trace: Trace, oracle_trace: Trace, from_step: int = 0) -> di
     ``cos = |a and b| / sqrt(|a| * |b|)`` (1 = same set of tokens read, 0 = disjoint; every row reads
     at least its own token, so it is defined). ``per_layer[l]`` is the mean over heads and steps;
     ``overall`` is the mean of ``per_layer``. Steps before the cache fills read every token under both
-    traces and score 1; pass ``from_step=budget`` to leave them out.
+    traces and score 1; pass ``from_step=budget`` to leave them out. The three counts of every row come
+    from read intervals (``backend/reads.py``), so no mask is built.
 
     Returns ``{"layers": [0..L-1], "per_layer": float64 [L], "overall": float}``.
     """
     _check_same_tokens(trace, oracle_trace, "mask_similarity")
-    n_layers = trace.meta["n_layers"]
-    if not 0 <= from_step < len(trace.tokens):
-        raise ValueError(f"from_step must be within 0..{len(trace.tokens) - 1}, got {from_step}")
+    n_layers, n = trace.meta["n_layers"], len(trace.tokens)
+    if not 0 <= from_step < n:
+        raise ValueError(f"from_step must be within 0..{n - 1}, got {from_step}")
     per_layer = np.empty(n_layers)
     for layer in range(n_layers):
-        a = trace.reads(layer)[:, from_step:]
-        b = oracle_trace.reads(layer)[:, from_step:]
-        both = (a & b).sum(-1, dtype=np.float64)
-        per_layer[layer] = (both / np.sqrt(a.sum(-1, dtype=np.float64) * b.sum(-1, dtype=np.float64))).mean()
+        cosines = []
+        for head in range(trace.meta["n_kv_heads"]):
+            a, b = reads.intervals(trace, layer, [head]), reads.intervals(oracle_trace, layer, [head])
+            both = reads.per_step(*reads.overlaps(a, b), n)
+            size_a, size_b = reads.per_step(a[1], a[2], n), reads.per_step(b[1], b[2], n)
+            cosines.append(both[from_step:] / np.sqrt(size_a[from_step:] * size_b[from_step:], dtype=np.float64))
+        per_layer[layer] = np.mean(cosines)
     return {"layers": list(range(n_layers)), "per_layer": per_layer, "overall": float(per_layer.mean())}
+
+
+def _sparse_row_cosine(pos_a: np.ndarray, val_a: np.ndarray, pos_b: np.ndarray, val_b: np.ndarray) -> np.ndarray:
+    """float64 [T]: cosine of matching rows of two sparse row sets ([T, k] positions, -1 = empty, and values)."""
+    n = pos_a.shape[0]
+
+    def keyed(pos, val):
+        rows = np.broadcast_to(np.arange(n)[:, None], pos.shape)
+        hit = pos >= 0
+        return rows[hit] * n + pos[hit], val[hit].astype(np.float64)
+
+    (ka, va), (kb, vb) = keyed(pos_a, val_a), keyed(pos_b, val_b)
+    _, ia, ib = np.intersect1d(ka, kb, assume_unique=True, return_indices=True)  # a row holds a position once
+    dot = np.bincount(ka[ia] // n, weights=va[ia] * vb[ib], minlength=n)
+    norm_a = np.bincount(ka // n, weights=va * va, minlength=n)
+    norm_b = np.bincount(kb // n, weights=vb * vb, minlength=n)
+    return dot / np.sqrt(norm_a * norm_b)
 
 
 def attention_similarity(trace: Trace, oracle_trace: Trace, from_step: int = 0) -> dict:
@@ -125,7 +141,8 @@ def attention_similarity(trace: Trace, oracle_trace: Trace, from_step: int = 0) 
     similarity of the attention row of query ``t`` under ``trace`` and under ``oracle_trace`` (each the
     softmax over what that query read, mean over the KV head's query heads, zero where not read: the
     "attention score after applying the method" of A2SF Table 2). ``per_layer`` is the mean over heads
-    and steps, in the order of ``layers``; ``overall`` is the mean of ``per_layer``.
+    and steps, in the order of ``layers``; ``overall`` is the mean of ``per_layer``. Long texts keep each
+    row's top-k entries only (``backend/recorded.py``): the cosine is then that of the stored entries.
 
     Returns ``{"layers": [...], "per_layer": float64 [R], "overall": float}``; ValueError when the
     traces have no recorded layer in common.
@@ -139,9 +156,11 @@ def attention_similarity(trace: Trace, oracle_trace: Trace, from_step: int = 0) 
         raise ValueError(f"no recorded layer in common: {mine} vs {theirs}")
     if not 0 <= from_step < len(trace.tokens):
         raise ValueError(f"from_step must be within 0..{len(trace.tokens) - 1}, got {from_step}")
+    a, b = trace.attention, oracle_trace.attention
     per_layer = np.array([
-        _row_cosine(trace.attention[mine.index(layer), :, from_step:].astype(np.float64),
-                    oracle_trace.attention[theirs.index(layer), :, from_step:].astype(np.float64)).mean()
+        np.mean([_sparse_row_cosine(a.pos[mine.index(layer), h], a.val[mine.index(layer), h],
+                                    b.pos[theirs.index(layer), h], b.val[theirs.index(layer), h])[from_step:]
+                 for h in range(a.pos.shape[1])])
         for layer in layers])
     return {"layers": layers, "per_layer": per_layer, "overall": float(per_layer.mean())}
 
@@ -158,8 +177,8 @@ def lifetimes(trace: Trace) -> np.ndarray:
     """
     n_layers, n_heads, n = trace.meta["n_layers"], trace.meta["n_kv_heads"], len(trace.tokens)
     j = np.arange(n)
-    if trace.selected is not None:
-        return trace.selected.sum(axis=2, dtype=np.int64)
+    if trace.spans is not None:
+        return trace.spans.counts()
     if trace.evicted_at is None:
         return np.broadcast_to(n - j, (n_layers, n_heads, n)).astype(np.int64)
     gone = trace.evicted_at.astype(np.int64)
@@ -201,6 +220,7 @@ def non_recent_share(trace: Trace, budget: int | None = None) -> dict:
     (earlier steps cannot read an older token), ``share = #{j read by t : j <= t - budget} / #{j read
     by t}``; ``per_layer`` is the mean over heads and those steps, ``overall`` the mean over layers.
     TOVA Sec. 6.1 reports 1 - share ("only 73-76% of the tokens are recent"). Window scores 0.
+    A read of token ``j`` is old from step ``j + budget`` on, so each read interval is cut there.
 
     Returns ``{"budget": b, "per_layer": float64 [L], "overall": float}``.
     """
@@ -208,72 +228,149 @@ def non_recent_share(trace: Trace, budget: int | None = None) -> dict:
     n = len(trace.tokens)
     if n <= b:
         raise ValueError(f"the text ({n} tokens) must be longer than the budget ({b})")
-    old = np.tri(n, n, -b, dtype=bool)[b:]  # row t (from b on): j <= t - b
     per_layer = np.empty(trace.meta["n_layers"])
     for layer in range(len(per_layer)):
-        reads = trace.reads(layer)[:, b:]
-        per_layer[layer] = ((reads & old).sum(-1) / reads.sum(-1)).mean()
+        pos, start, end = reads.intervals(trace, layer)
+        shares = []
+        for head, rows in enumerate(np.split(np.arange(len(pos)), _head_offsets(trace, layer))):
+            p, s, e = pos[rows], start[rows], end[rows]
+            old_from = np.minimum(np.maximum(s, p + b), e)
+            shares.append(reads.per_step(old_from, e, n)[b:] / reads.per_step(s, e, n)[b:])
+        per_layer[layer] = np.mean(shares)
     return {"budget": b, "per_layer": per_layer, "overall": float(per_layer.mean())}
+
+
+def _head_offsets(trace: Trace, layer: int) -> list[int]:
+    """Where each KV head's intervals begin in ``reads.intervals(trace, layer)`` (the first head left out)."""
+    if trace.spans is None:
+        return [len(trace.tokens) * h for h in range(1, trace.meta["n_kv_heads"])]
+    first = trace.spans.offsets[layer * trace.spans.n_heads]
+    return [int(trace.spans.offsets[layer * trace.spans.n_heads + h] - first) for h in range(1, trace.spans.n_heads)]
 
 
 # --- A2S vs A2SF score curves (A2SF Eq. 4-5, Fig. 1 and 6) ---------------------------------------------
 
+FOLLOWED_TOKENS = 6  # tokens whose scores the over-the-steps figure follows
+_BLOCK = 128  # steps held as dense score rows at a time while following tokens (128 x T float64: 8 MB at 8k)
+
+
 @dataclass
 class ScoreCurves:
-    """Accumulated attention scores of one head of one recorded layer, float64 ``[T, T]`` (row = step
-    ``t``, column = token ``j``; zero for ``j > t``), and the tokens each score would keep."""
+    """A2S and A2SF of one head of one recorded layer: every token's score at one ``step`` (A2SF Fig. 1)
+    and a few tokens' scores over all the steps (Fig. 6), with the tokens each score would keep."""
 
-    attention: np.ndarray  # S[t, j]: the recorded attention row of query t
-    a2s: np.ndarray  # alpha = 1 (Eq. 4): sum_{q <= t} S[q, j]
-    a2sf: np.ndarray  # Eq. 5: sum_{q <= t} alpha^(t - q) S[q, j]
-    keep_a2s: np.ndarray  # bool [T, T]: the top-`budget` tokens j <= t by a2s at step t
-    keep_a2sf: np.ndarray  # bool [T, T]: the same by a2sf
+    step: int
+    a2s: np.ndarray  # float64 [step + 1]: alpha = 1 (Eq. 4), sum_{q <= step} S[q, j]
+    a2sf: np.ndarray  # float64 [step + 1]: Eq. 5, sum_{q <= step} alpha^(step - q) S[q, j]
+    keep_a2s: np.ndarray  # bool [step + 1]: the top-`budget` tokens by a2s at `step`
+    keep_a2sf: np.ndarray  # bool [step + 1]: the same by a2sf
+    tokens: np.ndarray  # int64 [m]: the followed tokens
+    a2s_over_steps: np.ndarray  # float64 [m, T]: row i = token tokens[i]'s A2S at every step (0 before it arrived)
+    a2sf_over_steps: np.ndarray  # float64 [m, T]
+    kept_a2s_over_steps: np.ndarray  # bool [m, T]: is the token in the top `budget` at that step
+    kept_a2sf_over_steps: np.ndarray  # bool [m, T]
     alpha: float
     budget: int
 
 
-def _top_by_row(score: np.ndarray, k: int) -> np.ndarray:
-    """bool [T, T]: per row t, the k highest scores among j <= t (ties: the earlier position)."""
-    n = score.shape[0]
-    causal = np.tri(n, n, dtype=bool)
-    masked = np.where(causal, score, -np.inf)
-    order = np.argsort(-masked, axis=-1, kind="stable")[:, :k]
-    keep = np.zeros((n, n), bool)
-    np.put_along_axis(keep, order, True, axis=-1)
-    return keep & causal  # rows t < k - 1 have fewer than k candidates
+def _top(score: np.ndarray, k: int) -> np.ndarray:
+    """bool [n]: the k highest scores (ties: the earlier position), all of them when n <= k."""
+    keep = np.zeros(len(score), bool)
+    keep[np.argsort(-score, kind="stable")[:k]] = True
+    return keep
 
 
-def score_curves(trace: Trace, layer: int, head: int, alpha: float, budget: int) -> ScoreCurves:
+def _score_at(pos: np.ndarray, val: np.ndarray, alpha: float, step: int) -> np.ndarray:
+    """float64 [step + 1]: sum_{q <= step} alpha^(step - q) S[q, j] from sparse rows (O(step * k))."""
+    pos, val = pos[: step + 1], val[: step + 1]
+    weight = np.power(np.float64(alpha), np.arange(step, -1, -1, dtype=np.float64))[:, None]  # 0 ** 0 = 1
+    hit = pos >= 0
+    return np.bincount(pos[hit], weights=(val * weight)[hit], minlength=step + 1)
+
+
+def _follow(pos: np.ndarray, val: np.ndarray, alpha: float, budget: int, tokens: np.ndarray) -> tuple:
+    """The recurrence A_t = alpha * A_(t-1) + S_t over all steps, keeping only what the figure needs: the
+    followed tokens' scores [m, T] and whether each is in the top ``budget`` at every step [m, T].
+
+    Rows are built ``_BLOCK`` steps at a time, over the positions that have arrived by the block's end; the
+    budget-th largest score of a row comes from one ``np.partition`` (only for rows where a followed token
+    has arrived and the cache is full), and a token whose score ties it is ranked exactly (ties: the
+    earlier position)."""
+    n = pos.shape[0]
+    scores, kept = np.zeros((len(tokens), n)), np.zeros((len(tokens), n), bool)
+    carry = np.zeros(0)
+    for first in range(0, n, _BLOCK):
+        last = min(n, first + _BLOCK)
+        block = np.zeros((last - first, last))  # positions >= last have not arrived in this block
+        rows, cols = np.nonzero(pos[first:last] >= 0)
+        block[rows, pos[first:last][rows, cols]] = val[first:last][rows, cols]  # a row holds a position once
+        block[0, : len(carry)] += alpha * carry
+        for i in range(1, len(block)):
+            block[i] += alpha * block[i - 1]
+        carry = block[-1]
+        steps = np.arange(first, last)
+        arrived = tokens[None, :] <= steps[:, None]  # [b, m]
+        if not arrived.any():
+            continue
+        mine = np.where(arrived, block[:, np.minimum(tokens, last - 1)], 0.0)
+        in_top = arrived.copy()  # while t < budget every token that arrived is kept
+        full = np.flatnonzero(arrived.any(1) & (steps >= budget))
+        if len(full):
+            # Scores are >= 0 and zero beyond the step, so those zeros never rank above a token that arrived.
+            threshold = np.partition(block[full], last - budget, axis=1)[:, last - budget][:, None]
+            own = mine[full]
+            in_top[full] = (own > threshold) & arrived[full]
+            ties = (own == threshold) & arrived[full]
+            for k in np.flatnonzero(ties.any(0)):  # rank exactly; zeros beyond the step are never > a score
+                i, j = full[ties[:, k]], tokens[k]
+                row, score = block[i], block[i, j][:, None]
+                in_top[i, k] = (row > score).sum(1) + (row[:, :j] == score).sum(1) < budget
+        scores[:, first:last] = mine.T
+        kept[:, first:last] = in_top.T
+    return scores, kept
+
+
+def score_curves(trace: Trace, layer: int, head: int, alpha: float, budget: int, step: int | None = None,
+                 tokens=None) -> ScoreCurves:
     """A2S (alpha = 1) and A2SF (forgetting factor ``alpha``) scores from the recorded attention of
     ``layer`` (a model layer index, one of ``meta["recorded_layers"]``) and KV ``head``.
 
     ``S[q, j]`` is the trace's own recorded attention (what query q read; Full's trace gives the
-    unpruned scores of the papers' figures). ``A[t, j] = sum_{q=j..t} alpha^(t-q) S[q, j]``, computed as
-    one matrix product with the decay matrix ``W[t, q] = alpha^(t-q)`` (q <= t). ``keep_*[t]`` are the
-    ``budget`` tokens among ``0..t`` with the highest score at step t (all of them while t < budget),
-    as a selection from the whole past, not a replay of the eviction policy.
+    unpruned scores of the papers' figures; long texts store each row's top-k entries, and the rest of a
+    row's weight is not counted). ``A[t, j] = sum_{q=j..t} alpha^(t-q) S[q, j]``, i.e. the recurrence
+    ``A_t = alpha * A_(t-1) + S_t``: at ``step`` (default the last) for every token, and over the steps for
+    ``tokens`` (default: the ``FOLLOWED_TOKENS`` that A2SF ranks highest at ``step``). A token is kept at step
+    t when it is among the ``budget`` highest scores of tokens ``0..t`` (all of them while t < budget), as a
+    selection from the whole past, not a replay of the eviction policy.
     """
     recorded = trace.meta.get("recorded_layers") or []
     if trace.attention is None or layer not in recorded:
         raise ValueError(f"layer {layer} has no recorded attention in this trace (recorded layers: {recorded})")
-    if not 0 <= head < trace.attention.shape[1]:
-        raise ValueError(f"head must be within 0..{trace.attention.shape[1] - 1}, got {head}")
+    if not 0 <= head < trace.attention.pos.shape[1]:
+        raise ValueError(f"head must be within 0..{trace.attention.pos.shape[1] - 1}, got {head}")
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
     if budget < 1:
         raise ValueError(f"budget must be >= 1, got {budget}")
-    s = trace.attention[recorded.index(layer), head].astype(np.float64)
-    n = s.shape[0]
-    lag = np.arange(n)[:, None] - np.arange(n)[None, :]
-    causal = lag >= 0
-
-    def accumulate(a: float) -> np.ndarray:
-        decay = np.where(causal, np.float64(a) ** np.where(causal, lag, 0), 0.0)  # 0 ** 0 = 1
-        return decay @ s
-
-    a2s, a2sf = accumulate(1.0), accumulate(alpha)
-    return ScoreCurves(attention=s, a2s=a2s, a2sf=a2sf, keep_a2s=_top_by_row(a2s, budget),
-                       keep_a2sf=_top_by_row(a2sf, budget), alpha=float(alpha), budget=int(budget))
+    n = len(trace.tokens)
+    step = n - 1 if step is None else int(step)
+    if not 0 <= step < n:
+        raise ValueError(f"step must be within 0..{n - 1}, got {step}")
+    r = recorded.index(layer)
+    pos, val = trace.attention.pos[r, head], trace.attention.val[r, head].astype(np.float64)
+    a2s, a2sf = _score_at(pos, val, 1.0, step), _score_at(pos, val, alpha, step)
+    keep_a2sf = _top(a2sf, budget)
+    if tokens is None:
+        tokens = np.sort(np.argsort(-a2sf, kind="stable")[:FOLLOWED_TOKENS])
+    tokens = np.asarray(tokens, np.int64)
+    if tokens.size and not (0 <= tokens.min() and tokens.max() < n):
+        raise ValueError(f"followed tokens must be within 0..{n - 1}")
+    a2s_steps, kept_a2s = _follow(pos, val, 1.0, budget, tokens)
+    a2sf_steps, kept_a2sf = _follow(pos, val, float(alpha), budget, tokens)
+    return ScoreCurves(step=step, a2s=a2s, a2sf=a2sf, keep_a2s=_top(a2s, budget), keep_a2sf=keep_a2sf,
+                       tokens=tokens, a2s_over_steps=a2s_steps, a2sf_over_steps=a2sf_steps,
+                       kept_a2s_over_steps=kept_a2s, kept_a2sf_over_steps=kept_a2sf, alpha=float(alpha),
+                       budget=int(budget))
 
 
 # --- K cache before and after RoPE, for t-SNE (ReAttention Fig. 8-9) ----------------------------------
@@ -284,42 +381,52 @@ def rotate_half(x: np.ndarray) -> np.ndarray:
     return np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
 
 
-def unrotate_keys(keys: np.ndarray, inv_freq: np.ndarray, scaling: float = 1.0,
-                  positions: np.ndarray | None = None) -> np.ndarray:
-    """Undo RoPE on keys ``[..., T, d]`` (position ``j`` = ``positions[j]``, default ``j``).
-
-    RoPE gave ``k_rot = (k * cos + rotate_half(k) * sin) * s`` with angles ``j * inv_freq`` repeated
-    over both halves of the head dim; a rotation by ``-angle`` and a division by ``s`` gives
-    ``k = (k_rot * cos - rotate_half(k_rot) * sin) / s``.
-    """
+def _rotate(keys: np.ndarray, inv_freq: np.ndarray, positions: np.ndarray | None, sign: float) -> np.ndarray:
+    """Keys [..., S, d] rotated by ``sign * position * inv_freq`` (RoPE's angles, over both halves of d)."""
     keys = np.asarray(keys, np.float64)
-    n = keys.shape[-2]
-    pos = np.arange(n) if positions is None else np.asarray(positions)
+    pos = np.arange(keys.shape[-2]) if positions is None else np.asarray(positions)
     angle = pos[:, None].astype(np.float64) * np.asarray(inv_freq, np.float64)[None, :]
     angle = np.concatenate([angle, angle], axis=-1)
-    return (keys * np.cos(angle) - rotate_half(keys) * np.sin(angle)) / scaling
+    return keys * np.cos(angle) + sign * rotate_half(keys) * np.sin(angle)
+
+
+def rotate_keys(keys: np.ndarray, inv_freq: np.ndarray, scaling: float = 1.0,
+                positions: np.ndarray | None = None) -> np.ndarray:
+    """Apply RoPE to keys ``[..., S, d]`` at ``positions`` (default ``0..S-1``), as transformers does:
+    ``k_rot = (k * cos + rotate_half(k) * sin) * scaling`` with angles ``position * inv_freq``."""
+    return _rotate(keys, inv_freq, positions, 1.0) * scaling
+
+
+def unrotate_keys(keys: np.ndarray, inv_freq: np.ndarray, scaling: float = 1.0,
+                  positions: np.ndarray | None = None) -> np.ndarray:
+    """Undo RoPE on keys ``[..., S, d]``: a rotation by ``-angle`` and a division by ``scaling`` (the inverse
+    of ``rotate_keys``)."""
+    return _rotate(keys, inv_freq, positions, -1.0) / scaling
 
 
 @dataclass
 class KeySamples:
-    """The cached keys of one KV head of one recorded layer, one row per token (position)."""
+    """The keys of one KV head of one recorded layer at the trace's sampled positions, one row per position."""
 
-    after_rope: np.ndarray  # float32 [T, d], as cached
-    before_rope: np.ndarray  # float32 [T, d], rotated back
-    kept: np.ndarray  # bool [T]: read by the last query (step T - 1)
+    positions: np.ndarray  # int32 [S]: the token positions of the rows (all of them up to 1024 tokens)
+    before_rope: np.ndarray  # float32 [S, d], as the trace stores them
+    after_rope: np.ndarray  # float32 [S, d], rotated to their positions as the cache held them
+    kept: np.ndarray  # bool [S]: read by the last query (step T - 1)
 
 
 def key_samples(trace: Trace, layer: int, head: int) -> KeySamples:
-    """Keys of model ``layer`` (one of ``meta["recorded_layers"]``) and KV ``head`` after RoPE, before
-    RoPE (rotated back with ``rope_inv_freq`` and ``rope_attention_scaling``, see ``unrotate_keys``),
-    and whether each token is in the cache the last query read (``kept``; False = evicted by then, or
-    not selected at the last step for selection policies)."""
+    """Keys of model ``layer`` (one of ``meta["recorded_layers"]``) and KV ``head`` before RoPE (as stored,
+    at ``Trace.key_positions``), after RoPE (rotated forward with ``rope_inv_freq`` and
+    ``rope_attention_scaling``, see ``rotate_keys``), and whether each is in the cache the last query read
+    (``kept``; False = evicted by then, or not selected at the last step for selection policies)."""
     recorded = trace.meta.get("recorded_layers") or []
     if trace.keys is None or trace.rope_inv_freq is None or layer not in recorded:
         raise ValueError(f"layer {layer} has no recorded keys in this trace (recorded layers: {recorded})")
     if not 0 <= head < trace.keys.shape[1]:
         raise ValueError(f"head must be within 0..{trace.keys.shape[1] - 1}, got {head}")
-    after = trace.keys[recorded.index(layer), head].astype(np.float32)
-    before = unrotate_keys(after, trace.rope_inv_freq, trace.meta.get("rope_attention_scaling", 1.0))
-    kept = np.array(trace.reads(layer)[head, -1], bool)
-    return KeySamples(after_rope=after, before_rope=before.astype(np.float32), kept=kept)
+    positions = np.asarray(trace.key_positions)
+    before = trace.keys[recorded.index(layer), head].astype(np.float32)
+    after = rotate_keys(before, trace.rope_inv_freq, trace.meta.get("rope_attention_scaling", 1.0), positions)
+    kept = trace.reads_at(layer, len(trace.tokens) - 1)[head][positions]
+    return KeySamples(positions=positions, before_rope=before, after_rope=after.astype(np.float32),
+                      kept=np.asarray(kept, bool))

@@ -1,7 +1,8 @@
 """2-D t-SNE maps of cached keys before and after RoPE (ReAttention Fig. 8-9); the figure is viz/tsne.py.
 
-Keys of one layer and KV head ([T, d], e.g. ``Trace.keys[r, head]`` after RoPE and the same keys
-rotated back) are embedded with scikit-learn's t-SNE with a fixed seed, each set on its own, so the two
+Keys of one layer and KV head ([S, d]: ``Trace.keys[r, head]``, stored before RoPE at up to 1024
+sampled positions, and the same keys rotated to their positions) are embedded with scikit-learn's
+t-SNE with a fixed seed, each set on its own, so the two
 maps can be compared side by side: after RoPE, keys tend to line up by position; before it, by
 content.
 """
@@ -46,7 +47,7 @@ def embed(x: np.ndarray, seed: int = 0, perplexity: float = DEFAULT_PERPLEXITY, 
     if not np.all(np.isfinite(x)):
         raise ValueError("keys contain NaN or inf")
     n = len(x)
-    if n < MIN_TSNE_POINTS:
+    if n < MIN_TSNE_POINTS or not np.ptp(x, axis=0).any():  # identical points: t-SNE's gradient is NaN
         return _pca_2d(x)
     tsne = TSNE(n_components=2, perplexity=clip_perplexity(perplexity, n), init="pca", learning_rate="auto",
                 max_iter=max(250, int(max_iter)), random_state=seed, method="barnes_hut" if n > 200 else "exact")

@@ -80,6 +80,9 @@ def test_deep_link_and_views_render_a_stored_run(tiny_session):
     assert run.run_id in share and "no continuations" in continuations
     heatmap, kept, curves, curves_steps = app.render_views(run_id, "1", "0", 30, 0.3)
     assert len(heatmap.data) == 3 and kept.count("at step 30") == 3 and curves.data and curves_steps.data
+    n = len(run.traces[0].tokens)
+    zoomed = app.render_heatmap(run_id, "1", "0", True, 2, 1, 64)  # the window is moved inside the short text
+    assert np.asarray(zoomed.data[0].z).shape == (n, n) and "steps 0–" in zoomed.layout.title.text
     assert app.on_tsne(run_id, "tova", "1", "0").data
     assert list(summary.columns[-4:]) == ["Token 0 kept", "Non-recent share", "Decides", "Budget shared"]
     assert list(summary["Decides"]) == ["every step", "before every query", "before every query"]
@@ -87,6 +90,13 @@ def test_deep_link_and_views_render_a_stored_run(tiny_session):
     with zipfile.ZipFile(app.on_export(run_id, "all", "all", 5, 0.3)) as z:
         figures = z.read("figures.html").decode()
         assert figures.count("plotly-graph-div") >= 7 and "tova:budget=6" in figures
+
+
+def test_zoom_controls_become_a_window_inside_the_text():
+    run = SimpleNamespace(traces=[SimpleNamespace(tokens=np.arange(1000))])
+    assert app.panels.zoom_window(run, False, 10, 10, 64) is None  # off: the whole text, binned
+    assert app.panels.zoom_window(run, True, 900, -5, 256) == (744, 0, 256)  # moved inside the text
+    assert app.panels.zoom_window(run, True, None, 3.0, 9999) == (0, 3, 256)  # blank box, size out of the choices
 
 
 def test_summary_has_no_oracle_column_without_an_oracle(tiny_session):

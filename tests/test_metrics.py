@@ -127,10 +127,10 @@ def test_similarities_refuse_traces_on_different_tokens():
 
 def test_attention_similarity_uses_the_layers_both_traces_recorded():
     # Layer 3 recorded by both: rows t0 [1, 0] vs [1, 0] -> 1; t1 [.6, .8] vs [.8, .6] -> .96; mean .98.
-    attn_a = np.array([[[[1, 0], [0.6, 0.8]]], [[[1, 0], [0, 1]]]])  # layers 0 and 3
+    # (Layer 0 against it would give 1 and 0.6: mean 0.8.)
+    attn_a = np.array([[[[1, 0], [0, 1]]], [[[1, 0], [0.6, 0.8]]]])  # layers 0 and 3
     attn_b = np.array([[[[1, 0], [0.8, 0.6]]]])  # layer 3 only
     a = make_trace(2, attention=attn_a, recorded_layers=(0, 3), n_layers=4)
-    a.attention[1] = attn_a[0]  # the policy's layer 3 is the [.6, .8] example
     b = make_trace(2, attention=attn_b, recorded_layers=(3,), n_layers=4)
     sim = metrics.attention_similarity(a, b)
     assert sim["layers"] == [3]
@@ -194,14 +194,22 @@ def curves_trace(attention, layer=2):
 
 
 def test_score_curves_accumulate_with_and_without_forgetting():
-    c = metrics.score_curves(curves_trace(S), layer=2, head=0, alpha=0.25, budget=2)
+    trace = curves_trace(S)
     # A2S = column sums so far; A2SF: A_t = 0.25 * A_(t-1) + S_t.
-    assert c.a2s.tolist() == [[1, 0, 0], [1.5, 0.5, 0], [1.625, 0.75, 0.625]]
-    assert c.a2sf.tolist() == [[1, 0, 0], [0.75, 0.5, 0], [0.3125, 0.375, 0.625]]
+    a2s = [[1, 0, 0], [1.5, 0.5, 0], [1.625, 0.75, 0.625]]
+    a2sf = [[1, 0, 0], [0.75, 0.5, 0], [0.3125, 0.375, 0.625]]
     # Budget 2 at step 2: A2S keeps the old tokens {0, 1}, A2SF the ones attended lately {1, 2}.
-    assert c.keep_a2s.tolist() == [[True, False, False], [True, True, False], [True, True, False]]
-    assert c.keep_a2sf.tolist() == [[True, False, False], [True, True, False], [False, True, True]]
-    assert c.attention.tolist() == S
+    keep_a2s = [[True, False, False], [True, True, False], [True, True, False]]
+    keep_a2sf = [[True, False, False], [True, True, False], [False, True, True]]
+    for t in range(3):
+        c = metrics.score_curves(trace, layer=2, head=0, alpha=0.25, budget=2, step=t, tokens=[0, 1, 2])
+        assert c.a2s.tolist() == a2s[t][: t + 1] and c.a2sf.tolist() == a2sf[t][: t + 1]
+        assert c.keep_a2s.tolist() == keep_a2s[t][: t + 1] and c.keep_a2sf.tolist() == keep_a2sf[t][: t + 1]
+        # Over the steps: the columns of the same tables, and the same keep sets.
+        assert c.a2s_over_steps.T.tolist() == a2s and c.a2sf_over_steps.T.tolist() == a2sf
+        assert c.kept_a2s_over_steps.T.tolist() == keep_a2s and c.kept_a2sf_over_steps.T.tolist() == keep_a2sf
+    # Followed by default: the tokens A2SF ranks highest at the step (the last one by default).
+    assert metrics.score_curves(trace, 2, 0, alpha=0.25, budget=2).tokens.tolist() == [0, 1, 2]
 
 
 def test_score_curves_match_the_a2sf_policys_own_recurrence():
@@ -209,14 +217,61 @@ def test_score_curves_match_the_a2sf_policys_own_recurrence():
     n = 30
     raw = np.tril(rng.random((n, n)))
     attention = (raw / raw.sum(1, keepdims=True)).astype(np.float16)
-    c = metrics.score_curves(curves_trace(attention), 2, 0, alpha=0.3, budget=8)
+    trace = curves_trace(attention)
     policy, state = A2SF(budget=8, alpha=0.3), A2SF(budget=8, alpha=0.3).init_state(1)
+    every = np.arange(n)
     for t in range(n):
         state = policy.update(state, attention[t:t + 1, : t + 1].astype(np.float64), t)
-        assert c.a2sf[t, : t + 1] == pytest.approx(state["score"][0], rel=1e-12)
-    assert np.allclose(metrics.score_curves(curves_trace(attention), 2, 0, 1.0, 8).a2sf, c.a2s)
-    assert np.allclose(metrics.score_curves(curves_trace(attention), 2, 0, 0.0, 8).a2sf, c.attention)
-    assert (c.keep_a2s.sum(1) == np.minimum(np.arange(n) + 1, 8)).all()
+        c = metrics.score_curves(trace, 2, 0, alpha=0.3, budget=8, step=t, tokens=every)
+        assert c.a2sf == pytest.approx(state["score"][0], rel=1e-12)
+        assert c.a2sf_over_steps[: t + 1, t] == pytest.approx(state["score"][0], rel=1e-12)
+        assert c.keep_a2s.sum() == min(t + 1, 8)
+        # The keep set is the top-budget: no dropped token scores above a kept one.
+        assert c.a2s[c.keep_a2s].min() >= c.a2s[~c.keep_a2s].max(initial=0)
+        assert c.kept_a2sf_over_steps[: t + 1, t].tolist() == c.keep_a2sf.tolist()
+        no_forgetting = metrics.score_curves(trace, 2, 0, 1.0, 8, step=t, tokens=[])
+        assert np.allclose(no_forgetting.a2sf, c.a2s)  # alpha = 1 is A2S
+        assert np.allclose(metrics.score_curves(trace, 2, 0, 0.0, 8, step=t, tokens=[]).a2sf,
+                           attention[t, : t + 1])  # alpha = 0 forgets everything but the step's own row
+    assert np.allclose(c.a2s_over_steps, np.cumsum(attention.astype(np.float64), axis=0).T)  # A2S: running sums
+
+
+def test_score_curves_rank_ties_by_position_like_the_top_budget():
+    # Steps 2 and 3 give tokens 0..2 equal scores: budget 2 keeps the earliest two, as a stable sort does.
+    att = np.array([[1, 0, 0, 0], [0.5, 0.5, 0, 0], [0, 0.5, 0.5, 0], [0.25, 0.25, 0.25, 0.25]])
+    c = metrics.score_curves(curves_trace(att), 2, 0, alpha=1.0, budget=2, step=3, tokens=[0, 1, 2, 3])
+    assert c.a2s.tolist() == [1.75, 1.25, 0.75, 0.25]
+    assert c.kept_a2s_over_steps[:, 2].tolist() == [True, True, False, False]  # 1.5, 1, 0.5: no tie
+    ties = curves_trace([[1, 0, 0], [0, 1, 0], [0, 0, 1]])
+    c = metrics.score_curves(ties, 2, 0, alpha=1.0, budget=2, tokens=[0, 1, 2])
+    assert c.a2s.tolist() == [1, 1, 1] and c.keep_a2s.tolist() == [True, True, False]
+    assert c.kept_a2s_over_steps[:, 2].tolist() == [True, True, False]
+
+
+def test_score_curves_at_8k_follow_sparse_rows_without_a_t_by_t_array():
+    """8192 tokens, top-16 rows: the dense [T, T] would be 512 MB; the answers are a [T] and a few [T]."""
+    import tracemalloc
+
+    n, k = 8192, 16
+    rng = np.random.default_rng(3)
+    pos = [np.unique(np.r_[0, t, rng.integers(0, t + 1, k - 2)]) for t in range(n)]
+    top = np.full((1, 1, n, k), -1, np.int32)
+    val = np.zeros((1, 1, n, k), np.float16)
+    for t, p in enumerate(pos):
+        top[0, 0, t, : len(p)] = p
+        val[0, 0, t, : len(p)] = 1.0 / len(p)
+    from backend.recorded import TopAttention
+    trace = make_trace(n, recorded_layers=(2,), n_layers=3)
+    trace.attention = TopAttention(pos=top, val=val)
+    tracemalloc.start()
+    c = metrics.score_curves(trace, 2, 0, alpha=0.5, budget=256, step=5000)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 64 * 2 ** 20  # a [T, T] float64 alone is 512 MB
+    assert c.a2s.shape == (5001,) and c.a2sf_over_steps.shape == (6, n)
+    # Token 0 is in every row: its A2S is the running sum of its weights.
+    assert c.a2s[0] == pytest.approx(sum(float(np.float16(1.0 / len(p))) for p in pos[:5001]), rel=1e-9)
+    assert c.keep_a2s.sum() == 256 and c.kept_a2s_over_steps.sum(0).max() <= 6
 
 
 def test_score_curves_need_a_recorded_layer():

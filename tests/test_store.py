@@ -183,7 +183,7 @@ def test_run_key_is_a_stable_canonical_hash():
         '{"fields":{"generation":{"greedy":true,"max_new_tokens":32,"stop":["\\n\\n"]},'
         '"mode":"generate","model":"HuggingFaceTB/SmolLM2-135M-Instruct",'
         '"model_fingerprint":"sha256:abc123","params":{"budget":64,"heads":"kv","sink":4},'
-        '"policy":"tova","token_ids":[1,17,42,9000]},"format_version":1}'
+        '"policy":"tova","token_ids":[1,17,42,9000]},"format_version":%d}' % store_mod.FORMAT_VERSION
     )
     assert key == hashlib.sha256(text.encode()).hexdigest()
 
@@ -225,7 +225,7 @@ def test_run_key_changes_with_every_field(change):
 
 def test_run_key_includes_format_version(monkeypatch):
     before = run_key(**BASE)
-    monkeypatch.setattr(store_mod, "FORMAT_VERSION", 2)
+    monkeypatch.setattr(store_mod, "FORMAT_VERSION", store_mod.FORMAT_VERSION + 1)
     assert run_key(**BASE) != before
 
 
@@ -417,7 +417,7 @@ def test_format_version_change_makes_old_entries_misses(tmp_path, monkeypatch):
     with TraceStore(tmp_path) as st:
         st.put(old_key, data)
         st.put("literal", data)
-        monkeypatch.setattr(store_mod, "FORMAT_VERSION", 2)
+        monkeypatch.setattr(store_mod, "FORMAT_VERSION", store_mod.FORMAT_VERSION + 1)
         new_key = run_key(**BASE)
         assert new_key != old_key
         assert st.get(new_key) is None

@@ -52,6 +52,11 @@ def test_embed_handles_few_points(n):
     np.testing.assert_array_equal(coords, embed(x, seed=0))
 
 
+def test_identical_keys_embed_without_nan():
+    """t-SNE's gradient is NaN when every point is the same (e.g. keys of a padded head): all sit at 0."""
+    np.testing.assert_array_equal(embed(np.ones((40, 8))), np.zeros((40, 2)))
+
+
 def test_perplexity_is_clipped_and_bad_input_rejected():
     assert clip_perplexity(30, 1000) == 30
     assert clip_perplexity(30, 10) == 3

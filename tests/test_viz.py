@@ -19,7 +19,7 @@ from viz import (continuations_html, divergence_figure, first_token_retention_fi
                  non_recent_share_figure, policy_colors, pos_table, pos_table_html, score_curves_figure,
                  score_over_steps_figure, summary_table)
 from viz.colors import FAMILY_COLORS, family
-from viz.heatmap import DEFAULT_DECADES, NOT_READ_GAP, binned
+from viz.heatmap import DEFAULT_DECADES, MAX_CELLS, NOT_READ_GAP
 
 SPECS = ["tova:budget=8", "a2sf:budget=8,alpha=0.3", "oracle:budget=8"]
 BUDGET = 8
@@ -82,7 +82,7 @@ def test_mask_heatmap_with_attention_shows_log_weights_of_read_cells(prompt_run)
     tr = traces["a2sf:budget=8,alpha=0.3"]
     assert tr.meta["recorded_layers"] == [0, 1]
     reads = tr.reads(0)[0]
-    att = tr.attention[0, 0].astype(np.float32)
+    att = tr.attention.rows(0, 0)
     assert (att[~reads] == 0).all()  # the format: zero where not read
     zmax = 0.9
     fig = mask_heatmap(reads, texts(tr), "A2SF", attention=att, zmax=zmax)
@@ -123,7 +123,7 @@ def test_mask_heatmaps_one_panel_per_policy_with_a_shared_scale(prompt_run):
     traces, full = prompt_run
     panels = {}
     for name, tr in [("full", full)] + list(traces.items()):
-        panels[name] = dict(reads=tr.reads(1)[0], token_texts=texts(tr), attention=tr.attention[1, 0])
+        panels[name] = dict(reads=tr.reads(1)[0], token_texts=texts(tr), attention=tr.attention.rows(1, 0))
     fig = mask_heatmaps(panels, "layer 1, head 0")
     assert len(fig.data) == len(panels)
     zmax = max(float(np.max(np.where(p["reads"], p["attention"].astype(np.float32), 0))) for p in panels.values())
@@ -156,46 +156,35 @@ def test_heatmap_labels_and_titles_are_escaped():
     assert all("<b>" not in (a.text or "") for a in fig.layout.annotations)
 
 
-def test_long_texts_are_binned_so_panels_stay_light():
-    """At 1024 tokens a full-resolution panel is 5.6 MB of JSON; in bins of 2 tokens three take 5.2 MB."""
-    n = 1024
-    rng = np.random.default_rng(0)
-    reads = np.tril(rng.random((n, n)) < 0.2)
-    att = np.where(reads, rng.random((n, n)), 0).astype(np.float16)
-    token_texts = [f" w{i}" for i in range(n)]
-    fig = mask_heatmaps({p: dict(reads=reads, token_texts=token_texts, attention=att) for p in SPECS})
-    assert len(fig.data) == 3 and len(fig.layout.shapes) == 0
-    assert np.asarray(fig.data[0].z).dtype == np.float32 and np.asarray(fig.data[0].z).shape == (512, 512)
-    assert len(fig.to_json()) < 6e6
-    assert "2 tokens per cell" in fig.layout.title.text
-    assert fig.data[0].x[:2] == ("0–1 ␣w0␣w1", "2–3 ␣w2␣w3")
+def test_panels_refuse_a_long_text_that_was_not_binned():
+    """A panel carries at most MAX_CELLS cells per axis: a [T, T] of a long text must be binned first."""
+    n = MAX_CELLS + 1
+    with pytest.raises(ValueError, match="bin or window"):
+        mask_heatmap(np.tri(n, dtype=bool), [" w"] * n)
 
 
-def test_binned_cells_by_hand():
-    """T = 5 in bins of 2 (max_cells=3): a bin shows the share of its arrived cells (j <= t) that were
-    read, and the attention its queries put on its tokens (summed over tokens, averaged over queries)."""
-    reads = np.array([[1, 0, 0, 0, 0],
-                      [1, 1, 0, 0, 0],
-                      [0, 1, 1, 0, 0],
-                      [0, 1, 1, 1, 0],
-                      [0, 0, 1, 1, 1]], bool)
-    att = np.array([[1, 0, 0, 0, 0],
-                    [.5, .5, 0, 0, 0],
-                    [0, .4, .6, 0, 0],
-                    [0, .1, .2, .7, 0],
-                    [0, 0, .2, .3, .5]])
-    texts = list("abcde")
-    fig = mask_heatmap(reads, texts, "m", max_cells=3)
+def test_binned_cells_show_shares_labels_and_the_diagonal_by_hand():
+    """T = 5 in cells of 2 (backend.reads bins them; tests/test_reads.py works the numbers by hand): a cell
+    wholly above the diagonal is blank, labels name each cell's positions and tokens."""
+    shares = np.array([[1, 0, 0], [.5, 1, 0], [0, 1, 1]], np.float32)
+    fig = mask_heatmap(shares, list("abcde"), "m", size=2)
     nan = np.nan
     np.testing.assert_allclose(np.asarray(fig.data[0].z), [[1, nan, nan], [.5, 1, nan], [0, 1, 1]])
-    assert fig.data[0].x == ("0–1 ab", "2–3 cd", "4 e")
-    assert "share read" in fig.data[0].hovertemplate
-    shares, mass = binned(reads, att, 2)
-    np.testing.assert_allclose(mass, [[1, 0, 0], [.25, .75, 0], [0, .5, .5]], atol=1e-6)
-    np.testing.assert_allclose(shares, [[1, 0, 0], [.5, 1, 0], [0, 1, 1]])
-    weights = mask_heatmap(reads, texts, "w", attention=att, max_cells=3)
+    assert fig.data[0].x == ("0–1 ab", "2–3 cd", "4 e") and fig.data[0].y == fig.data[0].x
+    assert "share read" in fig.data[0].hovertemplate and "2 tokens per cell" in fig.layout.title.text
+    mass = np.array([[1, 0, 0], [.25, .75, 0], [0, .5, .5]])
+    weights = mask_heatmap(shares, list("abcde"), "w", attention=mass, size=2)
     np.testing.assert_allclose(np.asarray(weights.data[0].z)[2, 1:], np.log10([.5, .5]), atol=1e-6)
-    assert mask_heatmap(reads, texts, "m").data[0].x[4] == "4 e"  # 5 <= 512: one token per cell
+
+
+def test_a_zoom_window_is_labelled_by_its_own_steps_and_positions():
+    """Steps 3..5 x positions 2..5 of a 6-token text: j > t is blank, labels and ticks start where the window does."""
+    reads = np.tri(6, dtype=bool)[3:6, 2:6]
+    fig = mask_heatmap(reads, list("abcdef"), "zoom", first_step=3, first_pos=2)
+    z = np.asarray(fig.data[0].z)
+    assert np.isnan(z[0, 2:]).all() and np.isnan(z[1, 3]) and not np.isnan(z[2]).any()
+    assert fig.data[0].y == ("3 d", "4 e", "5 f") and fig.data[0].x == ("2 c", "3 d", "4 e", "5 f")
+    assert fig.layout.xaxis.ticktext[0] == "2" and fig.layout.yaxis.ticktext[0] == "3"
 
 
 # ---------------------------------------------------------------- text highlight
@@ -348,7 +337,7 @@ def top_budget(scores: np.ndarray, budget: int) -> np.ndarray:
 @pytest.fixture(scope="module")
 def scores(prompt_run):
     _, full = prompt_run
-    att = full.attention[0, 0].astype(np.float64)
+    att = full.attention.rows(0, 0).astype(np.float64)
     a2s, a2sf = accumulate(att, 1.0), accumulate(att, 0.3)
     return a2s, a2sf, top_budget(a2s, BUDGET), top_budget(a2sf, BUDGET), texts(full)
 
@@ -362,7 +351,9 @@ def test_score_curves_mark_the_top_budget_tokens(scores):
     a2s, a2sf, keep_a2s, keep_a2sf, token_texts = scores
     step = 33
     assert not np.array_equal(keep_a2s[step], keep_a2sf[step])  # forgetting changes the choice here
-    fig = score_curves_figure(a2s, a2sf, token_texts, step, keep_a2s, keep_a2sf, alpha=0.3)
+    at = slice(0, step + 1)
+    fig = score_curves_figure(a2s[step, at], a2sf[step, at], token_texts, step, keep_a2s[step, at],
+                              keep_a2sf[step, at], alpha=0.3)
     for axis, score, keep in (("y", a2s, keep_a2s), ("y2", a2sf, keep_a2sf)):
         kx, ky, kept_trace = bars(fig, axis, "kept")
         ex, ey, _ = bars(fig, axis, "evicted")
@@ -379,18 +370,19 @@ def test_score_curves_mark_the_top_budget_tokens(scores):
 def test_score_over_steps_follows_each_token(scores):
     a2s, a2sf, keep_a2s, keep_a2sf, token_texts = scores
     show = [0, 3, 10]
-    fig = score_over_steps_figure(a2s, a2sf, show, token_texts, alpha=0.3)
+    fig = score_over_steps_figure(a2s[:, show].T, a2sf[:, show].T, show, token_texts, alpha=0.3)
     lines = [t for t in fig.data if t.mode == "lines"]
     assert len(lines) == 2 * len(show)
     for i, j in enumerate(show):
         top, bottom = lines[2 * i], lines[2 * i + 1]
-        np.testing.assert_array_equal(top.x, np.arange(j, len(a2s)))
-        np.testing.assert_allclose(top.y, a2s[j:, j])
-        np.testing.assert_allclose(bottom.y, a2sf[j:, j])
+        assert (top.x0, top.dx, len(top.y)) == (j, 1, len(a2s) - j)  # steps j..T-1
+        np.testing.assert_allclose(top.y, a2s[j:, j], rtol=1e-6)
+        np.testing.assert_allclose(bottom.y, a2sf[j:, j], rtol=1e-6)
         assert top.line.color == bottom.line.color and top.yaxis == "y" and bottom.yaxis == "y2"
     # with keep masks the line stops where the token is gone, and an x marks that step
     j = next(j for j in range(BUDGET, 30) if not keep_a2sf[j:, j].all())
-    fig = score_over_steps_figure(a2s, a2sf, [j], token_texts, alpha=0.3, keep_a2s=keep_a2s, keep_a2sf=keep_a2sf)
+    fig = score_over_steps_figure(a2s[:, [j]].T, a2sf[:, [j]].T, [j], token_texts, alpha=0.3, keep_a2s=keep_a2s[:, [j]].T,
+                                  keep_a2sf=keep_a2sf[:, [j]].T)
     gone = j + int(np.argmin(keep_a2sf[j:, j]))
     (line,) = [t for t in fig.data if t.mode == "lines" and t.yaxis == "y2"]
     y = np.asarray(line.y, float)
@@ -510,8 +502,8 @@ def test_figures_have_titles_axis_labels_and_the_light_template(prompt_run, scor
     tr = traces["tova:budget=8"]
     figs = [
         mask_heatmap(tr.reads(0)[0], texts(tr), "m"),
-        score_curves_figure(a2s, a2sf, token_texts, 20, keep_a2s, keep_a2sf, 0.3),
-        score_over_steps_figure(a2s, a2sf, [1, 2], token_texts, alpha=0.3),
+        score_curves_figure(a2s[20, :21], a2sf[20, :21], token_texts, 20, keep_a2s[20, :21], keep_a2sf[20, :21], 0.3),
+        score_over_steps_figure(a2s[:, [1, 2]].T, a2sf[:, [1, 2]].T, [1, 2], token_texts, alpha=0.3),
         divergence_figure({"tova": dict(kl=tr.kl_to_full, top1=tr.top1_ids == full.top1_ids)}),
         first_token_retention_figure({"tova": 0.9}),
         lifetime_by_position_figure({"tova": np.ones(30)}),

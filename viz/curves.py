@@ -10,8 +10,9 @@ tokens win.
 generation steps, A2S above and A2SF below; with keep masks, a line stops where its token is
 evicted (an x marks the step).
 
-Inputs are plain arrays: ``a2s`` / ``a2sf`` float [T, T] with row t = the scores after step t
-(only entries j <= t are shown), keep masks bool [T, T] with row t = the tokens kept at step t.
+Inputs are plain arrays (``backend.metrics.score_curves`` computes them): for the snapshot, every
+token's score at the step and whether it is kept ([step + 1] each); for the curves, one row per
+followed token over all the steps ([m, T]). Nothing here is [T, T]: at 8k tokens that would be 512 MB.
 """
 from __future__ import annotations
 
@@ -28,10 +29,10 @@ from .style import finish, plotly_text, visible_token
 EVICTED_BAR = "#C8C8C8"
 
 
-def _square(name: str, a) -> np.ndarray:
+def _shaped(name: str, a, shape: tuple) -> np.ndarray:
     a = np.asarray(a)
-    if a.ndim != 2 or a.shape[0] != a.shape[1]:
-        raise ValueError(f"{name} must be [T, T], got shape {a.shape}")
+    if a.shape != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {a.shape}")
     return a
 
 
@@ -49,30 +50,31 @@ def score_curves_figure(a2s: np.ndarray, a2sf: np.ndarray, token_texts: Sequence
                         colors: Mapping[str, str] | None = None, height: int = 560) -> go.Figure:
     """Bars of every token's accumulated score at ``step``, A2S above, A2SF below; kept tokens coloured.
 
-    Each panel has two bar traces, named ``kept`` and ``evicted``: x = token positions, y = scores
-    at ``step`` (``a2s[step, :step+1]`` / ``a2sf[step, :step+1]``), split by ``keep_*[step]``.
-    ``colors`` may override the kept colours with keys ``'a2s'`` and ``'a2sf'``.
+    ``a2s`` / ``a2sf``: float [step + 1], the scores at ``step`` of tokens 0..step; ``keep_*``: bool
+    [step + 1], the tokens each rule keeps there. Each panel has two bar traces, named ``kept`` and
+    ``evicted``, x = token positions. ``colors`` may override the kept colours with keys ``'a2s'`` and
+    ``'a2sf'``.
     """
-    a2s, a2sf = _square("a2s", a2s), _square("a2sf", a2sf)
-    keep_a2s, keep_a2sf = _square("keep_a2s", keep_a2s).astype(bool), _square("keep_a2sf", keep_a2sf).astype(bool)
-    n = a2s.shape[0]
-    if not 0 <= step < n:
-        raise ValueError(f"step must be within 0..{n - 1}, got {step}")
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    shape = (step + 1,)
+    a2s, a2sf = _shaped("a2s", a2s, shape), _shaped("a2sf", a2sf, shape)
+    keep_a2s = _shaped("keep_a2s", keep_a2s, shape).astype(bool)
+    keep_a2sf = _shaped("keep_a2sf", keep_a2sf, shape).astype(bool)
     colors = dict(colors or {})
     kept_colors = (colors.get("a2s", FAMILY_COLORS["h2o"]), colors.get("a2sf", FAMILY_COLORS["a2sf"]))
-    texts = _texts(token_texts, n)
-    pos = np.arange(step + 1)
+    texts = _texts(token_texts, step + 1)
+    pos = np.arange(step + 1, dtype=np.int32)
     names = _row_titles(alpha)
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.1,
-                        subplot_titles=[f"{names[0]}: {int(keep_a2s[step, :step + 1].sum())} kept",
-                                        f"{names[1]}: {int(keep_a2sf[step, :step + 1].sum())} kept"])
+                        subplot_titles=[f"{names[0]}: {int(keep_a2s.sum())} kept",
+                                        f"{names[1]}: {int(keep_a2sf.sum())} kept"])
     for row, (scores, keep, color, label) in enumerate(
             zip((a2s, a2sf), (keep_a2s, keep_a2sf), kept_colors, names), start=1):
-        values = scores[step, :step + 1].astype(np.float64)
-        mask = keep[step, :step + 1]
-        for state, sel, col in (("kept", mask, color), ("evicted", ~mask, EVICTED_BAR)):
+        values = scores.astype(np.float32)  # float32 halves the figure's JSON; bars need no more digits
+        for state, sel, col in (("kept", keep, color), ("evicted", ~keep, EVICTED_BAR)):
             fig.add_trace(go.Bar(
-                x=pos[sel], y=values[sel], customdata=texts[:step + 1][sel], name=state, marker_color=col,
+                x=pos[sel], y=values[sel], customdata=texts[sel], name=state, marker_color=col,
                 marker_line_width=0, legendgroup=state, showlegend=row == 1,
                 hovertemplate=(f"<b>{label}</b><br>token %{{x}}: %{{customdata}}<br>score %{{y:.4g}}<br>"
                                f"{state} at step {step}<extra></extra>")), row=row, col=1)
@@ -89,39 +91,41 @@ def score_over_steps_figure(a2s: np.ndarray, a2sf: np.ndarray, tokens_to_show: S
                             title: str | None = None, height: int = 560) -> go.Figure:
     """Score of each chosen token vs decode step, A2S above, A2SF below (A2SF Fig. 6).
 
-    One colour per token (the same in both panels, one legend entry toggling both). Line for token
-    j: x = steps j..T-1, y = ``a2s[j:, j]`` (and ``a2sf[j:, j]``). With a keep mask, the line ends
-    at the last step the token is kept and an ``x`` marker sits at the step it is gone.
+    ``a2s`` / ``a2sf``: float [m, T], row i = the scores of token ``tokens_to_show[i]`` at every step;
+    ``keep_*``: optional bool [m, T], whether it is kept at each step. One colour per token (the same in
+    both panels, one legend entry toggling both). Line for token j: steps j..T-1 (given as ``x0`` and
+    ``dx``, so only the scores travel). With a keep mask, the line ends at the last step the token is
+    kept and an ``x`` marker sits at the step it is gone.
     """
-    a2s, a2sf = _square("a2s", a2s), _square("a2sf", a2sf)
-    n = a2s.shape[0]
-    texts = _texts(token_texts, n)
+    tokens = [int(t) for t in tokens_to_show]
+    a2s, a2sf = np.asarray(a2s), np.asarray(a2sf)
+    if a2s.ndim != 2 or len(a2s) != len(tokens):
+        raise ValueError(f"a2s must be [m, T] with one row per token ({len(tokens)}), got shape {a2s.shape}")
+    n = a2s.shape[1]
+    a2sf = _shaped("a2sf", a2sf, a2s.shape)
+    keeps = [None if k is None else _shaped("keep", k, a2s.shape).astype(bool) for k in (keep_a2s, keep_a2sf)]
     palette = pcolors.qualitative.Dark24
     names = _row_titles(alpha) if alpha is not None else ("A2S (alpha = 1)", "A2SF")
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.1, subplot_titles=list(names))
-    for i, j in enumerate(int(t) for t in tokens_to_show):
+    for i, j in enumerate(tokens):
         if not 0 <= j < n:
             raise ValueError(f"token {j} is outside 0..{n - 1}")
         color = palette[i % len(palette)]
-        label = f"{j} {texts[j]}"
-        for row, (scores, keep) in enumerate(((a2s, keep_a2s), (a2sf, keep_a2sf)), start=1):
-            steps = np.arange(j, n)
-            values = scores[j:, j].astype(np.float64)
+        label = f"{j} {_texts(token_texts[j:j + 1], 1)[0]}"
+        for row, (scores, keep) in enumerate(zip((a2s, a2sf), keeps), start=1):
+            values = scores[i, j:].astype(np.float32)
             gone = None
-            if keep is not None:
-                kept = np.asarray(keep, bool)[j:, j]
-                if not kept.all():
-                    gone = int(np.argmin(kept))
-                    values = values.copy()
-                    values[gone:] = np.nan
+            if keep is not None and not keep[i, j:].all():
+                gone = int(np.argmin(keep[i, j:]))
+                values[gone:] = np.nan
             fig.add_trace(go.Scatter(
-                x=steps, y=values, mode="lines", name=label, legendgroup=label, showlegend=row == 1,
+                x0=j, dx=1, y=values, mode="lines", name=label, legendgroup=label, showlegend=row == 1,
                 line=dict(color=color, width=2),
                 hovertemplate="token %{fullData.name}<br>step %{x}<br>score %{y:.4g}<extra></extra>"),
                 row=row, col=1)
             if gone is not None:
                 fig.add_trace(go.Scatter(
-                    x=[j + gone], y=[float(scores[j + gone - 1, j]) if gone > 0 else 0.0], mode="markers",
+                    x=[j + gone], y=[float(scores[i, j + gone - 1]) if gone > 0 else 0.0], mode="markers",
                     marker=dict(symbol="x", size=9, color=color), legendgroup=label, showlegend=False,
                     name=f"{label} evicted",
                     hovertemplate="token %{fullData.name} at step %{x}<extra></extra>"),

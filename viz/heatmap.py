@@ -4,11 +4,12 @@ What the viewer sees: one cell per (query step t, token j). Row t is what the qu
 read; the triangle above the diagonal (j > t, tokens that have not arrived yet) is left white.
 
 * Mask only (``attention=None``): read cells are dark blue, evicted / not-selected cells pale rose.
-  A float array in [0, 1] instead of a bool mask (e.g. ``reads.mean(axis=(0, 1))`` over all layers
-  and heads) shades each cell by the share of layers/heads that read it: rose (none) -> blue (all).
-* With ``attention`` [T, T]: read cells show the attention weight on a **log10 colour scale**
-  (Viridis over ``decades`` decades below ``zmax``; weights below that floor, exact zeros included,
-  get the floor colour), and cells not read get a rose band just below the floor, so "evicted" and
+  A float array in [0, 1] instead of a bool mask (the share of layers/heads that read each cell, or
+  of a binned cell's pairs) shades each cell by that share: rose (none) -> blue (all).
+* With ``attention`` of the same shape (one layer and head): read cells show the attention weight
+  on a **log10 colour scale** (Viridis over ``decades`` decades below ``zmax``; weights below that
+  floor, exact zeros included, get the floor colour), and cells not read get a rose band just below
+  the floor, so "evicted" and
   "read with tiny weight" stay distinguishable. ``z`` then holds log10(weight) for read cells and
   ``floor - 0.5`` for cells not read; the colour bar is labelled in plain weights.
 
@@ -18,11 +19,11 @@ for all), as in TOVA Fig. 7 / App. E (which tokens TOVA keeps along a text) and 
 category axes labelled ``"j token"``, so hover shows step, position and token text without per-cell
 strings.
 
-Texts longer than ``max_cells`` (512) tokens are shown in square bins of ``ceil(T / max_cells)``
-tokens, so a panel sends at most 512 x 512 numbers to the browser (a 1024-token panel at full
-resolution is 5.6 MB of JSON, several times the pixels it gets). A bin shows the share of its cells
-that were read, counting only cells of tokens that had arrived (j <= t); with attention, the
-weight its queries put on its tokens (summed over the bin's tokens, averaged over its queries).
+Long texts come binned (``backend/reads.py``): a cell of ``size`` x ``size`` (steps x positions) shows
+the share of its pairs ``(t, j <= t)`` that were read, and with attention the weight its queries put on
+its tokens (summed over the cell's tokens, averaged over its queries). A zoom shows a window of steps
+and positions at full resolution (``first_step`` / ``first_pos`` say where it starts). A panel holds at
+most ``MAX_CELLS`` cells per axis: the figure never carries a [T, T] array of a long text.
 """
 from __future__ import annotations
 
@@ -39,15 +40,25 @@ from .style import finish, plotly_text, tick_stride, token_labels
 
 NOT_READ_GAP = 0.5  # how far below the log floor the "not read" value sits
 DEFAULT_DECADES = 4.0
-MAX_CELLS = 512  # cells per axis; longer texts are binned
+MAX_CELLS = 512  # cells per axis a panel accepts (bin or window a long text first)
 
 MASK_AXIS = "coloraxis"
 WEIGHT_AXIS = "coloraxis2"
 
 
-def _check_square(name: str, a: np.ndarray) -> None:
-    if a.ndim != 2 or a.shape[0] != a.shape[1]:
-        raise ValueError(f"{name} must be [T, T] for one layer/head (or an aggregate), got shape {a.shape}")
+def _check_cells(name: str, a: np.ndarray) -> None:
+    if a.ndim != 2:
+        raise ValueError(f"{name} must be [steps, positions] for one layer/head (or an aggregate), got shape {a.shape}")
+    if max(a.shape) > MAX_CELLS:
+        raise ValueError(f"{name} has {a.shape} cells; bin or window the text first (backend/reads.py), "
+                         f"at most {MAX_CELLS} per axis")
+
+
+def future_cells(shape: tuple[int, int], size: int = 1, first_step: int = 0, first_pos: int = 0) -> np.ndarray:
+    """bool [a, b]: cells whose every token arrives after every query of the cell (above the diagonal)."""
+    last_step = first_step + np.arange(shape[0]) * size + size - 1
+    first_token = first_pos + np.arange(shape[1]) * size
+    return first_token[None, :] > last_step[:, None]
 
 
 def attention_zmax(attention: np.ndarray, reads: np.ndarray | None = None) -> float:
@@ -66,16 +77,16 @@ def log_range(zmax: float, decades: float = DEFAULT_DECADES) -> tuple[float, flo
 
 
 def heatmap_values(reads: np.ndarray, attention: np.ndarray | None = None, zmax: float | None = None,
-                   decades: float = DEFAULT_DECADES) -> np.ndarray:
-    """The ``z`` a panel shows (float32 [T, T]); see the module docstring for its meaning.
+                   decades: float = DEFAULT_DECADES, size: int = 1, first_step: int = 0,
+                   first_pos: int = 0) -> np.ndarray:
+    """The ``z`` a panel shows (float32 [steps, positions]); see the module docstring for its meaning.
 
     NaN marks cells above the diagonal that nobody read (tokens not arrived yet).
     """
     reads = np.asarray(reads)
-    _check_square("reads", reads)
-    n = reads.shape[0]
+    _check_cells("reads", reads)
     read = reads > 0
-    future = np.triu(np.ones((n, n), bool), 1) & ~read
+    future = future_cells(reads.shape, size, first_step, first_pos) & ~read
     if attention is None:
         z = reads.astype(np.float32)
     else:
@@ -89,37 +100,6 @@ def heatmap_values(reads: np.ndarray, attention: np.ndarray | None = None, zmax:
         z = np.where(read, logw, floor - NOT_READ_GAP).astype(np.float32)
     z[future] = np.nan
     return z
-
-
-def bin_size(n: int, max_cells: int = MAX_CELLS) -> int:
-    """Tokens per bin (per axis) for a text of n tokens."""
-    return max(1, math.ceil(n / max_cells))
-
-
-def _bin_sums(a: np.ndarray, size: int) -> np.ndarray:
-    n = a.shape[0]
-    bins = math.ceil(n / size)
-    padded = np.zeros((bins * size, bins * size), np.float64)
-    padded[:n, :n] = a
-    return padded.reshape(bins, size, bins, size).sum(axis=(1, 3))
-
-
-def binned(reads: np.ndarray, attention: np.ndarray | None, size: int) -> tuple[np.ndarray, np.ndarray | None]:
-    """``reads`` [T, T] (bool or shares) and ``attention`` in bins of ``size`` x ``size`` cells.
-
-    Reads: the mean over the bin's cells with j <= t (0 where there are none: those bins lie wholly
-    above the diagonal). Attention: summed over the bin's tokens, averaged over its queries.
-    """
-    if size == 1:
-        return reads, attention
-    n = reads.shape[0]
-    arrived = _bin_sums(np.tri(n, dtype=bool), size)
-    share = _bin_sums(np.asarray(reads, np.float64), size) / np.maximum(arrived, 1)
-    if attention is None:
-        return share.astype(np.float32), None
-    starts = np.arange(0, n, size)
-    queries = (np.minimum(starts + size, n) - starts)[:, None]  # queries per row bin (the last may be short)
-    return share.astype(np.float32), (_bin_sums(np.asarray(attention, np.float64), size) / queries).astype(np.float32)
 
 
 def _mask_coloraxis() -> dict:
@@ -162,27 +142,33 @@ def _hovertemplate(reads: np.ndarray, attention: np.ndarray | None, floor: float
     return head + "read by %{z:.0%} of layers/heads<extra></extra>"
 
 
-def _binned_panel(panel: Mapping, max_cells: int) -> dict:
-    """A panel's arrays as shown: checked, and binned when its text is longer than ``max_cells``."""
+def _checked_panel(panel: Mapping) -> dict:
+    """A panel's cells and where they sit in the text (defaults: one token per cell from step and position 0)."""
     reads = np.asarray(panel["reads"])
-    _check_square("reads", reads)
+    _check_cells("reads", reads)
     attention = panel.get("attention")
     if attention is not None:
         attention = np.asarray(attention, np.float32)
-    n = reads.shape[0]
-    size = bin_size(n, max_cells)
-    reads, attention = binned(reads, attention, size)
-    return dict(reads=reads, attention=attention, token_texts=panel["token_texts"], n=n, size=size)
+    return dict(reads=reads, attention=attention, token_texts=panel["token_texts"], size=int(panel.get("size", 1)),
+                first_step=int(panel.get("first_step", 0)), first_pos=int(panel.get("first_pos", 0)))
+
+
+def _labels(panel: Mapping) -> tuple[list[str], list[str]]:
+    """Category labels of the rows (steps) and columns (positions): unique, so hover names the tokens."""
+    n_rows, n_cols = panel["reads"].shape
+    texts, size = panel["token_texts"], panel["size"]
+    return (token_labels(texts, size=size, start=panel["first_step"], count=n_rows),
+            token_labels(texts, size=size, start=panel["first_pos"], count=n_cols))
 
 
 def _panel(panel: Mapping, zmax, decades) -> go.Heatmap:
     reads, attention, size = panel["reads"], panel["attention"], panel["size"]
     if attention is not None:
         zmax = zmax if zmax else attention_zmax(attention, reads)
-    z = heatmap_values(reads, attention, zmax, decades)
-    labels = token_labels(panel["token_texts"], panel["n"], size)
+    z = heatmap_values(reads, attention, zmax, decades, size, panel["first_step"], panel["first_pos"])
+    rows, cols = _labels(panel)
     floor = log_range(zmax, decades)[0] if attention is not None else None
-    return go.Heatmap(z=z, x=labels, y=labels, coloraxis=WEIGHT_AXIS if attention is not None else MASK_AXIS,
+    return go.Heatmap(z=z, x=cols, y=rows, coloraxis=WEIGHT_AXIS if attention is not None else MASK_AXIS,
                       hoverongaps=False, hovertemplate=_hovertemplate(reads, attention, floor, size),
                       xgap=0, ygap=0)
 
@@ -193,17 +179,19 @@ def _binning_note(size: int) -> str:
 
 def _axes(fig: go.Figure, panel: Mapping, row=None, col=None, cols: int = 1) -> None:
     """Position ticks; the x axis gets fewer when ``cols`` panels share the width, so labels do not collide."""
-    labels = token_labels(panel["token_texts"], panel["n"], panel["size"])
+    row_labels, col_labels = _labels(panel)
 
-    def ticks(target: int) -> dict:
+    def ticks(labels: list[str], first: int, target: int) -> dict:
         stride = tick_stride(len(labels), target)
         return dict(tickmode="array", tickvals=labels[::stride],
-                    ticktext=[str(k * panel["size"]) for k in range(0, len(labels), stride)],
+                    ticktext=[str(first + k * panel["size"]) for k in range(0, len(labels), stride)],
                     showgrid=False, zeroline=False, tickangle=0)
 
     kw = {} if row is None else dict(row=row, col=col)
-    fig.update_xaxes(title_text="token position", constrain="domain", **ticks(max(4, 16 // cols)), **kw)
-    fig.update_yaxes(title_text="decode step (query position)", autorange="reversed", **ticks(16), **kw)
+    fig.update_xaxes(title_text="token position", constrain="domain",
+                     **ticks(col_labels, panel["first_pos"], max(4, 16 // cols)), **kw)
+    fig.update_yaxes(title_text="decode step (query position)", autorange="reversed",
+                     **ticks(row_labels, panel["first_step"], 16), **kw)
 
 
 def _coloraxes(fig: go.Figure, with_mask: bool, with_weights: bool, zmax: float | None, decades: float) -> None:
@@ -214,16 +202,18 @@ def _coloraxes(fig: go.Figure, with_mask: bool, with_weights: bool, zmax: float 
 
 
 def mask_heatmap(reads: np.ndarray, token_texts: Sequence[str], title: str = "", attention: np.ndarray | None = None,
-                 zmax: float | None = None, decades: float = DEFAULT_DECADES, height: int = 560,
-                 max_cells: int = MAX_CELLS) -> go.Figure:
+                 zmax: float | None = None, decades: float = DEFAULT_DECADES, height: int = 560, size: int = 1,
+                 first_step: int = 0, first_pos: int = 0) -> go.Figure:
     """One layer/head (or an aggregate): step x position, kept vs evicted, optionally attention weights.
 
-    ``reads``: bool [T, T] (``Trace.reads(layer)[head]``) or float [T, T] in [0, 1] (share of
-    layers/heads reading each cell). ``attention``: [T, T] weights of the same layer/head
-    (``Trace.attention[r, head]``), shown on a log colour scale topped at ``zmax`` (default: the
-    largest weight read). TOVA Fig. 7 / App. E, A2SF Fig. 4 (one panel of them).
+    ``reads``: bool [s, p] (e.g. ``Trace.reads(layer)[head]`` of a short text) or float [s, p] in [0, 1]
+    (share of layers/heads reading each cell, or of a binned cell's pairs). ``attention``: [s, p] weights of
+    the same layer/head (``TopAttention.rows``), shown on a log colour scale topped at ``zmax`` (default:
+    the largest weight read). Cell ``(i, k)`` covers steps ``first_step + i * size ..`` and positions
+    ``first_pos + k * size ..``, ``size`` of each. TOVA Fig. 7 / App. E, A2SF Fig. 4 (one panel of them).
     """
-    panel = _binned_panel(dict(reads=reads, token_texts=token_texts, attention=attention), max_cells)
+    panel = _checked_panel(dict(reads=reads, token_texts=token_texts, attention=attention, size=size,
+                                first_step=first_step, first_pos=first_pos))
     attention = panel["attention"]
     if attention is not None and not zmax:
         zmax = attention_zmax(attention, panel["reads"])
@@ -240,20 +230,19 @@ def mask_heatmap(reads: np.ndarray, token_texts: Sequence[str], title: str = "",
 
 def mask_heatmaps(panels: Mapping[str, Mapping], title: str = "", zmax: float | None = None,
                   decades: float = DEFAULT_DECADES, cols: int | None = None,
-                  colors: Mapping[str, str] | None = None, panel_height: int = 420,
-                  max_cells: int = MAX_CELLS) -> go.Figure:
+                  colors: Mapping[str, str] | None = None, panel_height: int = 420) -> go.Figure:
     """One subplot per policy, one shared colour scale (TOVA Fig. 7 / App. E, A2SF Fig. 4).
 
-    ``panels`` maps a policy name to ``dict(reads=..., token_texts=..., attention=None)`` as for
-    ``mask_heatmap``. Panels with attention share one log colour scale topped at ``zmax`` (default:
-    the largest weight read in any panel); mask panels share the kept/evicted scale. Panel titles
-    take the policy colours.
+    ``panels`` maps a policy name to ``dict(reads=..., token_texts=..., attention=None, size=1,
+    first_step=0, first_pos=0)`` as for ``mask_heatmap``. Panels with attention share one log colour
+    scale topped at ``zmax`` (default: the largest weight read in any panel); mask panels share the
+    kept/evicted scale. Panel titles take the policy colours.
     """
     names = list(panels)
     if not names:
         raise ValueError("mask_heatmaps needs at least one panel")
     colors = dict(colors) if colors else policy_colors(names)
-    panels = {name: _binned_panel(panels[name], max_cells) for name in names}
+    panels = {name: _checked_panel(panels[name]) for name in names}
     with_att = [panels[k]["attention"] is not None for k in names]
     if any(with_att) and not zmax:
         zmax = max(attention_zmax(panels[k]["attention"], panels[k]["reads"]) for k, a in zip(names, with_att) if a)

@@ -5,6 +5,9 @@
 ``kept`` is a share), the token at ``step`` outlined, evicted tokens in grey, and tokens after
 ``step`` (not yet arrived) faded. Hovering a token shows its position, kept share and weight. This
 is TOVA Fig. 7 / App. E read as text instead of a grid (which words survive in the multi-state).
+A long text shows a window of ``WINDOW`` tokens around the step in full and, outside it, only the
+tokens still read (at most ``MAX_OUTSIDE``, the most kept first), with the gaps between them counted:
+8192 spans of HTML would be megabytes, and the far-away tokens a cache keeps are what matters there.
 
 ``continuations_html``: each policy's own greedy continuation side by side, the first token where
 it leaves Full's continuation outlined in red and the rest tinted (TOVA Table 1-style qualitative
@@ -26,6 +29,10 @@ BOX_STYLE = ("font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monosp
              "line-height: 1.9; white-space: pre-wrap; word-break: break-word; color: #1d1d1d; "
              "background: #ffffff; padding: 10px 12px; border: 1px solid #e3e3e3; border-radius: 6px;")
 LEGEND_STYLE = "font-family: sans-serif; font-size: 12px; color: #444; margin: 0 0 6px 0;"
+GAP_STYLE = "color: #8a8a8a; background: #f3f3f3; border-radius: 3px; padding: 0 4px; font-size: 12px;"
+WINDOW = 512  # tokens shown in full around the step
+AFTER_STEP = 32  # of them, how many come after the step (the text that has not arrived yet)
+MAX_OUTSIDE = 256  # kept tokens shown outside the window
 
 
 def _esc(text: str) -> str:
@@ -47,14 +54,71 @@ def _kept_share(kept: np.ndarray) -> np.ndarray:
     return share
 
 
+def text_window(n: int, step: int, size: int = WINDOW) -> tuple[int, int]:
+    """(first, end) of the ``size`` positions shown in full: the whole text when it fits, else the ones
+    ending ``AFTER_STEP`` tokens after ``step``."""
+    if n <= size:
+        return 0, n
+    end = min(n, max(step + 1 + AFTER_STEP, size))
+    return end - size, end
+
+
+def _shown_outside(share: np.ndarray, step: int, window: tuple[int, int], max_outside: int) -> np.ndarray:
+    """Positions outside the window, up to the step, still read: the ``max_outside`` most kept, in order."""
+    outside = np.flatnonzero(share[: step + 1] > 0)
+    outside = outside[(outside < window[0]) | (outside >= window[1])]
+    if len(outside) > max_outside:
+        outside = np.sort(outside[np.argsort(-share[outside], kind="stable")[:max_outside]])
+    return outside
+
+
+def _gap(count: int, kept_hidden: int) -> str:
+    what = f"{count} token{'s' if count != 1 else ''}" + (f", {kept_hidden} of them kept" if kept_hidden else "")
+    return f'<span class="kvl-gap" style="{GAP_STYLE}">⋯ {_esc(what)} ⋯</span>'
+
+
+def _token_span(j: int, text: str, s: float, step: int, w: np.ndarray | None, wmax: float) -> str:
+    styles = ["border-radius: 3px", "padding: 1px 0"]
+    if j > step:
+        state = "future"
+        styles.append("opacity: 0.3")
+    elif s > 0:
+        state = "kept"
+        styles.append(f"background: {_highlight(0.25 + 0.65 * s)}")
+    else:
+        state = "evicted"
+        styles.append("color: #8a8a8a")
+    classes = ["kvl-tok", f"kvl-{state}"]
+    if j == step:
+        classes.append("kvl-current")
+        styles.append("outline: 2px solid #C0392B; outline-offset: 1px")
+    if j > step:
+        tip = f"position {j} · not arrived yet"
+    elif s >= 1.0:
+        tip = f"position {j} · kept"
+    elif s <= 0.0:
+        tip = f"position {j} · evicted"
+    else:
+        tip = f"position {j} · kept by {s:.0%} of layers/heads"
+    if w is not None and j <= step:
+        tip += f" · weight {w[j]:.4g}"
+        if wmax > 0 and w[j] > 0:
+            styles.append(f"box-shadow: inset 0 -3px 0 rgba(43,92,138,{min(1.0, w[j] / wmax):.3f})")
+    return (f'<span class="{" ".join(classes)}" data-pos="{j}" data-kept="{s:.3g}" '
+            f'title="{_esc(tip)}" style="{"; ".join(styles)}">{_esc(text)}</span>')
+
+
 def kept_tokens_html(token_texts: Sequence[str], kept: np.ndarray, step: int, weights: np.ndarray | None = None,
-                     title: str | None = None) -> str:
+                     title: str | None = None, window: tuple[int, int] | None = None,
+                     max_outside: int = MAX_OUTSIDE) -> str:
     """The text with the tokens cached at ``step`` highlighted; returns an HTML fragment.
 
-    ``kept``: bool [T] (``Trace.reads(layer)[head, step]``) or float [T] in [0, 1] (share of layers
-    or heads that still read each token, e.g. ``reads[:, :, step].mean(axis=(0, 1))``): highlight
-    opacity grows with the share. ``weights``: optional [T] attention weights of the query at
-    ``step``, shown on hover and as an underline whose strength follows weight / max weight.
+    ``kept``: bool [T] (``Trace.reads_at(layer, step)[head]``) or float [T] in [0, 1] (share of layers
+    or heads that still read each token): highlight opacity grows with the share. ``weights``: optional
+    [T] attention weights of the query at ``step``, shown on hover and as an underline whose strength
+    follows weight / max weight. ``window``: the positions ``(first, end)`` shown in full (default
+    ``text_window``: all of a short text); outside it only kept tokens up to the step appear, at most
+    ``max_outside``, with ``kvl-gap`` markers counting what lies between.
     Each token is a ``<span class="kvl-tok kvl-{kept|evicted|future}">`` with ``data-pos`` and
     ``data-kept`` attributes; the token at ``step`` also has class ``kvl-current``.
     """
@@ -64,47 +128,32 @@ def kept_tokens_html(token_texts: Sequence[str], kept: np.ndarray, step: int, we
         raise ValueError(f"kept must have one value per token ({n}), got shape {share.shape}")
     if not 0 <= step < n:
         raise ValueError(f"step must be within 0..{n - 1}, got {step}")
-    w = None
+    w, wmax = None, 0.0
     if weights is not None:
         w = np.nan_to_num(np.asarray(weights, np.float64), nan=0.0)
         if w.shape != (n,):
             raise ValueError(f"weights must have one value per token ({n}), got shape {w.shape}")
         wmax = float(w[: step + 1].max())
-    parts = []
-    for j, text in enumerate(token_texts):
-        s = float(share[j])
-        styles = ["border-radius: 3px", "padding: 1px 0"]
-        if j > step:
-            state = "future"
-            styles.append("opacity: 0.3")
-        elif s > 0:
-            state = "kept"
-            styles.append(f"background: {_highlight(0.25 + 0.65 * s)}")
-        else:
-            state = "evicted"
-            styles.append("color: #8a8a8a")
-        classes = ["kvl-tok", f"kvl-{state}"]
-        if j == step:
-            classes.append("kvl-current")
-            styles.append("outline: 2px solid #C0392B; outline-offset: 1px")
-        if j > step:
-            tip = f"position {j} · not arrived yet"
-        elif s >= 1.0:
-            tip = f"position {j} · kept"
-        elif s <= 0.0:
-            tip = f"position {j} · evicted"
-        else:
-            tip = f"position {j} · kept by {s:.0%} of layers/heads"
-        if w is not None and j <= step:
-            tip += f" · weight {w[j]:.4g}"
-            if wmax > 0 and w[j] > 0:
-                styles.append(f"box-shadow: inset 0 -3px 0 rgba(43,92,138,{min(1.0, w[j] / wmax):.3f})")
-        parts.append(f'<span class="{" ".join(classes)}" data-pos="{j}" data-kept="{s:.3g}" '
-                     f'title="{_esc(tip)}" style="{"; ".join(styles)}">{_esc(text)}</span>')
+    first, end = text_window(n, step) if window is None else (max(0, window[0]), min(n, window[1]))
+    shown = np.union1d(np.arange(first, end), _shown_outside(share, step, (first, end), max_outside))
+    kept_before = np.r_[0, np.cumsum(share[: step + 1] > 0)]  # kept tokens before each position (up to the step)
+
+    def kept_between(a: int, b: int) -> int:  # kept tokens at positions a..b-1 (none after the step)
+        return int(kept_before[min(b, step + 1)] - kept_before[min(a, step + 1)])
+
+    parts, previous = [], -1
+    for j in shown.tolist():
+        if j > previous + 1:
+            parts.append(_gap(j - previous - 1, kept_between(previous + 1, j)))
+        parts.append(_token_span(j, token_texts[j], float(share[j]), step, w, wmax))
+        previous = j
+    if previous < n - 1:
+        parts.append(_gap(n - 1 - previous, kept_between(previous + 1, n)))
     n_kept = int((share[: step + 1] > 0).sum())
+    partial = "" if (first, end) == (0, n) else f" · positions {first}–{end - 1} in full, kept tokens elsewhere"
     legend = (f'<div class="kvl-legend" style="{LEGEND_STYLE}">'
               + (f"<strong>{_esc(title)}</strong> · " if title else "")
-              + f"step {step}: {n_kept} of {step + 1} tokens still read · "
+              + f"step {step}: {n_kept} of {step + 1} tokens still read{partial} · "
               f'<span style="background: {_highlight(0.9)}; padding: 0 4px">kept</span> '
               '<span style="color: #8a8a8a">evicted</span> '
               '<span style="outline: 2px solid #C0392B; padding: 0 3px">current</span> '

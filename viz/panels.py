@@ -1,10 +1,13 @@
 """The app's views of one run: traces -> metrics (backend.metrics, pure) -> figures (viz). No Gradio.
 
 Each function takes a ``backend.session.Run`` and the view's selectors and returns what one
-component of the page shows. Layer and head selectors are strings: ``"all"`` or an index.
+component of the page shows. Layer and head selectors are strings: ``"all"`` or an index. Nothing
+here builds a [T, T] array: at 8k tokens masks are binned or windowed (``backend/reads.py``), score
+curves follow a few tokens, and the text view shows a window around the step.
 """
 from __future__ import annotations
 
+import dataclasses
 import html
 import threading
 from collections import OrderedDict
@@ -14,7 +17,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from backend import metrics, pos
+from backend import metrics, pos, reads
 from backend.policies import policy_of
 from backend.trace import Trace
 
@@ -28,6 +31,7 @@ from .sweep import sweep_figure as sweep_plot
 from .tsne import tsne_figure
 
 SWEEP_BUDGETS = (8, 16, 24, 32, 48, 64, 96, 128)
+TSNE_POINTS = 512  # keys a t-SNE map embeds: t-SNE costs ~2 s at 512 points on two cores, ~6-20 s at 1024
 INTRO = """# KV Lens
 **See what KV-cache policies keep.** Type a prompt, pick policies side by side, and KV Lens runs
 SmolLM2-135M-Instruct with an instrumented cache: at every token each policy decides which cached tokens the query
@@ -56,6 +60,22 @@ def cached_run(run_id: str, load: Callable):
     return run
 
 
+ZOOM_SIZES = (64, 128, 256)  # a zoom window's side in tokens: six 256 x 256 panels are ~2.3 MB of JSON
+
+
+def zoom_window(run, zoom: bool, first_step, first_pos, size) -> tuple[int, int, int] | None:
+    """The zoom controls as ``(first step, first position, size)``, inside the text; None when zoom is off."""
+    if not zoom:
+        return None
+    n = len(run.traces[0].tokens)
+    size = int(size) if int(size or 0) in ZOOM_SIZES else ZOOM_SIZES[-1]
+
+    def start(value) -> int:  # a blank or out-of-range box still shows a full window
+        return int(min(max(int(value or 0), 0), max(0, n - size)))
+
+    return start(first_step), start(first_pos), size
+
+
 def layer_choices(n_layers: int = 30) -> list[str]:
     return ["all", *map(str, range(n_layers))]
 
@@ -73,20 +93,34 @@ def _budget(trace: Trace) -> int | None:
     return trace.meta["params"].get("budget")
 
 
-def _reads(trace: Trace, layer: str, head: str) -> np.ndarray:
-    """[T, T] read mask (bool) of one layer/head, or the share of layers/heads that read (float)."""
-    layers = range(trace.meta["n_layers"]) if layer == "all" else [int(layer)]
-    stack = np.stack([trace.reads(i) for i in layers])  # [L', H, T, T]
-    if head != "all":
-        stack = stack[:, int(head): int(head) + 1]
-    return stack[0, 0] if stack.shape[:2] == (1, 1) else stack.mean(axis=(0, 1))
+def _chosen(trace: Trace, layer: str, head: str) -> tuple[list[int], list[int]]:
+    """The layers and KV heads a selector pair names."""
+    layers = list(range(trace.meta["n_layers"])) if layer == "all" else [int(layer)]
+    heads = list(range(trace.meta["n_kv_heads"])) if head == "all" else [int(head)]
+    return layers, heads
 
 
-def _recorded_attention(trace: Trace, layer: str, head: str) -> np.ndarray | None:
-    if trace.attention is None or layer == "all" or int(layer) not in trace.meta["recorded_layers"]:
+def _recorded(trace: Trace, layers: list[int], heads: list[int]) -> int | None:
+    """The recorded-layer index when one layer and head are chosen and that layer's attention was kept."""
+    if trace.attention is None or len(layers) * len(heads) != 1 or layers[0] not in trace.meta["recorded_layers"]:
         return None
-    rows = trace.attention[trace.meta["recorded_layers"].index(int(layer))].astype(np.float32)
-    return rows.mean(0) if head == "all" else rows[int(head)]
+    return trace.meta["recorded_layers"].index(layers[0])
+
+
+def _mask_panel(trace: Trace, layer: str, head: str, zoom: tuple[int, int, int] | None) -> dict:
+    """One heatmap panel: the whole text (binned when longer than ``reads.MAX_BINS``) or a zoom window."""
+    layers, heads = _chosen(trace, layer, head)
+    r, n = _recorded(trace, layers, heads), len(trace.tokens)
+    size = reads.bin_size(n)
+    if zoom is None and size > 1:
+        attention = None if r is None else reads.binned_attention(trace, layers[0], heads[0], size)
+        return dict(reads=reads.binned_reads(trace, layers, heads, size), attention=attention, size=size)
+    first_step, first_pos, cells = (0, 0, n) if zoom is None else zoom
+    steps = slice(min(first_step, n - 1), min(first_step + cells, n))
+    positions = slice(min(first_pos, n - 1), min(first_pos + cells, n))
+    attention = None if r is None else trace.attention.rows(r, heads[0], steps, positions)
+    return dict(reads=reads.window_reads(trace, layers, heads, steps, positions), attention=attention,
+                first_step=steps.start, first_pos=positions.start)
 
 
 def _nearest_recorded(trace: Trace, layer: str) -> int:
@@ -125,17 +159,19 @@ def summary_table(run) -> pd.DataFrame:
     return frame
 
 
-def heatmaps(run, layer: str, head: str) -> go.Figure:
-    panels = {}
-    for trace in run.traces:
-        attention = _recorded_attention(trace, layer, head)
-        reads = _reads(trace, layer, head)
-        if attention is not None and reads.dtype != bool:
-            attention = None  # weights only make sense for one head's mask
-        panels[trace.spec] = {"reads": reads, "token_texts": trace.meta["token_texts"], "attention": attention}
+def heatmaps(run, layer: str, head: str, zoom: tuple[int, int, int] | None = None) -> go.Figure:
+    """One panel per policy: the whole text, or with ``zoom = (first step, first position, size)`` that window
+    of steps x positions at one token per cell."""
+    panels = {t.spec: dict(_mask_panel(t, layer, head, zoom), token_texts=t.meta["token_texts"]) for t in run.traces}
     where = f"layer {layer}" if layer != "all" else "all layers"
     who = f"KV head {head}" if head != "all" else "all KV heads"
-    return mask_heatmaps(panels, title=f"What each query read ({where}, {who})",
+    window = ""
+    if zoom is not None:
+        first = next(iter(panels.values()))
+        rows, cols = first["reads"].shape
+        window = (f", steps {first['first_step']}–{first['first_step'] + rows - 1} x positions "
+                  f"{first['first_pos']}–{first['first_pos'] + cols - 1}")
+    return mask_heatmaps(panels, title=f"What each query read ({where}, {who}{window})",
                          colors=policy_colors([t.spec for t in run.traces]))
 
 
@@ -143,8 +179,12 @@ def kept_tokens(run, step: int, layer: str, head: str) -> str:
     parts = []
     for trace in run.traces:
         at = min(step, len(trace.tokens) - 1)
-        kept = _reads(trace, layer, head)[at]
-        parts.append(kept_tokens_html(trace.meta["token_texts"], kept, at, title=f"{trace.spec} at step {at}"))
+        layers, heads = _chosen(trace, layer, head)
+        kept = reads.read_share_at(trace, layers, heads, at)
+        r = _recorded(trace, layers, heads)
+        weights = None if r is None else trace.attention.rows(r, heads[0], slice(at, at + 1))[0]
+        parts.append(kept_tokens_html(trace.meta["token_texts"], kept, at, weights=weights,
+                                      title=f"{trace.spec} at step {at}"))
     return "\n".join(parts)
 
 
@@ -156,17 +196,20 @@ def score_curves(run, layer: str, head: str, alpha: float, step: int) -> tuple[g
     budget = budgets[0] if budgets else 16
     at_layer = _nearest_recorded(full, layer)
     at_head = 0 if head == "all" else int(head)
-    curves = metrics.score_curves(full, at_layer, at_head, float(alpha), budget)
     at = min(step, len(full.tokens) - 1)
+    curves = metrics.score_curves(full, at_layer, at_head, float(alpha), budget, step=at)
     where = f"Full attention, layer {at_layer}, KV head {at_head}"
-    snapshot = score_curves_figure(curves.a2s, curves.a2sf, full.meta["token_texts"], at, curves.keep_a2s,
-                                   curves.keep_a2sf, float(alpha),
+    if not full.attention.exact:  # long texts: the scores sum each row's largest weights only
+        where += f" (top {full.attention.top_k} weights per query)"
+    texts = full.meta["token_texts"]
+    snapshot = score_curves_figure(curves.a2s, curves.a2sf, texts, at, curves.keep_a2s, curves.keep_a2sf,
+                                   float(alpha),
                                    title=f"{where}: A2S vs A2SF (alpha={alpha:g}) at step {at}, budget {budget}")
-    top = np.argsort(-curves.a2sf[at, : at + 1], kind="stable")[:6].tolist()
-    over_steps = score_over_steps_figure(curves.a2s, curves.a2sf, sorted(top), full.meta["token_texts"],
-                                         alpha=float(alpha), keep_a2s=curves.keep_a2s, keep_a2sf=curves.keep_a2sf,
-                                         title=f"{where}: scores over the steps of the 6 tokens A2SF ranks "
-                                               f"highest at step {at}")
+    over_steps = score_over_steps_figure(curves.a2s_over_steps, curves.a2sf_over_steps, curves.tokens, texts,
+                                         alpha=float(alpha), keep_a2s=curves.kept_a2s_over_steps,
+                                         keep_a2sf=curves.kept_a2sf_over_steps,
+                                         title=f"{where}: scores over the steps of the {len(curves.tokens)} tokens "
+                                               f"A2SF ranks highest at step {at}")
     return snapshot, over_steps
 
 
@@ -179,9 +222,23 @@ def tsne(run, policy: str, layer: str, head: str) -> go.Figure:
     at_layer = _nearest_recorded(trace, layer)
     at_head = 0 if head == "all" else int(head)
     samples = metrics.key_samples(trace, at_layer, at_head)
-    before, after = embed_keys(samples.before_rope, samples.after_rope)
-    return tsne_figure(before, after, samples.kept, trace.meta["token_texts"],
-                       title=f"{trace.spec}: keys of layer {at_layer}, KV head {at_head}, kept at the last step")
+    if len(samples.positions) > TSNE_POINTS:  # evenly spread, the first and the last included
+        pick = np.unique(np.linspace(0, len(samples.positions) - 1, TSNE_POINTS).round().astype(int))
+        samples = dataclasses.replace(samples, before_rope=samples.before_rope[pick],
+                                      after_rope=samples.after_rope[pick], kept=samples.kept[pick],
+                                      positions=samples.positions[pick])
+    # The embedding is the slow part (~2 s at 512 keys): asking again for the same keys is instant.
+    cache = run.extra.setdefault("tsne", {})
+    key = (trace.spec, at_layer, at_head)
+    if key not in cache:
+        cache[key] = embed_keys(samples.before_rope, samples.after_rope)
+    before, after = cache[key]
+    texts = trace.meta["token_texts"]
+    n = len(trace.tokens)
+    sampled = "" if len(samples.positions) == n else f" ({len(samples.positions)} of {n} positions, evenly spread)"
+    return tsne_figure(before, after, samples.kept, [texts[p] for p in samples.positions], samples.positions,
+                       title=f"{trace.spec}: keys of layer {at_layer}, KV head {at_head}{sampled}, "
+                             f"kept at the last step")
 
 
 def divergence(run) -> tuple[go.Figure, str]:
@@ -213,7 +270,6 @@ def _continuation_texts(trace: Trace) -> list[str]:
 def retention(run) -> tuple[go.Figure, go.Figure, go.Figure, pd.DataFrame]:
     """Token 0's retention and the non-recent share per layer, lifetime by position (TOVA Fig. 8 and
     Sec. 6.1), and the mean lifetime per part of speech (Tables 1 and 4)."""
-    evicting = [t for t in run.traces if t.evicted_at is not None]
     compressed = [t for t in run.traces if t.meta["kind"] != "full"]
     colors = policy_colors([t.spec for t in compressed])
     first = first_token_retention_figure({t.spec: metrics.first_token_retention(t)[:, 0] for t in compressed},
@@ -223,17 +279,40 @@ def retention(run) -> tuple[go.Figure, go.Figure, go.Figure, pd.DataFrame]:
                                          title="Share of what each query reads that lies outside its last budget tokens")
     lifetimes = {t.spec: metrics.mean_lifetime_by_position(t) for t in compressed}
     by_position = lifetime_by_position_figure(lifetimes, colors=colors) if lifetimes else go.Figure()
-    figures = (first, non_recent, by_position)
+    return (first, non_recent, by_position, _pos_table(run))
+
+
+class _SharedTagger:
+    """NLTK's tagger remembering each sentence's tags: a run's policies read one text (or share its prompt)."""
+
+    def __init__(self, tagger):
+        self.tagger, self.seen = tagger, {}
+
+    def tag(self, words: list[str]):
+        key = tuple(words)
+        if key not in self.seen:
+            self.seen[key] = self.tagger.tag(words)
+        return self.seen[key]
+
+
+def _pos_table(run) -> pd.DataFrame:
+    """Mean lifetime per part of speech and eviction policy, kept in ``run.extra`` (tagging 8k tokens takes
+    seconds, and the export asks again)."""
+    if "pos_table" in run.extra:
+        return run.extra["pos_table"]
+    evicting = [t for t in run.traces if t.evicted_at is not None]
     if not evicting:
-        return (*figures, pd.DataFrame({"note": ["Pick an eviction policy to see which parts of speech it keeps."]}))
+        return pd.DataFrame({"note": ["Pick an eviction policy to see which parts of speech it keeps."]})
     try:
-        columns = {t.spec: pos.pos_lifetimes(t).set_index("tag")["mean_lifetime"] for t in evicting}
+        tagger = _SharedTagger(pos.load_tagger())
+        columns = {t.spec: pos.pos_lifetimes(t, tagger).set_index("tag")["mean_lifetime"] for t in evicting}
         columns = {spec: col.rename(index={"\n": "\\n (line break)"}) for spec, col in columns.items()}
     except pos.TaggerUnavailable as err:
-        return (*figures, pd.DataFrame({"note": [str(err)]}))
+        return pd.DataFrame({"note": [str(err)]})
     table = pos_table(pd.DataFrame(columns)).rename(
         columns=lambda c: c if c in ("tag", "pos") else f"{c} (mean steps kept)")
-    return (*figures, table)
+    run.extra["pos_table"] = table
+    return table
 
 
 def figures_html(run, layer: str, head: str, step: int, alpha: float) -> str:

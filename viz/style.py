@@ -26,17 +26,22 @@ def plotly_text(text: str) -> str:
     return html.escape(text, quote=False)
 
 
-def token_labels(token_texts: Sequence[str], n: int | None = None, size: int = 1) -> list[str]:
-    """Unique, escaped category labels ``'17 ␣cat'`` for token positions 0..n-1 (hover and ticks).
+def token_labels(token_texts: Sequence[str], n: int | None = None, size: int = 1, start: int = 0,
+                 count: int | None = None) -> list[str]:
+    """Unique, escaped category labels ``'17 ␣cat'`` for token positions (hover and ticks).
 
-    With ``size`` > 1, one label per bin of ``size`` positions: ``'16–17 ␣the␣cat'``.
+    Positions ``start ..`` in ``count`` cells (default: up to ``n``, the text's length); with ``size`` > 1,
+    one label per cell of ``size`` positions: ``'16–17 ␣the␣cat'``.
     """
     n = len(token_texts) if n is None else n
-    texts = list(token_texts) + [""] * max(0, n - len(token_texts))
-    if size == 1:
-        return [f"{j} {plotly_text(visible_token(texts[j]))}" for j in range(n)]
-    spans = [(j, min(j + size, n) - 1) for j in range(0, n, size)]
-    return [f"{a}{'' if a == b else f'–{b}'} {plotly_text(visible_token(''.join(texts[a:b + 1])))}" for a, b in spans]
+    count = -(-(n - start) // size) if count is None else count
+    labels = []
+    for cell in range(count):
+        a = start + cell * size
+        b = min(a + size, n) - 1
+        text = "".join(token_texts[a: b + 1])  # positions past the texts (n > len) have none
+        labels.append(f"{a}{'' if a == b or size == 1 else f'–{b}'} {plotly_text(visible_token(text))}")
+    return labels
 
 
 def tick_stride(n: int, target: int = 16) -> int:
