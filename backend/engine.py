@@ -53,6 +53,7 @@ class TopRecorder:
         """attn: [H, n, C] rows over C columns at ``positions`` [H, C]; zero where not read."""
         k = min(self.top_k, attn.shape[-1])
         val, col = torch.topk(attn.float(), k, dim=-1)
+        positions = positions.to(col.device)
         pos = torch.gather(positions[:, None].expand(-1, attn.shape[1], -1), 2, col)
         pos = torch.where(val > 0, pos, torch.full_like(pos, -1)).cpu().numpy().astype(np.int32)
         val = val.cpu().numpy().astype(np.float16)
@@ -66,6 +67,13 @@ class TopRecorder:
     def rows(self, length: int) -> tuple[np.ndarray, np.ndarray]:
         """([H, T, k] positions, [H, T, k] weights) of the first ``length`` queries."""
         return np.concatenate(self.pos, 1)[:, :length], np.concatenate(self.val, 1)[:, :length]
+
+
+class _NoSpans:
+    """A fork's span recorder: the fork's reads are not part of any trace."""
+
+    def add(self, reads, first) -> None:
+        pass
 
 
 def _causal(first: int, n: int, total: int, device) -> torch.Tensor:
@@ -95,7 +103,8 @@ class RowLayerState:
         new = total - self.evicted_at.shape[1]
         if new > 0:
             self.evicted_at = np.concatenate([self.evicted_at, np.full((self.n_kv_heads, new), -1, np.int32)], 1)
-            self.alive = np.concatenate([self.alive, np.ones((self.n_kv_heads, new), bool)], 1)
+            if self.policy.kind == "compression":
+                self.alive = np.concatenate([self.alive, np.ones((self.n_kv_heads, new), bool)], 1)
 
     # --- one block of queries -------------------------------------------------------------------------
 
@@ -204,11 +213,12 @@ class RowLayerState:
         """After a block: hold the alive columns only, and drop the others from the policy's arrays."""
         counts = alive.sum(1)
         width = int(counts.max())
-        if (counts == width).all():
+        if (counts == width).all():  # always so for eviction: each head drops one token a step
             self.slots = columns[alive].reshape(len(alive), width)
-            self.state = {name: a[alive].reshape(a.shape[0], width)
-                          if isinstance(a, np.ndarray) and a.shape == alive.shape else a
-                          for name, a in self.state.items()}
+            if self.policy.kind == "eviction":  # its per-token state is per column (compression's is by position)
+                self.state = {name: a[alive].reshape(a.shape[0], width)
+                              if isinstance(a, np.ndarray) and a.shape == alive.shape else a
+                              for name, a in self.state.items()}
             return
         # Heads hold different counts (compression with per-head budgets): pad with -1.
         self.slots = np.full((len(alive), width), -1, np.int64)
@@ -228,7 +238,8 @@ class RowLayerState:
             return
         window = np.zeros((self.n_kv_heads, len(self.window_rows), t + 1))
         for j, (where, row) in enumerate(self.window_rows):
-            np.put_along_axis(window[:, j], np.maximum(where, 0), np.where(where >= 0, row, 0), axis=1)
+            heads, cols = np.nonzero(where >= 0)  # -1 pads a head that holds fewer tokens: it has no position
+            window[heads, j, where[heads, cols]] = row[heads, cols]
         held = self.alive[:, : t + 1]
         view = CacheView(t=t, n_prompt=n_prompt, layer=self.layer, n_layers=self.n_layers, attn_window=window,
                          keys=key[:, : t + 1], values=value[:, : t + 1], kept=held.copy(), state=self.state)
@@ -256,7 +267,7 @@ class RowLayerState:
         twin.state = copy.deepcopy(self.state)
         twin.slots, twin.alive, twin.evicted_at = self.slots.copy(), self.alive.copy(), self.evicted_at.copy()
         twin.window_rows = list(self.window_rows)
-        twin.spans = SpanRecorder(self.n_kv_heads) if self.spans is not None else None
+        twin.spans = _NoSpans() if self.spans is not None else None
         twin.top, twin.stat_rows = None, {}
         return twin
 

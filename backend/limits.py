@@ -43,5 +43,6 @@ SELECTION_UNIT = 1024  # a selection row costs length * length / SELECTION_UNIT 
 
 def row_cost(kind: str, length: int) -> int:
     """Row-tokens of one policy's row over ``length`` tokens: linear for eviction and compression (their
-    work per step is bounded by the budget), quadratic beyond SELECTION_UNIT for selection."""
-    return length * max(1, length // SELECTION_UNIT) if kind == "selection" else length
+    work per step is bounded by the budget; the Full row is the plain model's and not counted), quadratic
+    beyond SELECTION_UNIT for selection."""
+    return max(length, length * length // SELECTION_UNIT) if kind == "selection" else length

@@ -11,13 +11,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-RECORD_BYTES = 6 * 2 ** 20  # per trace; a run of five rows stays under 32 MB with the keys
+RECORD_BYTES = 4 * 2 ** 20  # per trace: a run of five rows stays under 32 MB with the keys (1.2 MB a trace)
 MIN_TOP_K = 16
+NO_POSITION = 65535  # an empty entry, as stored
 KEY_SAMPLES = 1024  # positions whose keys a trace keeps (every position up to this length)
 
 
 def choose_top_k(length: int, n_recorded: int, n_heads: int) -> int:
-    """k for a text of ``length`` tokens: every entry when that fits in RECORD_BYTES (4 bytes an entry)."""
+    """k for a text of ``length`` tokens: every entry when that fits in RECORD_BYTES (4 bytes an entry: a
+    uint16 position and a float16 weight)."""
     fits = RECORD_BYTES // max(1, 4 * n_recorded * n_heads * length)
     return int(min(length, max(MIN_TOP_K, fits)))
 
@@ -77,6 +79,19 @@ class TopAttention:
     def dense(self, r: int) -> np.ndarray:
         """float32 [H, T, T] of one recorded layer (small texts and tests)."""
         return np.stack([self.rows(r, h) for h in range(self.pos.shape[1])])
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """As stored: positions as uint16 (65535 = none) when the text allows, else int32."""
+        pos = self.pos
+        if self.pos.shape[2] < NO_POSITION:
+            pos = np.where(self.pos >= 0, self.pos, NO_POSITION).astype(np.uint16)
+        return {"attn_pos": pos, "attn_val": self.val}
+
+    @classmethod
+    def from_arrays(cls, pos: np.ndarray, val: np.ndarray) -> "TopAttention":
+        if pos.dtype == np.uint16:
+            pos = np.where(pos == NO_POSITION, -1, pos.astype(np.int32))
+        return cls(pos=pos.astype(np.int32), val=val)
 
     @classmethod
     def from_dense(cls, attention: np.ndarray) -> "TopAttention":

@@ -25,6 +25,7 @@ from .recorded import choose_top_k, key_positions
 from .trace import FORMAT_VERSION, Trace
 
 DEFAULT_CHUNK = 256
+REACH = 4  # a prompt block may grow to this many chunks (or budgets) to end where every row may cut
 LM_HEAD_CHUNK = 64  # positions per lm-head call: bounds the [rows, positions, vocab] logits tensor
 
 Progress = Callable[[float, str], None]
@@ -67,16 +68,26 @@ def new_cache(lm: LoadedModel, rows: Sequence[Policy], record_layers: Sequence[i
 
 def block_ends(chunk: int, n: int, rows: Sequence[Policy]) -> list[int]:
     """Where the forward calls on a prompt of ``n`` tokens end: every ``chunk`` tokens, moved back (or, if
-    there is none in reach, forward) to a place where every row may cut (ReAttention's Algorithm 1 needs
-    all of one of its chunks' queries in one call to vote together)."""
-    def ok(end: int) -> bool:
-        return end == n or all(p.may_cut(end) for p in rows if hasattr(p, "may_cut"))
+    there is none in reach, forward up to ``REACH`` chunks or budgets) to a place where every row may cut
+    (ReAttention's Algorithm 1 needs all of one of its chunks' queries in one call to vote together).
 
+    Two ReAttention rows whose chunk grids never meet (e.g. budgets 64 and 72 in one sweep) have no common
+    place: the block then ends at the reach, past both rows' first global + local tokens, and their later
+    chunks are cut there, as any block end cut them before, rather than growing the block to the whole
+    prompt (O(T^2) memory for every other row)."""
+    cutting = [p for p in rows if hasattr(p, "may_cut")]
+
+    def ok(end: int) -> bool:
+        return end == n or all(p.may_cut(end) for p in cutting)
+
+    # A ReAttention row may cut every `chunk` of its own after its first global + local tokens (< budget).
+    reach = REACH * max([chunk] + [getattr(p, "budget", 0) for p in cutting])
     ends, lo = [], 0
     while lo < n:
         aim = min(lo + chunk, n)
         end = next((e for e in range(aim, lo, -1) if ok(e)), None)
-        end = end if end is not None else next(e for e in range(aim + 1, n + 1) if ok(e))
+        if end is None:
+            end = next((e for e in range(aim + 1, min(lo + reach, n) + 1) if ok(e)), min(lo + reach, n))
         ends.append(end)
         lo = end
     return ends
@@ -282,7 +293,7 @@ def run(lm: LoadedModel, specs: Sequence[str], policies: Sequence[Policy], ids: 
         own = ids if continuations is None else ids + continuations[row]
         generated = {} if continuations is None else {"generated_ids": np.array(continuations[row], np.int32)}
         scored = ids if continuations is None else ids + continuations[0]
-        meta = {**_meta(lm, spec, policy, mode, own, len(ids), record), "attention_top_k": cache.record_top_k}
+        meta = {**_meta(lm, spec, policy, mode, own, len(ids), record), "attention_top_k": cache.record_top_k if record else 0}
         return Trace(meta=meta, tokens=np.array(own, np.int32),
                      scored_ids=np.array(scored, np.int32), **{k: v[row] for k, v in stats.items()},
                      **_masks(cache, row, policy, len(own)), **_recorded(lm, cache, row, len(own)), **generated)

@@ -84,7 +84,7 @@ class Trace:
         if self.spans is not None:
             out.update(self.spans.arrays())
         if self.attention is not None:
-            out.update(attn_pos=self.attention.pos, attn_val=self.attention.val)
+            out.update(self.attention.arrays())
         return out
 
     def to_bytes(self) -> bytes:
@@ -107,7 +107,7 @@ class Trace:
         if "span_offsets" in arrays:
             arrays["spans"] = ReadSpans.from_arrays(arrays, meta["n_layers"], meta["n_kv_heads"], len(arrays["tokens"]))
         if "attn_pos" in arrays:
-            arrays["attention"] = TopAttention(pos=arrays.pop("attn_pos"), val=arrays.pop("attn_val"))
+            arrays["attention"] = TopAttention.from_arrays(arrays.pop("attn_pos"), arrays.pop("attn_val"))
         return cls(meta=meta, **arrays)
 
     def npz_bytes(self) -> bytes:

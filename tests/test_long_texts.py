@@ -21,6 +21,16 @@ def random_masks(seed=0, layers=2, heads=3, n=40, share=0.3):
     return masks
 
 
+def test_a_block_that_changes_nothing_adds_no_span():
+    """Queries that read exactly what the query before them read (possible when a query skips itself)."""
+    recorder = SpanRecorder(1)
+    same = np.array([[[True, True, False]]])
+    recorder.add(same, 2)
+    recorder.add(same, 3)
+    (pos, start, end), = recorder.finish(4)
+    assert pos.tolist() == [0, 1] and start.tolist() == [2, 2] and end.tolist() == [4, 4]
+
+
 def test_spans_give_back_every_window_of_the_mask():
     masks = random_masks()
     spans = ReadSpans.from_masks(masks)
@@ -90,6 +100,16 @@ def test_reattention_cuts_blocks_at_its_chunks_and_no_longer_takes_the_whole_pro
     assert block_ends(10, 40, [Full(), policy]) == [8, 16, 24, 32, 40]
     assert block_ends(10, 40, [Full(), TOVA(budget=5)]) == [10, 20, 30, 40]
     assert block_ends(3, 30, [policy]) == [8, 12, 16, 20, 24, 28, 30]
+
+
+def test_reattention_rows_whose_chunks_never_meet_do_not_make_one_huge_block():
+    """Budgets 64 and 72 open at 48 and 56 with chunks of 16: no common cut after the start. Blocks stay
+    within REACH chunks instead of becoming the whole prompt."""
+    rows = [Full(), H2O(budget=256), ReAttention(budget=64), ReAttention(budget=72)]
+    ends = block_ends(256, 8192, rows)
+    assert ends[-1] == 8192 and max(np.diff([0, *ends])) <= 256 * 4
+    assert block_ends(256, 8192, rows[:3])[:3] == [256, 512, 768]  # one grid (48 + 16k): 256 is one of its ends
+    assert block_ends(250, 8192, rows[:3])[:3] == [240, 480, 720]
 
 
 def test_reattention_in_blocks_equals_reattention_over_the_whole_prompt(tiny, text_ids):
@@ -189,3 +209,30 @@ def test_the_message_says_why_a_selection_row_at_length_is_refused(tiny_session,
     request = RunRequest(prompt="ab" * 240, specs=["tova:budget=8", "oracle:budget=8"], mode="prompt")
     with pytest.raises(RequestError, match=r"oracle read every key for every query: at 480 tokens each counts 4x"):
         session.execute(request, tiny_session, limits=Limits(row_tokens=1000))
+
+
+def test_a_compression_view_shows_the_last_querys_attention_on_every_token_it_holds(monkeypatch):
+    """AdaKV's heads hold different counts (padded columns): the last query read every held token, so its
+    window row is positive exactly where the view says a token is cached, position 0 included."""
+    from backend.policies import AdaKV
+    from tests.conftest import make_tiny
+
+    lm = make_tiny(layers=2, heads=8, kv_heads=4)
+    ids = torch.randint(0, 101, (160,), generator=torch.Generator().manual_seed(0)).tolist()
+    views = []
+    keep = AdaKV.keep
+
+    def spy(self, view):
+        views.append((view.attn_window[:, -1].copy(), view.kept.copy()))
+        return keep(self, view)
+
+    monkeypatch.setattr(AdaKV, "keep", spy)
+    policy = AdaKV(budget=16, interval=4)
+    score_text(lm, ids, [policy], chunk=7)
+    assert len(views) > 40
+    for last_row, kept in views:
+        np.testing.assert_array_equal(last_row > 0, kept)
+    monkeypatch.setattr(AdaKV, "keep", keep)
+    one, _, _ = score_text(lm, ids, [policy], chunk=1)
+    blocks, _, _ = score_text(lm, ids, [policy], chunk=7)
+    np.testing.assert_array_equal(one.evicted_at(1), blocks.evicted_at(1))
