@@ -3,7 +3,7 @@
 A full row per query is T * T numbers per head (128 MB per head and layer at 8k in float16). Attention
 is concentrated, so the ``k`` largest entries of a row carry most of it; rows with at most ``k`` entries
 (the first ``k`` queries, and every query of an eviction policy whose budget is at most ``k``) are kept
-exactly. ``choose_top_k`` sizes ``k`` so that a trace's recorded attention stays near 6 MB.
+exactly. ``choose_top_k`` sizes ``k`` so that a trace's recorded attention stays near 4 MB.
 """
 from __future__ import annotations
 
