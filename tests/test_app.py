@@ -97,6 +97,9 @@ def test_zoom_controls_become_a_window_inside_the_text():
     assert app.panels.zoom_window(run, False, 10, 10, 64) is None  # off: the whole text, binned
     assert app.panels.zoom_window(run, True, 900, -5, 256) == (744, 0, 256)  # moved inside the text
     assert app.panels.zoom_window(run, True, None, 3.0, 9999) == (0, 3, 256)  # blank box, size out of the choices
+    # What the raw API may send instead of numbers: still a window, never an error.
+    assert app.panels.zoom_window(run, True, float("nan"), "abc", "inf") == (0, 0, 256)
+    assert app.panels.zoom_window(run, True, float("inf"), [], "64") == (0, 0, 64)
 
 
 def test_summary_has_no_oracle_column_without_an_oracle(tiny_session):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import html
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -68,12 +69,21 @@ def zoom_window(run, zoom: bool, first_step, first_pos, size) -> tuple[int, int,
     if not zoom:
         return None
     n = len(run.traces[0].tokens)
-    size = int(size) if int(size or 0) in ZOOM_SIZES else ZOOM_SIZES[-1]
+    size = _whole(size) if _whole(size) in ZOOM_SIZES else ZOOM_SIZES[-1]
 
-    def start(value) -> int:  # a blank or out-of-range box still shows a full window
-        return int(min(max(int(value or 0), 0), max(0, n - size)))
+    def start(value) -> int:  # a blank, malformed or out-of-range box still shows a full window
+        return int(min(max(_whole(value), 0), max(0, n - size)))
 
     return start(first_step), start(first_pos), size
+
+
+def _whole(value) -> int:
+    """A control's value as an int; 0 for blanks and for what the API may send instead (nan, inf, text)."""
+    try:
+        number = float(value or 0)
+    except (TypeError, ValueError):
+        return 0
+    return int(number) if math.isfinite(number) else 0
 
 
 def layer_choices(n_layers: int = 30) -> list[str]:
