@@ -62,15 +62,6 @@ class ReadSpans:
         np.add.at(out, (rows, self.pos), (self.end - self.start).astype(np.int64))
         return out.reshape(self.n_layers, self.n_heads, self.length)
 
-    def sizes(self, layer: int) -> np.ndarray:
-        """int64 [H, T]: how many tokens each query read."""
-        out = np.zeros((self.n_heads, self.length + 1), np.int64)
-        for h in range(self.n_heads):
-            _, start, end = self.head(layer, h)
-            np.add.at(out[h], start, 1)
-            np.add.at(out[h], end, -1)
-        return np.cumsum(out, axis=1)[:, :-1]
-
     def dense(self) -> np.ndarray:
         """bool [L, H, T, T] (small texts and tests only: T * T bits per head)."""
         return np.stack([self.window(layer) for layer in range(self.n_layers)])
