@@ -84,9 +84,11 @@ def _causal(first: int, n: int, total: int, device) -> torch.Tensor:
 class RowLayerState:
     """What one policy has done in one layer of one batch row: its state, what it holds, what it read."""
 
-    def __init__(self, policy: Policy, n_kv_heads: int, record_top_k: int = 0, layer: int = 0, n_layers: int = 1):
+    def __init__(self, policy: Policy, n_kv_heads: int, record_top_k: int = 0, layer: int = 0, n_layers: int = 1,
+                 rope: Callable | None = None):
         self.policy = policy
         self.layer, self.n_layers = layer, n_layers
+        self.rope = rope  # the model's RoPE, for compression policies that rotate queries (CacheView.rope)
         self.n_kv_heads = n_kv_heads
         self.state = policy.init_state(n_kv_heads)
         # Eviction and compression: the positions the row holds, per KV head in position order (-1 pads
@@ -94,7 +96,7 @@ class RowLayerState:
         self.slots = np.zeros((n_kv_heads, 0), np.int64)
         self.alive = np.zeros((n_kv_heads, 0), bool)  # compression: by position, for its CacheView
         self.evicted_at = np.zeros((n_kv_heads, 0), np.int32)
-        self.window_rows: list[tuple[np.ndarray, np.ndarray]] = []  # compression: (positions, attention) rows
+        self.window_rows: list[tuple] = []  # compression: (positions, attention row, query [H, G, d], t)
         self.spans = SpanRecorder(n_kv_heads) if policy.kind == "selection" else None
         self.top = TopRecorder(record_top_k) if record_top_k else None
         self.stat_rows: dict[str, list[np.ndarray]] = {}  # attending policies: per-step numbers
@@ -153,14 +155,14 @@ class RowLayerState:
         heads = torch.arange(n_heads, device=key.device)[:, None]
         keys, values = key[heads, at], value[heads, at]  # [H, C, d]
         scores = (q @ keys[:, None].transpose(-1, -2)) * scaling  # [H, G, n, C]
-        reads, attn_rows = self._walk(scores, columns, first, key, value, n_prompt)
+        reads, attn_rows = self._walk(scores, columns, first, key, value, n_prompt, q)
         unread = torch.from_numpy(~reads).to(scores.device)[:, None]
         probs = torch.softmax(scores.masked_fill_(unread, float("-inf")), dim=-1)
         if self.top is not None:
             self.top.add(torch.from_numpy(attn_rows), torch.from_numpy(columns))
         return probs @ values[:, None]
 
-    def _walk(self, scores: torch.Tensor, columns: np.ndarray, first: int, key, value, n_prompt):
+    def _walk(self, scores: torch.Tensor, columns: np.ndarray, first: int, key, value, n_prompt, q):
         """Decide query by query what the block's queries read; return reads bool [H, n, C] and, when
         recording, their attention rows [H, n, C]."""
         n_heads, group, n, width = scores.shape
@@ -196,16 +198,17 @@ class RowLayerState:
                 if attn_rows is not None:
                     attn_rows[:, i, :c] = attn
             if compression:
-                self._compress(attn, t, columns[:, :c], kept, key, value, n_prompt)
+                self._compress(attn, t, columns[:, :c], kept, key, value, n_prompt, q[:, :, i])
                 if weights is not None:
                     alive_f[:, :c] = kept
                 continue
             self.state, victims = policy.step(self.state, attn, kept, t, columns[:, :c])
-            if victims is not None:
-                alive[heads, victims] = False
+            if victims is not None:  # one column per head [H], or the same number of columns per head [H, k]
+                rows = heads if np.ndim(victims) == 1 else heads[:, None]
+                alive[rows, victims] = False
                 if weights is not None:
-                    alive_f[heads, victims] = 0.0
-                self.evicted_at[heads, columns[heads, victims]] = t + 1
+                    alive_f[rows, victims] = 0.0
+                self.evicted_at[rows, columns[rows, victims]] = t + 1
         self._keep_columns(columns, alive)
         return reads, attn_rows
 
@@ -213,7 +216,7 @@ class RowLayerState:
         """After a block: hold the alive columns only, and drop the others from the policy's arrays."""
         counts = alive.sum(1)
         width = int(counts.max())
-        if (counts == width).all():  # always so for eviction: each head drops one token a step
+        if (counts == width).all():  # always so for eviction: each head drops as many tokens as the others
             self.slots = columns[alive].reshape(len(alive), width)
             if self.policy.kind == "eviction":  # its per-token state is per column (compression's is by position)
                 self.state = {name: a[alive].reshape(a.shape[0], width)
@@ -225,7 +228,7 @@ class RowLayerState:
         for h in range(len(alive)):
             self.slots[h, : counts[h]] = columns[h, alive[h]]
 
-    def _compress(self, attn, t: int, columns: np.ndarray, kept: np.ndarray, key, value, n_prompt) -> None:
+    def _compress(self, attn, t: int, columns: np.ndarray, kept: np.ndarray, key, value, n_prompt, query) -> None:
         """After query t has read: remember its attention row, and compress if the schedule says so.
 
         The policy sees a CacheView by position (0..t), as it would in a model that removes tokens; building
@@ -233,16 +236,20 @@ class RowLayerState:
         """
         policy = self.policy
         if policy.window_queries:
-            self.window_rows = [*self.window_rows, (columns, attn)][-policy.window_queries:]
+            self.window_rows = [*self.window_rows, (columns, attn, query, t)][-policy.window_queries:]
         if not policy.compresses_after(t, n_prompt):
             return
         window = np.zeros((self.n_kv_heads, len(self.window_rows), t + 1))
-        for j, (where, row) in enumerate(self.window_rows):
+        for j, (where, row, _, _) in enumerate(self.window_rows):
             heads, cols = np.nonzero(where >= 0)  # -1 pads a head that holds fewer tokens: it has no position
             window[heads, j, where[heads, cols]] = row[heads, cols]
         held = self.alive[:, : t + 1]
+        queries = (torch.stack([query for _, _, query, _ in self.window_rows], 2) if self.window_rows
+                   else key.new_zeros(self.n_kv_heads, 0, 0, key.shape[-1]))
         view = CacheView(t=t, n_prompt=n_prompt, layer=self.layer, n_layers=self.n_layers, attn_window=window,
-                         keys=key[:, : t + 1], values=value[:, : t + 1], kept=held.copy(), state=self.state)
+                         keys=key[:, : t + 1], values=value[:, : t + 1], kept=held.copy(), state=self.state,
+                         queries=queries, query_positions=np.array([q_t for *_, q_t in self.window_rows], np.int64),
+                         rope=self.rope)
         dropped = held & ~policy.keep(view)
         self.alive[:, : t + 1] &= ~dropped
         self.evicted_at[:, : t + 1][dropped] = t + 1
@@ -291,7 +298,7 @@ class PolicyCache(DynamicCache):
         self.recorded_k: dict[int, list[torch.Tensor]] = {}  # recorded layer -> blocks of keys before RoPE
         self.record_top_k = record_top_k  # entries kept of each recorded attention row
         self.rows = [[RowLayerState(p, n_kv_heads, record_top_k if layer in self.record_layers else 0, layer,
-                                    n_layers) for p in self.policies]
+                                    n_layers, rope) for p in self.policies]
                      for layer in range(n_layers)]
         self.decoding = False  # True: the next blocks' queries are decoding steps (see Block.decoding)
         self.n_prompt: int | None = None  # generate mode: where the prompt ends (compression policies act there)

@@ -116,7 +116,7 @@ class EvictionPolicy(Policy):
     def step(self, state: State, attn: np.ndarray | None, kept: np.ndarray, t: int,
              positions: np.ndarray | None = None) -> tuple[State, np.ndarray | None]:
         """(state, attention of query t, kept [H, m], t, positions [H, m]) -> (new state, column each head
-        drops or None).
+        drops [H], or columns [H, k] when every head drops k at once (a batch, as Scissorhands), or None).
 
         The m columns are the tokens a head holds plus the ones that arrived since the engine last
         compacted, in position order (``positions``; default 0..m-1, every token since the start); ``kept``
@@ -153,6 +153,10 @@ class CacheView:
     policy reads them; kept: [H, t+1] what is cached now.
     n_prompt: the prompt's length in generate mode, None in prompt mode (no prompt/continuation split).
     state: the policy's own state (``init_state``), which it may update in place; a fork copies it.
+    queries: [H, G, w, d] float64, the same w queries as ``attn_window`` (after RoPE; query head h*G + g
+    uses KV head h), at positions ``query_positions`` [w]; converted on first read like keys.
+    rope(x [H, L, d] tensor, positions [L] tensor): the model's RoPE (None in bare unit tests); RoPE is a
+    rotation, so ``rope(x, -p)`` undoes it at position p.
     """
 
     t: int
@@ -164,10 +168,13 @@ class CacheView:
     values: "np.ndarray | torch.Tensor"
     kept: np.ndarray
     state: State = field(default_factory=dict)
+    queries: "np.ndarray | torch.Tensor | None" = None
+    query_positions: np.ndarray | None = None
+    rope: Callable | None = None
 
     def __getattribute__(self, name):
         value = object.__getattribute__(self, name)
-        if name in ("keys", "values") and not isinstance(value, np.ndarray):
+        if name in ("keys", "values", "queries") and value is not None and not isinstance(value, np.ndarray):
             value = value.double().cpu().numpy()  # only policies that read them pay for the copy
             object.__setattr__(self, name, value)
         return value
