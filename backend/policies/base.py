@@ -318,6 +318,7 @@ class Block:
     rope(x, positions): applies the model's RoPE to x [H, L, d] at the given positions.
     decoding: each query is a decoding step, though they arrive together (teacher-forced decoding);
     otherwise they are a prompt. Only a policy that cuts prompts its own way (``may_cut``) cares.
+    layer, n_layers: which layer of how many (Quest keeps its first layers dense).
     """
 
     q: "torch.Tensor"
@@ -329,6 +330,8 @@ class Block:
     k_pre: "torch.Tensor | None" = None
     rope: Callable | None = None
     decoding: bool = False
+    layer: int = 0
+    n_layers: int = 1
 
 
 @dataclass
