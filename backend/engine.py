@@ -156,38 +156,47 @@ class RowLayerState:
         keys, values = key[heads, at], value[heads, at]  # [H, C, d]
         scores = (q @ keys[:, None].transpose(-1, -2)) * scaling  # [H, G, n, C]
         reads, attn_rows = self._walk(scores, columns, first, key, value, n_prompt, q)
-        unread = torch.from_numpy(~reads).to(scores.device)[:, None]
-        probs = torch.softmax(scores.masked_fill_(unread, float("-inf")), dim=-1)
+        # -inf where a query does not read (adding a bias is several times faster than a broadcast masked_fill).
+        unread = torch.from_numpy(np.where(reads, np.float32(0), np.float32(-np.inf))).to(scores.device, scores.dtype)
+        probs = torch.softmax(scores.add_(unread[:, None]), dim=-1)
         if self.top is not None:
             self.top.add(torch.from_numpy(attn_rows), torch.from_numpy(columns))
         return probs @ values[:, None]
 
     def _walk(self, scores: torch.Tensor, columns: np.ndarray, first: int, key, value, n_prompt, q):
         """Decide query by query what the block's queries read; return reads bool [H, n, C] and, when
-        recording, their attention rows [H, n, C]."""
+        recording, their attention rows [H, n, C].
+
+        The loop body is the cost of the whole engine at long texts (one pass per token, layer and row), so
+        it does as little as it can: the block's exp(score) rows are computed once, the masked sums are
+        matrix products with the 0/1 alive row, and what each query read is rebuilt after the loop from
+        the step each column was dropped at.
+        """
         n_heads, group, n, width = scores.shape
         held = width - n
         policy, compression = self.policy, self.policy.kind == "compression"
         alive = np.zeros((n_heads, width), bool)
         alive[:, :held] = columns[:, :held] >= 0
+        dropped_at = np.where(alive, n, -1)  # the step of the block after which each column was dropped
+        dropped_at[:, held:] = n
         weights = None
         if policy.uses_attention or self.top is not None:
-            # exp(score - row max) once for the block (float64, as the policy decides in float64); each step
-            # then only masks and normalises.
-            visible = torch.ones(n, width, dtype=torch.bool)
-            visible[:, held:] = torch.ones(n, n, dtype=torch.bool).tril()
-            visible = visible & torch.from_numpy(columns >= 0)[:, None, None, :]
-            s = scores.double().cpu().masked_fill(~visible, float("-inf"))
-            weights = torch.exp(s - s.amax(-1, keepdim=True)).numpy()
-            alive_f = alive.astype(np.float64)  # alive as 0/1: the masked sums become matrix products
-        reads = np.zeros((n_heads, n, width), bool)
+            # exp(score - row max) once for the block, float64 as the policy decides in float64; zero where a
+            # query cannot see a column (later in the block, or a -1 pad).
+            s = scores.to(torch.float64, copy=True)  # a copy even when the model runs in float64: s is changed in place
+            s[..., held:].masked_fill_(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+            if held and not alive[:, :held].all():
+                s[..., :held].masked_fill_(torch.from_numpy(~alive[:, :held]).to(s.device)[:, None, None],
+                                           float("-inf"))
+            s -= s.amax(-1, keepdim=True)
+            weights = s.exp_().cpu().numpy()
+            alive_f = alive.astype(np.float64)
         attn_rows = np.zeros((n_heads, n, width)) if self.top is not None else None
         heads = np.arange(n_heads)
         for i in range(n):
             t, c = first + i, held + i + 1  # query t; columns 0..c-1 exist for it
             alive[:, c - 1] = True
             kept = alive[:, :c]
-            reads[:, i, :c] = kept
             attn = None
             if weights is not None:
                 # Mean over the group's query heads of each head's softmax over the kept columns.
@@ -198,17 +207,26 @@ class RowLayerState:
                 if attn_rows is not None:
                     attn_rows[:, i, :c] = attn
             if compression:
+                before = kept.copy()
                 self._compress(attn, t, columns[:, :c], kept, key, value, n_prompt, q[:, :, i])
-                if weights is not None:
-                    alive_f[:, :c] = kept
+                gone = before & ~kept
+                if gone.any():
+                    dropped_at[:, :c][gone] = i
+                    if weights is not None:
+                        alive_f[:, :c] = kept
                 continue
             self.state, victims = policy.step(self.state, attn, kept, t, columns[:, :c])
             if victims is not None:  # one column per head [H], or the same number of columns per head [H, k]
                 rows = heads if np.ndim(victims) == 1 else heads[:, None]
                 alive[rows, victims] = False
+                dropped_at[rows, victims] = i
                 if weights is not None:
                     alive_f[rows, victims] = 0.0
-                self.evicted_at[rows, columns[rows, victims]] = t + 1
+        steps = np.arange(n)[None, :, None]
+        reads = (np.arange(width)[None, None, :] < held + 1 + steps) & (steps <= dropped_at[:, None, :])
+        if not compression:  # compression sets evicted_at itself, by position
+            h, j = np.nonzero((dropped_at >= 0) & (dropped_at < n))
+            self.evicted_at[h, columns[h, j]] = first + dropped_at[h, j] + 1
         self._keep_columns(columns, alive)
         return reads, attn_rows
 

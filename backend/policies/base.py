@@ -127,19 +127,24 @@ class EvictionPolicy(Policy):
         if positions is None:
             positions = np.broadcast_to(np.arange(kept.shape[-1]), kept.shape)
         state = self.update(state, attn, t)
-        if kept.sum(-1).max() < self.budget:
+        # (This runs once per token, layer and row: it is written to do few numpy calls.)
+        if kept.shape[-1] < self.budget or kept.sum(-1).max() < self.budget:
             return state, None
-        score = np.array(self.score(state, attn, t, positions), dtype=np.float64)
-        if score.ndim == 1:
-            score = np.broadcast_to(score, kept.shape).copy()
-        if getattr(self, "heads", "head") == "layer":
-            # Layer-wise: one decision for the layer, from the score averaged over heads.
-            score[:] = score.mean(0)
-        score[~kept] = np.inf
+        score = np.asarray(self.score(state, attn, t, positions), dtype=np.float64)
+        if score.ndim == 2 and getattr(self, "heads", "head") == "layer":
+            # Layer-wise: one decision for the layer, from the score averaged over heads (= score.mean(0)).
+            score = np.add.reduce(score, axis=0) / len(score)
+        droppable = kept
         guard = self.protected(t)
-        if guard is not None:
+        if guard is not None:  # positions lo..hi-1 are never dropped
             lo, hi = guard.start or 0, t + 1 if guard.stop is None else guard.stop
-            score[(positions >= lo) & (positions < hi)] = np.inf
+            if hi > t:
+                droppable = kept & (positions < lo)
+            elif lo <= 0:
+                droppable = kept & (positions >= hi)
+            else:
+                droppable = kept & ((positions < lo) | (positions >= hi))
+        score = np.where(droppable, score, np.inf)
         return state, score.argmin(-1)
 
 
