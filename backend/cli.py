@@ -18,7 +18,7 @@ import pandas as pd
 
 from . import metrics
 from .models import ALLOWED_MODELS, DEFAULT_MODEL
-from .policies import PluginError, SpecError, describe, load_plugins, policy_table
+from .policies import PluginError, SpecError, describe, load_plugins, parse_spec, policy_table
 from .runner import DEFAULT_CHUNK
 from .session import LIMITS, RequestError, RunRequest, SweepRequest, check_run, check_sweep, execute, execute_sweep
 from .store import TraceStore
@@ -136,6 +136,56 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _numbers(text: str, kind, flag: str) -> list:
+    try:
+        values = [kind(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise CliError(f"{flag} must be comma-separated numbers, got {text!r}") from None
+    if not values:
+        raise CliError(f"{flag} is empty")
+    return values
+
+
+def cmd_needle(args: argparse.Namespace) -> int:
+    from .grid import GridError, run_grid, stderr_progress
+    from .needle import COLUMNS, cell_dict, cells
+    from .service import ENGINE_VERSION
+
+    lengths = _numbers(args.lengths, int, "--lengths")
+    depths = _numbers(args.depths, float, "--depths")
+    seeds = _numbers(args.seeds, int, "--seeds")
+    if not 1 <= args.new_tokens <= LIMITS.new_tokens:
+        raise CliError(f"--new-tokens must be 1 to {LIMITS.new_tokens}")
+    if min(lengths) < 32 + args.new_tokens or max(lengths) > LIMITS.prompt_tokens:
+        raise CliError(f"--lengths must be {32 + args.new_tokens} to {LIMITS.prompt_tokens} tokens (prompt and answer)")
+    if min(depths) < 0 or max(depths) > 1:
+        raise CliError("--depths are fractions of the haystack, 0 to 1")
+    try:
+        versions = {spec: type(parse_spec(spec)).version for spec in args.policy}
+    except SpecError as err:
+        raise CliError(str(err)) from None
+    out = writable_dir(args.out)
+    jobs = [{"kind": "needle", "model": args.model, "engine": ENGINE_VERSION, "versions": versions,
+             "payload": {"cell": cell_dict(cell), "specs": list(args.policy), "new_tokens": args.new_tokens}}
+            for cell in cells(lengths, depths, seeds)]
+    try:
+        results = run_grid(jobs, address=args.ray, workers=args.workers, checkpoint=out / "cells.jsonl",
+                           no_cache=args.no_cache, progress=stderr_progress("needle cells"))
+    except GridError as err:
+        raise CliError(str(err)) from None
+    df = pd.DataFrame([row for rows in results for row in rows], columns=["model", *COLUMNS])
+    df["budget"] = df["budget"].astype("Int64")
+    df.to_csv(out / "grid.csv", index=False)
+    from viz.needle import needle_figure  # the CLI is a front end, like app.py: figures come from viz/
+
+    needle_figure(df).write_html(out / "grid.html", include_plotlyjs=True, full_html=True)
+    rates = df.groupby("spec", sort=False)["found"].mean()
+    for spec, rate in rates.items():
+        print(f"{spec:32s} found {rate:6.1%} of {len(lengths) * len(depths) * len(seeds)} cells")
+    print(f"wrote grid.csv, grid.html and cells.jsonl (the checkpoint) to {out}")
+    return 0
+
+
 def cmd_policies(args: argparse.Namespace) -> int:
     print(policy_table())
     return 0
@@ -182,6 +232,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"policy/budget pairs per batched forward (default {MAX_ROWS}; lower it to save memory)")
     _common(p)
     p.set_defaults(func=cmd_sweep)
+    p = sub.add_parser(
+        "needle", help="needle-in-a-haystack grid: context length x needle depth, every policy (issue 14)",
+        description="Hide a random 5-7 digit number at each depth of a haystack of the shipped public-domain "
+                    "texts at each length, ask for it, and check the greedy answer under every policy. Writes "
+                    "grid.csv, grid.html and cells.jsonl (finished cells: a re-run skips them).")
+    p.add_argument("--lengths", default="1024,2048,4096,8192", help="context lengths in tokens (prompt + answer)")
+    p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths, fractions of the haystack")
+    p.add_argument("--seeds", default="0", help="haystack seeds (filler start and number), e.g. 0,1,2")
+    p.add_argument("--policy", action="append", required=True, metavar="SPEC",
+                   help="e.g. full or tova:budget=256; repeat for several")
+    p.add_argument("--new-tokens", type=int, default=16, help="greedy answer length")
+    p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                   help="run the cells on Ray: alone, a local Ray on this machine; with an address, that cluster")
+    p.add_argument("--workers", type=int, default=None, help="Ray actors (default: one per CPU)")
+    _common(p)
+    p.set_defaults(func=cmd_needle)
     sub.add_parser("policies", help="print the registered policies as a Markdown table").set_defaults(
         func=cmd_policies)
     return parser
