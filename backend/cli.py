@@ -102,6 +102,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         path = trace.save(out, file_stem(index, spec))
         row = metrics.summary_row(trace, run.full)
         summary[spec] = {**row, "trace": path.name}
+        if "extra_pass_tokens" in trace.meta:  # tokens a policy fed through the model besides the text (KVzip)
+            summary[spec]["extra_pass_tokens"] = trace.meta["extra_pass_tokens"]
         print(f"{spec:32s} ppl {row['ppl']:9.3f}  kl_to_full {row['kl_to_full']:.4f}  "
               f"top1 {row['top1_agreement']:.3f}  {'(replayed from the store)' if run.result.replayed[index] else ''}")
     (out / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -300,6 +300,22 @@ class RowLayerState:
         """Per-step numbers recorded by an attending policy: name -> [T, ...]."""
         return {name: np.stack(rows) for name, rows in self.stat_rows.items()}
 
+    def compress_now(self, t: int, key: torch.Tensor, value: torch.Tensor, n_prompt: int | None) -> None:
+        """Compress after query t, between forward calls: a compression policy whose scores come from a side
+        pass (KVzip's reconstruction, backend/reconstruction.py) keeps ``policy.keep`` of what is cached, by
+        position, as ``_compress`` does. key/value [H, >= t+1, d]: this row's keys and values."""
+        held = self.alive[:, : t + 1]
+        view = CacheView(t=t, n_prompt=n_prompt, layer=self.layer, n_layers=self.n_layers,
+                         attn_window=np.zeros((self.n_kv_heads, 0, t + 1)), keys=key[:, : t + 1],
+                         values=value[:, : t + 1], kept=held.copy(), state=self.state, rope=self.rope)
+        dropped = held & ~self.policy.keep(view)
+        if not dropped.any():
+            return
+        self.alive[:, : t + 1] &= ~dropped
+        self.evicted_at[:, : t + 1][dropped] = t + 1
+        columns = self.slots
+        self._keep_columns(columns, (columns >= 0) & np.take_along_axis(self.alive, np.maximum(columns, 0), 1))
+
 
 class PolicyCache(DynamicCache):
     """A DynamicCache whose batch row ``b`` is governed by ``policies[b]`` in every layer."""
@@ -393,6 +409,23 @@ class PolicyCache(DynamicCache):
         """Context manager: while active, keep queries and keys before RoPE (every layer's for policies
         that select with them, the recorded layers' keys for the trace)."""
         return PreRopeCapture(model, self)
+
+    # --- side passes (KVzip's reconstruction, backend/reconstruction.py) ---------------------------------
+    # Replaced, never changed in place, so a fork keeps its own: the tokens fed so far [B, T] (kept when a row
+    # re-reads its context), and per row the tokens it fed through the model outside the text.
+    fed: "torch.Tensor | None" = None
+    extra_pass_tokens: tuple[int, ...] = ()
+
+    def feed(self, ids: torch.Tensor, start: int) -> None:
+        """Remember ids [B, n] fed at positions start.. when a row's policy re-reads its context."""
+        if any(getattr(p, "rereads", False) for p in self.policies):
+            past = ids[:, :0].cpu() if self.fed is None else self.fed[:, :start]
+            self.fed = torch.cat([past, ids.cpu()], 1)
+
+    def add_extra_pass(self, row: int, tokens: int) -> None:
+        counts = list(self.extra_pass_tokens) or [0] * len(self.policies)
+        counts[row] += tokens
+        self.extra_pass_tokens = tuple(counts)
 
 
 class PreRopeCapture:

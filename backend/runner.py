@@ -21,6 +21,7 @@ from transformers.models.llama.modeling_llama import rotate_half
 from .engine import PolicyCache
 from .models import LoadedModel
 from .policies import Full, Policy
+from .reconstruction import cuts, reread
 from .recorded import choose_top_k, key_positions
 from .trace import FORMAT_VERSION, Trace
 
@@ -96,6 +97,7 @@ def block_ends(chunk: int, n: int, rows: Sequence[Policy]) -> list[int]:
 def _forward(lm: LoadedModel, cache: PolicyCache, ids: torch.Tensor, start: int) -> torch.Tensor:
     """Feed ids [B, n] at positions start..start+n-1; return the last hidden states [B, n, D]."""
     positions = torch.arange(start, start + ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+    cache.feed(ids, start)
     out = lm.model.model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True,
                          kv_lens=cache)
     return out.last_hidden_state
@@ -134,14 +136,17 @@ def _teacher_force(lm: LoadedModel, cache: PolicyCache, ids: Sequence[int], star
 
     Returns the last position's hidden states [B, D] (None if ``ids`` is empty) and what each position
     predicts for its next token: ``next_ids`` (default ``ids[1:]``, so the last position predicts nothing).
+    A block also ends where a row compresses after a reconstruction pass (KVzip), which runs between blocks.
     """
     device = lm.model.device
     n_rows = len(cache.policies)
     batch = torch.tensor(ids, dtype=torch.long, device=device).expand(n_rows, -1)
     targets = torch.tensor(list(ids[1:] if next_ids is None else next_ids), dtype=torch.long, device=device)
     pieces, hidden, lo = [], None, 0
+    ends = sorted(set(ends) | {e for e in cuts(cache, start, len(ids)) if ends and e < max(ends)})
     for hi in ends:
         hidden = _forward(lm, cache, batch[:, lo:hi], start + lo)
+        reread(lm, cache, start + hi - 1)
         pieces.append(_predictions(lm, hidden, targets[lo:hi]))
         if progress:
             progress(hi / len(ids), f"{label}: token {start + hi} of {start + len(ids)}")
@@ -163,6 +168,7 @@ def _decode(lm: LoadedModel, cache: PolicyCache, hidden: torch.Tensor, position:
                 done[row] = token == eos
         # Feed every generated token, the last one too, so each has its own step in the trace.
         hidden = _forward(lm, cache, next_ids[:, None], position)[:, -1]
+        reread(lm, cache, position)
         position += 1
         if done.all():
             break
@@ -294,6 +300,8 @@ def run(lm: LoadedModel, specs: Sequence[str], policies: Sequence[Policy], ids: 
         generated = {} if continuations is None else {"generated_ids": np.array(continuations[row], np.int32)}
         scored = ids if continuations is None else ids + continuations[0]
         meta = {**_meta(lm, spec, policy, mode, own, len(ids), record), "attention_top_k": cache.record_top_k if record else 0}
+        if getattr(policy, "rereads", False):  # a second pass through the model (KVzip's): its cost
+            meta["extra_pass_tokens"] = cache.extra_pass_tokens[row] if cache.extra_pass_tokens else 0
         return Trace(meta=meta, tokens=np.array(own, np.int32),
                      scored_ids=np.array(scored, np.int32), **{k: v[row] for k, v in stats.items()},
                      **_masks(cache, row, policy, len(own)), **_recorded(lm, cache, row, len(own)), **generated)

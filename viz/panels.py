@@ -144,8 +144,8 @@ def _nearest_recorded(trace: Trace, layer: str) -> int:
 
 def summary_table(run) -> pd.DataFrame:
     """Per policy: perplexity, KL and top-1 agreement vs Full, similarity to the oracle's masks (when an
-    oracle ran on the same tokens), how long token 0 stayed (TOVA Fig. 8) and the non-recent share of
-    what was read (TOVA Sec. 6.1)."""
+    oracle ran on the same tokens), how long token 0 stayed (TOVA Fig. 8), the non-recent share of
+    what was read (TOVA Sec. 6.1) and, when a policy makes one, the tokens of its second pass (KVzip)."""
     oracle = next((t for t in run.traces if t.meta["policy"] == "oracle"), None)
     rows, first_token, non_recent = [], [], []
     for trace in run.traces:
@@ -166,7 +166,18 @@ def summary_table(run) -> pd.DataFrame:
     policies = [policy_of(t.meta) for t in run.traces]
     frame["Decides"] = [p.schedule(t.meta["mode"]) if p else "—" for p, t in zip(policies, run.traces)]
     frame["Budget shared"] = [p.allocation if p and p.kind != "full" else "—" for p in policies]
+    if any("extra_pass_tokens" in t.meta for t in run.traces):  # a policy's own second pass (KVzip's)
+        frame["Extra pass"] = [_extra_pass(t) for t in run.traces]
     return frame
+
+
+def _extra_pass(trace: Trace) -> str:
+    """The tokens a policy fed through the model besides the text, and how many times the prompt that is."""
+    extra = trace.meta.get("extra_pass_tokens")
+    if extra is None:
+        return "—"
+    read = "prompt" if trace.meta["mode"] == "generate" else "text"
+    return f"{extra:,} tokens ({extra / trace.meta['n_prompt']:.1f}x the {read})"
 
 
 def heatmaps(run, layer: str, head: str, zoom: tuple[int, int, int] | None = None) -> go.Figure:

@@ -1,0 +1,58 @@
+"""Random: the baseline of KV-cache leaderboards (kvpress's ``RandomPress``), as a seeded eviction policy."""
+from dataclasses import dataclass
+
+import numpy as np
+
+from .base import EvictionPolicy
+from .registry import register
+
+_GAMMA = np.uint64(0x9E3779B97F4A7C15)  # splitmix64's increment
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on uint64 arrays (wraps around, as it should)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def uniform(seed: int, t: int, positions: np.ndarray) -> np.ndarray:
+    """A uniform number in [0, 1) for each (seed, step t, KV head h, position) of ``positions`` [H, m]:
+    a counter-based hash, so a draw never depends on the order columns come in or on earlier draws."""
+    positions = np.asarray(positions, dtype=np.int64)
+    heads = np.arange(positions.shape[0], dtype=np.uint64)[:, None]
+    x = _mix(np.full(positions.shape, seed, np.uint64) + _GAMMA)
+    for value in (np.uint64(t), heads, positions.astype(np.uint64)):
+        x = _mix((x ^ value) + _GAMMA)
+    return (x >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+
+
+@register
+@dataclass(frozen=True)
+class Random(EvictionPolicy):
+    """Once the cache is full, each KV head drops a uniformly random cached token at every step.
+
+    No token is protected, as in kvpress's ``RandomPress`` (no sinks, no recent window; the current token
+    may leave too). Each draw is a hash of (seed, step, KV head, position), not a random stream: the same
+    seed gives the same trace, and the prompt path and token-by-token decoding draw alike. Layers share the
+    draws (the policy does not see its layer), so a head index drops the same tokens in every layer;
+    kvpress draws per layer.
+
+    budget: tokens each query reads, its own included.
+    seed: which random draws.
+    """
+
+    name = "random"
+    summary = "drop a uniformly random cached token each step once full (seeded, nothing protected)"
+    paper = "the leaderboards' baseline (kvpress `RandomPress`)"
+    color = "#888888"
+    uses_attention = False
+    seed: int = 0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.seed < 0:
+            raise ValueError(f"random: seed must be >= 0, got {self.seed}")
+
+    def score(self, state, attn, t, positions):
+        return uniform(self.seed, t, positions)

@@ -1,0 +1,134 @@
+"""Side passes through the model, outside the text: KVzip's context reconstruction.
+
+A policy with ``rereads`` (KVzip) scores its cache by what the model attends to while it re-reads its
+context after a repeat prompt. The runner cuts its forward calls at every step where such a row compresses
+(``cuts``) and, after each, calls ``reread``: for each row due, the row's unscored context goes through the
+model again, piece by piece, over a one-row cache (``RereadCache``) that starts from the row's keys and
+values, the policy stores each position's score (``record``), and every layer compresses
+(``RowLayerState.compress_now``). The tokens of the pass are the method's cost: the cache counts them per
+row (``PolicyCache.extra_pass_tokens``) and traces report them.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+from .engine import PolicyCache
+from .models import LoadedModel
+
+QUERY_BLOCK = 256  # pass queries per attention matmul: bounds the [H, G, block, keys] scores
+
+
+class RereadCache(DynamicCache):
+    """One row's cache for a reconstruction piece: layer l starts as the row's keys and values 0..t.
+
+    A query of the pass reads what the row holds (``alive[l]`` [H, t+1], by position) and the pass's tokens up
+    to its own. Per layer it records, for positions a..b-1, the most attention any pass query from any query
+    head of the KV head's group gives them, the softmax taken over the sinks, a..b-1 and the pass's tokens
+    (the authors' ``KVScore._get_score``): ``scores[l]`` [H, b - a].
+    """
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], alive: list[np.ndarray],
+                 a: int, b: int, sinks: int):
+        super().__init__()
+        for layer, (k, v) in enumerate(zip(keys, values)):
+            self.update(k, v, layer)
+        self.alive, self.a, self.b, self.sinks = alive, a, b, sinks
+        self.scores: list[np.ndarray | None] = [None] * len(keys)
+
+    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scaling: float) -> torch.Tensor:
+        """query [1, H_q, L, d], key/value [1, H, M, d] (the row's M - L tokens, then the pass's) -> [1, L, H_q, d]."""
+        _, n_q_heads, n, dim = query.shape
+        n_heads, total = key.shape[1], key.shape[2]
+        held = total - n
+        q = query[0].view(n_heads, n_q_heads // n_heads, n, dim)
+        k, v = key[0], value[0]
+        alive = torch.from_numpy(self.alive[layer]).to(k.device)  # [H, held]
+        scored = torch.zeros(held, dtype=torch.bool, device=k.device)
+        scored[: self.sinks] = True
+        scored[self.a: self.b] = True
+        scored = scored & alive  # [H, held]: the columns the score's softmax spans, with the pass's tokens
+        best = torch.zeros(n_heads, self.b - self.a, dtype=query.dtype, device=k.device)
+        out = []
+        for lo in range(0, n, QUERY_BLOCK):
+            hi = min(lo + QUERY_BLOCK, n)
+            own = torch.arange(n, device=k.device)[None] <= torch.arange(lo, hi, device=k.device)[:, None]  # [m, n]
+            s = (q[:, :, lo:hi] @ k[:, None].transpose(-1, -2)) * scaling  # [H, G, m, M]
+            reads = torch.cat([alive[:, None, :].expand(-1, hi - lo, -1), own.expand(n_heads, -1, -1)], -1)
+            out.append(torch.softmax(s.masked_fill(~reads[:, None], float("-inf")), -1) @ v[:, None])
+            spans = torch.cat([scored[:, None, :].expand(-1, hi - lo, -1), own.expand(n_heads, -1, -1)], -1)
+            p = torch.softmax(s.masked_fill(~spans[:, None], float("-inf")), -1)[..., self.a: self.b]
+            best = torch.maximum(best, p.amax(dim=(1, 2)))
+        self.scores[layer] = best.double().cpu().numpy()
+        return torch.cat(out, 2).reshape(n_q_heads, n, dim).transpose(0, 1)[None].contiguous()
+
+
+def _encode(lm: LoadedModel, text: str) -> list[int]:
+    """Token ids of ``text`` without special tokens (a BOS in the middle of a pass would be a new text)."""
+    encode = getattr(lm.tokenizer, "encode", None)
+    return list(encode(text, add_special_tokens=False) if encode else lm.tokenizer(text).input_ids)
+
+
+def assistant_turn(lm: LoadedModel, fallback: str) -> list[int]:
+    """What the model's chat template puts between a user's text and the assistant's answer (kvpress reads it
+    the same way); ``fallback`` when the model has none (the authors' template for unknown models)."""
+    tokenizer = lm.tokenizer
+    if not getattr(tokenizer, "chat_template", None):
+        return _encode(lm, fallback)
+    mark = "\x00KVLENS\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": mark}], add_generation_prompt=True,
+                                         tokenize=False)
+    return _encode(lm, text.split(mark, 1)[1])
+
+
+def _rereading(cache: PolicyCache) -> list[int]:
+    return [row for row, p in enumerate(cache.policies) if getattr(p, "rereads", False)]
+
+
+def cuts(cache: PolicyCache, start: int, n: int) -> set[int]:
+    """Offsets e in 1..n where a forward call over positions start.. must end: a rereading row compresses
+    after step start + e - 1."""
+    rows = _rereading(cache)
+    return {e for e in range(1, n + 1)
+            if any(cache.policies[r].compresses_after(start + e - 1, cache.n_prompt) for r in rows)}
+
+
+def _pass_needed(cache: PolicyCache, row: int, t: int) -> bool:
+    """Would a compression after step t drop anything in some layer? If not, no pass: nothing to decide."""
+    budget = cache.policies[row].budget
+    return any(layer[row].alive[:, : t + 1].sum(1).max() > budget for layer in cache.rows)
+
+
+def reread(lm: LoadedModel, cache: PolicyCache, t: int) -> None:
+    """After step t: every rereading row due to compress re-reads its unscored context, then compresses."""
+    for row in _rereading(cache):
+        policy = cache.policies[row]
+        if not policy.compresses_after(t, cache.n_prompt) or not _pass_needed(cache, row, t):
+            continue
+        states = [layer[row] for layer in cache.rows]
+        lo = int(states[0].state["scored"][0])
+        ids = cache.fed[row, : t + 1].tolist()
+        suffix = assistant_turn(lm, policy.NO_TEMPLATE)
+        for a, b in policy.pieces(lo, t + 1):
+            tokens = policy.prompt(ids, a, b, lambda text: _encode(lm, text), suffix)
+            side = RereadCache([layer.keys[row: row + 1, :, : t + 1] for layer in cache.layers],
+                               [layer.values[row: row + 1, :, : t + 1] for layer in cache.layers],
+                               [s.alive[:, : t + 1] for s in states], a, b, policy.sinks)
+            device = lm.model.device
+            positions = torch.arange(t + 1, t + 1 + len(tokens), device=device)[None]
+            # PreRopeCapture's hooks fire on every forward through the model and read these two attributes of
+            # the cache they serve: the pass must leave that cache's captured queries and keys alone.
+            saved = cache.needs_prerope, cache.record_layers
+            cache.needs_prerope, cache.record_layers = False, ()
+            try:
+                lm.model.model(input_ids=torch.tensor([tokens], device=device), position_ids=positions,
+                               past_key_values=side, use_cache=True, kv_lens=side)
+            finally:
+                cache.needs_prerope, cache.record_layers = saved
+            for state, score in zip(states, side.scores):
+                policy.record(state.state, a, b, score)
+            cache.add_extra_pass(row, len(tokens))
+        for state, layer in zip(states, cache.layers):
+            state.compress_now(t, layer.keys[row], layer.values[row], cache.n_prompt)
