@@ -55,7 +55,7 @@ def specs_from_controls(names, budget, sinks, alpha, heads, custom):
         policy = POLICIES[name].for_budget(int(budget))
         has = {f.name for f in dataclasses.fields(policy)}
         changes = {}
-        if name == "sinks":
+        if name in ("sinks", "streamingllm"):  # the same sinks, so the two differ only in positions
             changes["sinks"] = int(min(sinks, budget - 1))
         if "alpha" in has:
             changes["alpha"] = round(float(alpha), 3)

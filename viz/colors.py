@@ -28,8 +28,8 @@ def family_colors() -> dict[str, str]:
 
 
 FAMILY_COLORS: dict[str, str] = family_colors()  # the built-ins; policy_colors asks again (plugins)
-# Other names the papers use for the same family.
-ALIASES = {"a2s": "h2o", "ideal": "oracle", "streamingllm": "sinks"}
+# Other names the papers use for the same family (``streamingllm`` is a policy of its own: re-rotated sinks).
+ALIASES = {"a2s": "h2o", "ideal": "oracle"}
 # Shade steps for the 2nd, 3rd, ... policy of one family: > 0 mixes with white, < 0 with black.
 SHADES = (0.0, 0.4, -0.35, 0.65, -0.55, 0.2, -0.2)
 

@@ -19,7 +19,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .colors import policy_colors
+from .colors import family, policy_colors
 from .style import finish, plotly_text
 
 SUMMARY_COLUMNS = ("Policy", "Perplexity", "Mean KL to Full (nats)", "Top-1 agreement", "Similarity to oracle")
@@ -31,6 +31,24 @@ _ALIASES = {
     "Similarity to oracle": ("oracle_similarity", "similarity_to_oracle", "oracle_sim"),
 }
 MISSING = "—"
+
+
+# Shown with the divergence view when StreamingLLM runs (the lesson of issue 13: positions in the cache vs the text).
+REROTATION_NOTE = (
+    "<p><b>StreamingLLM re-rotates; sinks does not.</b> <code>streamingllm</code> and <code>sinks</code> read the "
+    "same tokens: the first few (attention sinks) and the latest ones. <code>sinks</code> keeps every key at its "
+    "position in the text. <code>streamingllm</code> caches keys before RoPE and rotates them by their place in "
+    "the cache, 0 to budget&nbsp;-&nbsp;1, the query at its own place, as the StreamingLLM paper does (Sec. 3.2). "
+    "Inside the window the distance from query to key is the same either way, so only the sinks move: query t "
+    "sees sink i budget&nbsp;-&nbsp;1&nbsp;-&nbsp;i positions back instead of t&nbsp;-&nbsp;i. Both are Full "
+    "until the text outgrows the budget; after that, the gap between their curves is what the sinks' apparent "
+    "distance does to the model. (Keeping positions below the budget is what lets the paper's models read past "
+    "their training length.)</p>")
+
+
+def divergence_notes(names: Sequence[str]) -> str:
+    """HTML to show with the divergence figure for the policies in ``names`` (specs or names); "" if none."""
+    return REROTATION_NOTE if "streamingllm" in {family(name) for name in names} else ""
 
 
 def running_agreement(top1: Sequence) -> np.ndarray:
