@@ -18,11 +18,12 @@ import pandas as pd
 
 from . import metrics
 from .models import ALLOWED_MODELS, DEFAULT_MODEL
-from .policies import PluginError, SpecError, describe, load_plugins, parse_spec, policy_table
+from .policies import PluginError, SpecError, describe, load_plugins, policy_table
 from .runner import DEFAULT_CHUNK
 from .session import LIMITS, RequestError, RunRequest, SweepRequest, check_run, check_sweep, execute, execute_sweep
 from .store import TraceStore
-from .sweep import DEFAULT_BUDGETS, DEFAULT_POLICIES, MAX_ROWS, budget_jobs, parse_budgets, split_policies, write_tables
+from .sweep import (DEFAULT_BUDGETS, DEFAULT_POLICIES, MAX_ROWS, budget_jobs, parse_budgets, split_policies, summarize,
+                    write_tables)
 from .trace import file_stem
 
 
@@ -111,6 +112,24 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _documents(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(name, text) of every --text file and every shipped --corpus document asked for."""
+    from .texts import CORPORA, corpus_files, corpus_text
+
+    docs = [(Path(path).name, read_text(path)) for path in args.text or []]
+    for item in args.corpus or []:
+        name, _, count = item.partition(":")
+        if name not in CORPORA:
+            raise CliError(f"--corpus: unknown corpus {name!r}; shipped: {', '.join(CORPORA)}")
+        if count and not (count.isdigit() and int(count) >= 1):
+            raise CliError(f"--corpus {item}: the count after ':' must be an integer >= 1")
+        files = corpus_files(name)[: int(count) if count else None]
+        docs += [(f"{name}/{file}", corpus_text(name, file)) for file in files]
+    if not docs:
+        raise CliError("give at least one --text file or --corpus")
+    return docs
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
     try:
         budgets = parse_budgets(args.budgets)
@@ -119,23 +138,58 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         raise CliError(str(err)) from None
     except ValueError as err:
         raise CliError(f"--budgets: {err}") from None
-    text = read_text(args.text)
-    request = SweepRequest(prompt=text, jobs=jobs, model=args.model, max_tokens=args.max_tokens, max_rows=args.max_rows)
-    check_sweep(request)
+    docs = _documents(args)
+    models = args.model or [DEFAULT_MODEL]
+    requests = [SweepRequest(prompt=text, jobs=jobs, model=model, max_tokens=args.max_tokens, max_rows=args.max_rows)
+                for model in models for _, text in docs]
+    for request in requests:
+        check_sweep(request)
     out = writable_dir(args.out)
-    store = open_store(args.no_cache)
-    df = execute_sweep(request, store, progress_printer())
-    if sys.stderr.isatty():
-        print(file=sys.stderr)
-    paths = write_tables(df, out)
+    if len(requests) == 1 and args.ray is None:  # one text, one model: in this process, as the app runs it
+        store = open_store(args.no_cache)
+        df = execute_sweep(requests[0], store, progress_printer())
+        if sys.stderr.isatty():
+            print(file=sys.stderr)
+        df.insert(0, "document", docs[0][0])
+        df.insert(0, "model", models[0])
+    else:  # a grid of (model, document) jobs, serially or on Ray (grid.py)
+        df = _sweep_grid(args, jobs, docs, models, out)
+    summary = summarize(df)
+    paths = write_tables(df.drop(columns=["model", "document"]) if len(requests) == 1 else df, out)
     from viz.sweep import sweep_figure  # the CLI is a front end, like app.py: figures come from viz/
 
     paths["html"] = out / "sweep.html"
-    sweep_figure(df).write_html(paths["html"], include_plotlyjs=True, full_html=True)
+    figure_rows = df if len(requests) == 1 else summary.rename(columns={"ppl_mean": "ppl"}).assign(tokens=0)
+    sweep_figure(figure_rows).write_html(paths["html"], include_plotlyjs=True, full_html=True)
+    paths["summary"] = out / "summary.csv"
+    summary.to_csv(paths["summary"], index=False)
     with pd.option_context("display.width", 200, "display.max_rows", 500):
-        print(df.drop(columns=["tokens"]).to_string(index=False, float_format=lambda v: f"{v:.3f}"))
-    print(f"{int(df['tokens'].iloc[-1])} tokens; wrote {', '.join(p.name for p in paths.values())} to {out}")
+        shown = df.drop(columns=["tokens", "model", "document"]) if len(requests) == 1 else summary
+        print(shown.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    what = f"{int(df['tokens'].iloc[-1])} tokens" if len(requests) == 1 else \
+        f"{len(docs)} documents x {len(models)} models"
+    print(f"{what}; wrote {', '.join(p.name for p in paths.values())} to {out}")
     return 0
+
+
+def _sweep_grid(args, jobs, docs, models, out: Path) -> pd.DataFrame:
+    from .grid import GridError, run_grid, stderr_progress
+    from .service import ENGINE_VERSION
+
+    grid = [{"kind": "sweep", "model": model, "engine": ENGINE_VERSION,
+             "payload": {"document": name, "text": text, "jobs": [list(j) for j in jobs],
+                         "max_tokens": args.max_tokens, "max_rows": args.max_rows}}
+            for model in models for name, text in docs]
+    try:
+        results = run_grid(grid, address=args.ray, workers=args.workers, checkpoint=out / "documents.jsonl",
+                           no_cache=args.no_cache, progress=stderr_progress("sweep documents"))
+    except GridError as err:
+        raise CliError(str(err)) from None
+    df = pd.DataFrame([row for rows in results for row in rows])
+    front = ["model", "document"]
+    df = df[front + [c for c in df.columns if c not in front]]
+    df["budget"] = df["budget"].astype("Int64")
+    return df
 
 
 def _numbers(text: str, kind, flag: str) -> list:
@@ -150,8 +204,7 @@ def _numbers(text: str, kind, flag: str) -> list:
 
 def cmd_needle(args: argparse.Namespace) -> int:
     from .grid import GridError, run_grid, stderr_progress
-    from .needle import COLUMNS, cell_dict, cells
-    from .service import ENGINE_VERSION
+    from .needle import needle_frame, needle_jobs
 
     lengths = _numbers(args.lengths, int, "--lengths")
     depths = _numbers(args.depths, float, "--depths")
@@ -162,21 +215,17 @@ def cmd_needle(args: argparse.Namespace) -> int:
         raise CliError(f"--lengths must be {32 + args.new_tokens} to {LIMITS.prompt_tokens} tokens (prompt and answer)")
     if min(depths) < 0 or max(depths) > 1:
         raise CliError("--depths are fractions of the haystack, 0 to 1")
-    try:
-        versions = {spec: type(parse_spec(spec)).version for spec in args.policy}
+    try:  # the same jobs as the app's grid (needle.needle_jobs)
+        jobs = needle_jobs(args.model, args.policy, lengths, depths, seeds, args.new_tokens)
     except SpecError as err:
         raise CliError(str(err)) from None
     out = writable_dir(args.out)
-    jobs = [{"kind": "needle", "model": args.model, "engine": ENGINE_VERSION, "versions": versions,
-             "payload": {"cell": cell_dict(cell), "specs": list(args.policy), "new_tokens": args.new_tokens}}
-            for cell in cells(lengths, depths, seeds)]
     try:
         results = run_grid(jobs, address=args.ray, workers=args.workers, checkpoint=out / "cells.jsonl",
                            no_cache=args.no_cache, progress=stderr_progress("needle cells"))
     except GridError as err:
         raise CliError(str(err)) from None
-    df = pd.DataFrame([row for rows in results for row in rows], columns=["model", *COLUMNS])
-    df["budget"] = df["budget"].astype("Int64")
+    df = needle_frame(results)
     df.to_csv(out / "grid.csv", index=False)
     from viz.needle import needle_figure  # the CLI is a front end, like app.py: figures come from viz/
 
@@ -193,13 +242,24 @@ def cmd_policies(args: argparse.Namespace) -> int:
     return 0
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def _common(p: argparse.ArgumentParser, many_models: bool = False) -> None:
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--model", default=DEFAULT_MODEL, help=f"one of: {', '.join(ALLOWED_MODELS)}")
+    if many_models:
+        p.add_argument("--model", action="append", help=f"one of: {', '.join(ALLOWED_MODELS)} (default "
+                                                        f"{DEFAULT_MODEL}); repeat for several")
+    else:
+        p.add_argument("--model", default=DEFAULT_MODEL, help=f"one of: {', '.join(ALLOWED_MODELS)}")
     p.add_argument("--max-tokens", type=int, default=LIMITS.prompt_tokens,
                    help=f"keep the first N tokens of a longer text (2 to {LIMITS.prompt_tokens}, the default)")
     p.add_argument("--no-cache", action="store_true",
                    help="recompute even if the trace store (KVLENS_STORE_DIR) holds this run")
+
+
+def _ray_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                   help="run on Ray: alone, a local Ray on this machine; with an address (ray://host:10001 or "
+                        "host:6379), that cluster. Without it, serially in this process")
+    p.add_argument("--workers", type=int, default=None, help="Ray actors (default: one per CPU)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -225,14 +285,17 @@ def build_parser() -> argparse.ArgumentParser:
         "sweep", help="perplexity vs budget for several policies (TOVA Fig. 3)",
         description="Score a text teacher-forced under every policy at every budget; write sweep.csv, "
                     "sweep.json and sweep.html (perplexity vs budget, Full as the topline).")
-    p.add_argument("--text", required=True, help="UTF-8 text file to score")
+    p.add_argument("--text", action="append", help="UTF-8 text file to score; repeat for several documents")
+    p.add_argument("--corpus", action="append", metavar="NAME[:N]",
+                   help="the shipped corpus NAME (inaugural, state_union), its first N documents or all")
     p.add_argument("--policies", default=DEFAULT_POLICIES,
                    help=f"comma-separated policies, parameters allowed except budget, e.g. "
                         f"window,sinks,tova:heads=head (default {DEFAULT_POLICIES})")
     p.add_argument("--budgets", default=DEFAULT_BUDGETS, help=f"comma-separated budgets (default {DEFAULT_BUDGETS})")
     p.add_argument("--max-rows", type=int, default=MAX_ROWS,
                    help=f"policy/budget pairs per batched forward (default {MAX_ROWS}; lower it to save memory)")
-    _common(p)
+    _ray_options(p)
+    _common(p, many_models=True)
     p.set_defaults(func=cmd_sweep)
     p = sub.add_parser(
         "needle", help="needle-in-a-haystack grid: context length x needle depth, every policy (issue 14)",
@@ -245,9 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", action="append", required=True, metavar="SPEC",
                    help="e.g. full or tova:budget=256; repeat for several")
     p.add_argument("--new-tokens", type=int, default=16, help="greedy answer length")
-    p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
-                   help="run the cells on Ray: alone, a local Ray on this machine; with an address, that cluster")
-    p.add_argument("--workers", type=int, default=None, help="Ray actors (default: one per CPU)")
+    _ray_options(p)
     _common(p)
     p.set_defaults(func=cmd_needle)
     sub.add_parser("policies", help="print the registered policies as a Markdown table").set_defaults(

@@ -22,9 +22,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
+import pandas as pd
+
 from .models import LoadedModel
 from .policies import parse_spec
-from .service import run_policies
+from .service import ENGINE_VERSION, run_policies
 from .store import TraceStore
 from .texts import corpus_files, corpus_text
 
@@ -119,3 +121,21 @@ def cells(lengths: Sequence[int], depths: Sequence[float], seeds: Sequence[int] 
 
 def cell_dict(cell: Cell) -> dict:
     return asdict(cell)
+
+
+def needle_jobs(model: str, specs: Sequence[str], lengths: Sequence[int], depths: Sequence[float],
+                seeds: Sequence[int] = (0,), new_tokens: int = NEW_TOKENS) -> list[dict]:
+    """The grid's jobs (``backend.grid``), one per cell, every spec a row of it: what ``python -m backend
+    needle`` and the app's grid both run, so equal grids share their checkpoint keys and store entries.
+    SpecError for a spec that does not parse."""
+    versions = {spec: type(parse_spec(spec)).version for spec in specs}
+    return [{"kind": "needle", "model": model, "engine": ENGINE_VERSION, "versions": versions,
+             "payload": {"cell": cell_dict(cell), "specs": list(specs), "new_tokens": new_tokens}}
+            for cell in cells(lengths, depths, seeds)]
+
+
+def needle_frame(results: Sequence[Sequence[dict]]) -> pd.DataFrame:
+    """The rows of every job (``run_grid``'s result) as ``grid.csv``'s table: model, then ``COLUMNS``."""
+    df = pd.DataFrame([row for rows in results for row in rows], columns=["model", *COLUMNS])
+    df["budget"] = df["budget"].astype("Int64")
+    return df

@@ -111,6 +111,28 @@ def sweep(lm, text_ids: Sequence[int], jobs: Sequence[tuple[str, int, str]], pro
     return frame
 
 
+SUMMARY_COLUMNS = ["model", "policy", "budget", "spec", "documents", "ppl_mean", "ppl_lo", "ppl_hi", "kl_mean"]
+
+
+def summarize(df: pd.DataFrame, confidence: float = 0.95) -> pd.DataFrame:
+    """Per (model, policy, budget): the mean perplexity over documents and its ``confidence`` interval
+    (Student's t over the documents' perplexities; NaN bounds from a single document), and the mean KL."""
+    from scipy import stats
+
+    df = df.assign(model=df["model"] if "model" in df else "")
+    rows = []
+    for (model, spec), part in df.groupby(["model", "spec"], sort=False):
+        ppl = part["ppl"].to_numpy(dtype=float)
+        mean, n = float(ppl.mean()), len(ppl)
+        half = float(stats.t.ppf(0.5 + confidence / 2, n - 1) * ppl.std(ddof=1) / n ** 0.5) if n > 1 else float("nan")
+        rows.append({"model": model, "policy": part["policy"].iloc[0], "budget": part["budget"].iloc[0],
+                     "spec": spec, "documents": n, "ppl_mean": mean, "ppl_lo": mean - half, "ppl_hi": mean + half,
+                     "kl_mean": float(part["kl_to_full"].mean())})
+    summary = pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
+    summary["budget"] = summary["budget"].astype("Int64")
+    return summary
+
+
 def write_tables(df: pd.DataFrame, out_dir) -> dict[str, Path]:
     """Write ``sweep.csv`` and ``sweep.json`` (one record per row) into ``out_dir``."""
     out = Path(out_dir)
