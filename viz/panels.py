@@ -24,7 +24,7 @@ from backend.trace import Trace
 
 from .colors import policy_colors
 from .curves import score_curves_figure, score_over_steps_figure
-from .divergence import divergence_figure, summary_table as summary_frame
+from .divergence import divergence_figure, divergence_notes, summary_table as summary_frame
 from .heatmap import mask_heatmaps
 from .highlight import continuations_html, kept_tokens_html
 from .retention import first_token_retention_figure, lifetime_by_position_figure, non_recent_share_figure, pos_table
@@ -266,12 +266,14 @@ def divergence(run) -> tuple[go.Figure, str]:
     series = {t.spec: {"kl": metrics.kl_per_step(t), "top1": metrics.top1_match_per_step(t, run.full)}
               for t in run.traces}
     figure = divergence_figure(series, colors=policy_colors(list(series)))
+    notes = divergence_notes(list(series))  # e.g. what StreamingLLM's re-rotation changes from sinks
     if run.full.generated_ids is None:
-        return figure, "<p>Teacher-forced scoring: every policy reads the same text, so there are no continuations.</p>"
+        return figure, notes + ("<p>Teacher-forced scoring: every policy reads the same text, so there are no "
+                                "continuations.</p>")
     rows = [{"policy": "full", "tokens": _continuation_texts(run.full), "diverge": None}]
     rows += [{"policy": t.spec, "tokens": _continuation_texts(t), "diverge": metrics.first_divergence(t, run.full)}
              for t in run.traces]
-    return figure, continuations_html(rows)
+    return figure, notes + continuations_html(rows)
 
 
 def _non_recent_shares(run) -> dict[str, np.ndarray]:

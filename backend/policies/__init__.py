@@ -29,6 +29,8 @@ from .scissorhands import Scissorhands  # noqa: E402
 from .keyformer import Keyformer  # noqa: E402
 from .kvzip import KVzip  # noqa: E402
 from .random_eviction import Random  # noqa: E402
+from .quest import Quest  # noqa: E402
+from .streamingllm import StreamingLLM  # noqa: E402
 
 
 class SpecError(ValueError):
