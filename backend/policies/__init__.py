@@ -31,6 +31,8 @@ from .kvzip import KVzip  # noqa: E402
 from .random_eviction import Random  # noqa: E402
 from .quest import Quest  # noqa: E402
 from .streamingllm import StreamingLLM  # noqa: E402
+from .expected_attention import ExpectedAttention  # noqa: E402
+from .rkv import RKV  # noqa: E402
 
 
 class SpecError(ValueError):
