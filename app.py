@@ -20,12 +20,14 @@ from pathlib import Path
 import gradio as gr
 from starlette.middleware import Middleware
 
-from backend import session
+from backend import long_context, session
 from backend.policies import POLICIES, load_plugins
 from backend.guard import Admission, RequestGuard
 from backend.session import LIMITS, RequestError
 from backend.store import TraceStore
 from viz import panels
+from viz.needle import found_rates, needle_figure, needle_table_html
+from viz.sweep import sweep_ci_figure
 
 ROOT = Path(__file__).resolve().parent
 EXAMPLES = {path.stem.replace("_", " "): path.read_text().strip() for path in sorted((ROOT / "assets" / "examples").glob("*.txt"))}
@@ -40,7 +42,9 @@ EXPORTS = Path(tempfile.gettempdir()) / f"kvlens-exports-{os.getpid()}"
 EXPORT_TTL_S = 600  # Gradio serves an export from its own cache; our copy goes once it has been handed over
 MAX_BODY = 4 * LIMITS.text_chars + 64 * 1024  # the longest allowed prompt as UTF-8, plus the other inputs
 NOTES = {name: (ROOT / "assets" / "notes" / f"{name}.md").read_text() for name in
-         ("masks", "kept", "curves", "tsne", "divergence", "retention", "sweep")}
+         ("masks", "kept", "curves", "tsne", "divergence", "retention", "sweep", "long_context")}
+NEEDLE_DEFAULT_POLICIES = ["sinks", "tova", "reattention"]
+NEEDLE_DEFAULT_BUDGET = 64
 
 
 def specs_from_controls(names, budget, sinks, alpha, heads, custom):
@@ -192,6 +196,49 @@ def on_sweep(prompt, mode, max_new, names, sinks, alpha, heads, model, request: 
     return panels.sweep_figure(table), "Budgets stored: moving the budget slider now replays them instantly."
 
 
+def shipped_long_context(folder: Path = long_context.ASSETS):
+    """The needle grid and sweep computed offline (assets/long_context/): two figures, and a message for
+    each file that is missing or malformed (its figure is then None)."""
+    figures, notes = [], []
+    for read, draw, name in ((long_context.read_needle_grid, needle_figure, long_context.NEEDLE_FILE),
+                             (long_context.read_sweep_summary, sweep_ci_figure, long_context.SWEEP_FILE)):
+        try:
+            figures.append(draw(read(folder / name)))
+        except long_context.ShippedFileError as err:
+            figures.append(None)
+            notes.append(f"**{html.escape(str(err))}**")
+    return figures[0], figures[1], "\n\n".join(notes)
+
+
+def needle_jobs(names, budget, lengths, model):
+    """The jobs of a visitor's needle grid (checked against the limits; RequestError otherwise)."""
+    try:
+        specs = specs_from_controls([n for n in names or [] if n != "full"], budget, 4, 0.1, "paper default", "")
+    except (TypeError, ValueError):
+        raise RequestError("The policy controls are out of range.") from None
+    return long_context.visitor_jobs(specs, lengths, model)
+
+
+def check_needle(names, budget, lengths, model, request: gr.Request = None):
+    return _verdicts(lambda: needle_jobs(names, budget, lengths, model), 4, request)
+
+
+def on_needle(names, budget, lengths, model, request: gr.Request = None, progress=gr.Progress()):
+    started = time.monotonic()
+    try:
+        jobs = needle_jobs(names, budget, lengths, model)
+        table = long_context.run_visitor_grid(jobs, lambda frac, what: progress(frac, desc=what),
+                                              no_cache=not STORE.available)
+    except RequestError as err:
+        raise shown(err) from None
+    finally:
+        _leave(request)
+    rates = found_rates(table)
+    found = ", ".join(f"{spec} {rate:.0%}" for spec, rate in zip(rates["spec"], rates["found"]))
+    status = f"{len(jobs)} cells in {time.monotonic() - started:.0f} s; found: {found}."
+    return needle_figure(table, "Your needle grid"), needle_table_html(table), html.escape(status)
+
+
 def on_tsne(run_id, policy, layer, head):
     if not run_id:
         raise gr.Error("Run something first.", print_exception=False)
@@ -318,6 +365,28 @@ def build() -> gr.Blocks:
                         sweep_button = gr.Button("Compute every budget")
                         sweep_status = gr.Markdown()
                         sweep_plot = gr.Plot(elem_id="sweep")
+                    with gr.Tab("Long context"):
+                        gr.Markdown(NOTES["long_context"])
+                        shipped_needle, shipped_sweep, shipped_note = shipped_long_context()
+                        gr.Markdown(shipped_note, elem_id="long-context-note")
+                        gr.Plot(shipped_needle, elem_id="shipped-needle")
+                        gr.Plot(shipped_sweep, elem_id="shipped-sweep")
+                        gr.Markdown(f"**Run a small needle grid**: Full and up to {long_context.VISITOR_POLICIES} "
+                                    "policies, depths 0%, 50% and 100%, one seed; at most 6 cells, each half a "
+                                    "minute to two minutes on two CPU cores. The command line runs longer grids.")
+                        with gr.Row():
+                            needle_names = gr.CheckboxGroup([n for n in POLICY_CHOICES if n != "full"],
+                                                            value=NEEDLE_DEFAULT_POLICIES, elem_id="needle-policies",
+                                                            label=f"Policies (up to {long_context.VISITOR_POLICIES})")
+                        with gr.Row():
+                            needle_budget = gr.Slider(16, 256, value=NEEDLE_DEFAULT_BUDGET, step=16, label="Budget")
+                            needle_lengths = gr.CheckboxGroup(list(long_context.VISITOR_LENGTHS),
+                                                              value=[long_context.VISITOR_LENGTHS[0]],
+                                                              label="Context length (tokens)")
+                        needle_button = gr.Button("Run the needle grid", elem_id="needle-run")
+                        needle_status = gr.Markdown(elem_id="needle-status")
+                        needle_plot = gr.Plot(elem_id="needle-grid")
+                        needle_table = gr.HTML(elem_id="needle-table")
                     with gr.Tab("Share"):
                         share = gr.Markdown(elem_id="share")
                         gr.Markdown("The zip holds every trace (npz arrays + json metadata, as `docs/trace-format.md` "
@@ -351,6 +420,9 @@ def build() -> gr.Blocks:
         tsne_button.click(on_tsne, [run_id, tsne_policy, layer, head], tsne_plot, **views_)
         sweep_button.click(on_sweep, [prompt, mode, max_new, names, sinks, alpha, heads, model],
                            [sweep_plot, sweep_status], validator=check_sweep, concurrency_id="model")
+        needle_button.click(on_needle, [needle_names, needle_budget, needle_lengths, model],
+                            [needle_plot, needle_table, needle_status], validator=check_needle,
+                            concurrency_id="model")
         export_button.click(on_export, selectors, export_file, **views_).then(after_export, None, None, queue=False)
         # A page load never waits behind the queue (reopening a link reads the store only).
         demo.load(on_load, None, [run_id, status], queue=False).then(render_run, run_id, run_views, **views_).then(

@@ -146,3 +146,19 @@ def test_a_bad_policy_typed_as_html_is_refused_as_text(page):
     assert "<img src=x" in message.inner_text()  # shown as the text the visitor typed
     assert page.locator("img[src=x]").count() == 0 and page.title() != "pwned"
     custom.fill("")
+
+
+def test_long_context_tab_draws_the_shipped_grid_and_refuses_an_oversized_one(page):
+    page.get_by_role("tab", name="Long context").click()
+    page.wait_for_selector("#shipped-needle .js-plotly-plot", timeout=30_000)
+    kinds = page.locator("#shipped-needle .js-plotly-plot").first.evaluate("el => el.data.map(t => t.type)")
+    assert kinds and set(kinds) == {"heatmap"}  # one per policy of assets/long_context/needle_grid.csv
+    page.wait_for_selector("#shipped-sweep .js-plotly-plot")
+    boxes = page.locator("#needle-policies label")
+    for i in range(boxes.count()):  # four policies: one more than a visitor's grid may hold
+        label = boxes.nth(i)
+        if label.inner_text().strip() in ("window", "sinks", "h2o", "tova") and not label.locator("input").is_checked():
+            label.click()
+    page.locator("#needle-run").click()
+    page.get_by_text("Pick 1 to 3 policies", exact=False).first.wait_for(timeout=30_000)
+    assert page.locator("#needle-grid .js-plotly-plot").count() == 0  # refused before it queued
