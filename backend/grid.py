@@ -85,7 +85,11 @@ def _read_checkpoint(path: Path | None) -> dict[str, list[dict]]:
     done: dict[str, list[dict]] = {}
     if path is None or not path.exists():
         return done
-    for line in path.read_text().splitlines():
+    text = path.read_text()
+    if text and not text.endswith("\n"):  # cut short by a crash: the next job's line starts on a line of its own
+        with path.open("a") as out:
+            out.write("\n")
+    for line in text.splitlines():
         try:
             entry = json.loads(line)
             done[entry["key"]] = entry["rows"]
@@ -119,7 +123,7 @@ def run_grid(jobs: Sequence[dict], address: str | None = None, workers: int | No
             try:
                 record(i, worker.run(jobs[i]))
             except Exception as err:  # one line naming the job; the checkpoint keeps what finished
-                raise GridError(f"job {i + 1} of {len(jobs)} failed: {type(err).__name__}: {err}") from None
+                raise GridError(f"job {i + 1} of {len(jobs)} failed: {_one_line(err)}") from None
     elif todo:
         _run_on_ray([(i, jobs[i]) for i in todo], address, workers, no_cache, gpu_share, record, len(jobs))
     return [done[key] for key in keys]
@@ -158,9 +162,8 @@ def _run_on_ray(todo: list[tuple[int, dict]], address: str, workers: int | None,
             try:
                 rows = ray.get(ready[0])
             except Exception as err:
-                cause = getattr(err, "cause", None) or err
-                raise GridError(f"job {i + 1} of {total} failed on Ray: {type(cause).__name__}: "
-                                f"{str(cause).splitlines()[0] if str(cause) else ''}") from None
+                raise GridError(f"job {i + 1} of {total} failed on Ray: "
+                                f"{_one_line(getattr(err, 'cause', None) or err)}") from None
             record(i, rows)
             if queue:
                 j, job = queue.pop(0)
@@ -168,6 +171,11 @@ def _run_on_ray(todo: list[tuple[int, dict]], address: str, workers: int | None,
     finally:
         if started:
             ray.shutdown()
+
+
+def _one_line(err: BaseException) -> str:
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return f"{type(err).__name__}: {first}" if first else type(err).__name__
 
 
 def stderr_progress(what: str) -> Progress:
