@@ -13,7 +13,7 @@ import argparse
 import re
 from pathlib import Path
 
-from backend.policies import POLICIES, parse_spec
+from backend.policies import POLICIES
 from backend.runner import run
 
 from .common import model
@@ -46,8 +46,7 @@ def main() -> None:
     print("|---|" + "---|" * len(budgets))
     for i, name in enumerate(names):
         row = traces[i * len(budgets):(i + 1) * len(budgets)]
-        print(f"| `{parse_spec(specs[i * len(budgets)]).spec().split(':')[0]}` | "
-              + " | ".join(cell(t) for t in row) + " |")
+        print(f"| `{name}` | " + " | ".join(cell(t) for t in row) + " |")
 
 
 if __name__ == "__main__":
