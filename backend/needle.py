@@ -60,7 +60,7 @@ def filler_sentences() -> tuple[str, ...]:
 
 def haystack(lm: LoadedModel, cell: Cell, new_tokens: int = NEW_TOKENS) -> tuple[str, list[int]]:
     """The cell's prompt text and its token ids (chat template applied): ``cell.length - new_tokens`` tokens,
-    or a few fewer (whole sentences only)."""
+    or fewer by less than a sentence (whole sentences only)."""
     target = cell.length - new_tokens
     if target < 32:
         raise ValueError(f"a needle cell needs length >= {32 + new_tokens}, got {cell.length}")
@@ -74,19 +74,14 @@ def haystack(lm: LoadedModel, cell: Cell, new_tokens: int = NEW_TOKENS) -> tuple
         text = f"{body}\n\n{QUESTION}"
         return text, lm.encode(text, chat=True)
 
-    # About 30 tokens a sentence: guess, then correct with the measured length (a few encodes at most).
-    count = max(1, target // 30)
-    text, ids = build(count)
-    while len(ids) < target:
-        per = max(len(ids) / (count + 1), 1.0)
-        more = max(1, int((target - len(ids)) / per))
-        text, ids = build(count + more)
-        count += more
-    while len(ids) > target and count > 0:
-        per = max(len(ids) / (count + 1), 1.0)
-        fewer = max(1, min(count, int((len(ids) - target) / per)))
-        count -= fewer
-        text, ids = build(count)
+    # The most whole sentences that fit: double until too long, then bisect (a dozen encodes at 8k tokens).
+    fits, over = 0, 1
+    while len(build(over)[1]) <= target:
+        fits, over = over, over * 2
+    while over - fits > 1:
+        middle = (fits + over) // 2
+        fits, over = (middle, over) if len(build(middle)[1]) <= target else (fits, middle)
+    text, ids = build(fits)
     return text, ids
 
 
