@@ -20,12 +20,13 @@ import pandas as pd
 from .limits import Limits, row_cost
 from .needle import COLUMNS, NEW_TOKENS, needle_frame, needle_jobs
 from .session import LIMITS, RequestError, RunRequest, check_run, release_memory
+from .sweep import SUMMARY_COLUMNS
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "long_context"
 NEEDLE_FILE = "needle_grid.csv"
 SWEEP_FILE = "sweep_summary.csv"
 NEEDLE_COLUMNS = ["model", *COLUMNS]
-SWEEP_COLUMNS = ["model", "policy", "budget", "spec", "documents", "ppl_mean", "ppl_lo", "ppl_hi", "kl_mean"]
+SWEEP_COLUMNS = SUMMARY_COLUMNS  # the columns of ``python -m backend sweep``'s summary.csv
 MAX_FILE_BYTES = 4 * 2**20  # the shipped tables are a few kB; nothing reads a huge file
 
 VISITOR_POLICIES = 3  # policies besides Full
