@@ -207,10 +207,11 @@ class RowLayerState:
                 if attn_rows is not None:
                     attn_rows[:, i, :c] = attn
             if compression:
-                before = kept.copy()
+                acts = policy.compresses_after(t, n_prompt)  # only then can kept change
+                before = kept.copy() if acts else None
                 self._compress(attn, t, columns[:, :c], kept, key, value, n_prompt, q[:, :, i])
-                gone = before & ~kept
-                if gone.any():
+                gone = before & ~kept if acts else None
+                if acts and gone.any():
                     dropped_at[:, :c][gone] = i
                     if weights is not None:
                         alive_f[:, :c] = kept
