@@ -11,8 +11,8 @@ text on the prompt path; the code is the same), for each batch row:
 * **Full** attends with SDPA.
 * **Eviction and compression** rows score the block's queries against the tokens the row holds at the
   block's start plus the block's own tokens, nothing else: ``budget + n`` keys, however long the text.
-  The row's policy then walks the block query by query (cheap numpy over those columns), deciding what
-  query ``t`` reads; an eviction policy drops a token per KV head once the cache is full, a compression
+  The row's policy then walks the block query by query (numpy over those columns; compiled with numba for
+  the running-score policies, kernels/eviction_walk.py), deciding what query ``t`` reads; an eviction policy drops a token per KV head once the cache is full, a compression
   policy keeps its budget when its schedule says so. One masked softmax gives the block's output.
 * **Selection** rows (oracle, SparQ, ReAttention) need every key for every query: that is their cost.
   They hold one block's masks at a time and record what each query read as spans (spans.py).
@@ -33,12 +33,15 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from kernels import eviction_walk
+
 from .policies import Policy
-from .policies.base import AttendingPolicy, Block, CacheView
+from .policies.base import AttendingPolicy, Block, CacheView, RunningScore
 from .recorded import TopAttention
 from .spans import ReadSpans, SpanRecorder
 
 ATTN_IMPLEMENTATION = "kvlens"
+COMPILED_WALK = True  # False: every eviction policy walks in numpy (the reference; tests compare the two)
 
 
 class TopRecorder:
@@ -76,6 +79,32 @@ class _NoSpans:
         pass
 
 
+def compiled_running_score(policy: Policy) -> RunningScore | None:
+    """The policy's running score when the compiled walk can take it: numba is there (COMPILED_WALK) and
+    the policy's ``update``, ``score``, ``protected`` and ``step`` are those of the class that declared it
+    (a subclass that changes one of them is walked in numpy, so it is never walked as its parent)."""
+    if not COMPILED_WALK or eviction_walk.walk is None or policy.kind != "eviction":
+        return None
+    running = policy.running_score()
+    if running is None:
+        return None
+    owner = next(cls for cls in type(policy).__mro__ if "running_score" in vars(cls))
+    same = all(getattr(type(policy), name) is getattr(owner, name) for name in ("update", "score", "protected", "step"))
+    return running if same else None
+
+
+def _block_weights(scores: torch.Tensor, alive: np.ndarray, held: int) -> np.ndarray:
+    """exp(score - row max) once for a block, float64 [H, G, n, C] as policies decide in float64; zero where a
+    query cannot see a column (later in the block, or held at the block's start but not alive: a -1 pad)."""
+    n = scores.shape[2]
+    s = scores.to(torch.float64, copy=True)  # a copy even when the model runs in float64: s is changed in place
+    s[..., held:].masked_fill_(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    if held and not alive[:, :held].all():
+        s[..., :held].masked_fill_(torch.from_numpy(~alive[:, :held]).to(s.device)[:, None, None], float("-inf"))
+    s -= s.amax(-1, keepdim=True)
+    return s.exp_().cpu().numpy()
+
+
 def _causal(first: int, n: int, total: int, device) -> torch.Tensor:
     """bool [n, total]: query first + i sees keys 0..first + i."""
     return torch.arange(total, device=device)[None] <= torch.arange(first, first + n, device=device)[:, None]
@@ -100,6 +129,7 @@ class RowLayerState:
         self.spans = SpanRecorder(n_kv_heads) if policy.kind == "selection" else None
         self.top = TopRecorder(record_top_k) if record_top_k else None
         self.stat_rows: dict[str, list[np.ndarray]] = {}  # attending policies: per-step numbers
+        self.running = compiled_running_score(policy)  # not None: the walk runs compiled
 
     def _extend(self, total: int) -> None:
         new = total - self.evicted_at.shape[1]
@@ -124,8 +154,12 @@ class RowLayerState:
     def _attend_full(self, q, key, value, first, scaling):
         n, total = q.shape[2], key.shape[1]
         mask = None if first == 0 and n == total else _causal(first, n, total, q.device)
-        out = F.scaled_dot_product_attention(q, key[:, None], value[:, None], attn_mask=mask,
-                                             is_causal=mask is None, scale=scaling)
+        # One batch of H_kv * G query heads over H_kv KV heads (enable_gqa): SDPA's fused kernels take this
+        # layout; broadcasting the keys over the group instead falls back to a kernel 3x slower at 8k.
+        heads, group, _, dim = q.shape
+        out = F.scaled_dot_product_attention(q.reshape(1, heads * group, n, dim), key[None], value[None],
+                                             attn_mask=mask, is_causal=mask is None, scale=scaling,
+                                             enable_gqa=True).view(heads, group, n, dim)
         if self.top is not None:
             scores = (q @ key[:, None].transpose(-1, -2)) * scaling
             weights = torch.softmax(scores.masked_fill(~_causal(first, n, total, q.device), float("-inf")), -1)
@@ -155,15 +189,48 @@ class RowLayerState:
         heads = torch.arange(n_heads, device=key.device)[:, None]
         keys, values = key[heads, at], value[heads, at]  # [H, C, d]
         scores = (q @ keys[:, None].transpose(-1, -2)) * scaling  # [H, G, n, C]
-        reads, attn_rows = self._walk(scores, columns, first, key, value, n_prompt, q)
-        # -inf where a query does not read (adding a bias is several times faster than a broadcast masked_fill).
-        unread = torch.from_numpy(np.where(reads, np.float32(0), np.float32(-np.inf))).to(scores.device, scores.dtype)
-        probs = torch.softmax(scores.add_(unread[:, None]), dim=-1)
+        probs, attn_rows = self._walk(scores, columns, first, key, value, n_prompt, q)
         if self.top is not None:
             self.top.add(torch.from_numpy(attn_rows), torch.from_numpy(columns))
         return probs @ values[:, None]
 
     def _walk(self, scores: torch.Tensor, columns: np.ndarray, first: int, key, value, n_prompt, q):
+        """Decide query by query what the block's queries read; return each query head's softmax over what it
+        read [H, G, n, C] and, when recording, the policy's attention rows [H, n, C] (None otherwise).
+
+        Running-score policies (Window, sinks, H2O, TOVA, A2SF) walk compiled on the CPU; the numpy walk is
+        their reference and every other policy's walk."""
+        if self.running is not None and scores.device.type == "cpu" and scores.dtype in (torch.float32,
+                                                                                          torch.float64):
+            return self._walk_compiled(scores, columns, first)
+        reads, attn_rows = self._walk_numpy(scores, columns, first, key, value, n_prompt, q)
+        # -inf where a query does not read (adding a bias is several times faster than a broadcast masked_fill).
+        unread = torch.from_numpy(np.where(reads, np.float32(0), np.float32(-np.inf))).to(scores.device, scores.dtype)
+        return torch.softmax(scores.add_(unread[:, None]), dim=-1), attn_rows
+
+    def _walk_compiled(self, scores: torch.Tensor, columns: np.ndarray, first: int):
+        """The walk of a running-score policy in one compiled call (kernels/eviction_walk.py)."""
+        n_heads, _, n, width = scores.shape
+        held, running = width - n, self.running
+        alive = np.zeros((n_heads, width), bool)
+        alive[:, :held] = columns[:, :held] >= 0
+        dropped_at = np.where(alive, n, -1)
+        dropped_at[:, held:] = n
+        score = np.zeros((n_heads, width))
+        if running.state is not None:
+            score[:, :held] = self.state[running.state]
+        weights = _block_weights(scores, alive, held)
+        probs = np.empty(scores.shape, np.float32 if scores.dtype == torch.float32 else np.float64)
+        attn_rows = np.zeros((n_heads, n, width)) if self.top is not None else np.zeros((0, 0, 0))
+        eviction_walk.walk(weights, alive, columns, score, first, held, self.policy.budget, float(running.decay),
+                           running.by_position, running.sinks, running.recent, running.layer, probs, dropped_at,
+                           attn_rows)
+        if running.state is not None:
+            self.state = {**self.state, running.state: score}
+        self._end_block(columns, alive, dropped_at, first, n)
+        return torch.from_numpy(probs), attn_rows if self.top is not None else None
+
+    def _walk_numpy(self, scores: torch.Tensor, columns: np.ndarray, first: int, key, value, n_prompt, q):
         """Decide query by query what the block's queries read; return reads bool [H, n, C] and, when
         recording, their attention rows [H, n, C].
 
@@ -181,15 +248,7 @@ class RowLayerState:
         dropped_at[:, held:] = n
         weights = None
         if policy.uses_attention or self.top is not None:
-            # exp(score - row max) once for the block, float64 as the policy decides in float64; zero where a
-            # query cannot see a column (later in the block, or a -1 pad).
-            s = scores.to(torch.float64, copy=True)  # a copy even when the model runs in float64: s is changed in place
-            s[..., held:].masked_fill_(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-            if held and not alive[:, :held].all():
-                s[..., :held].masked_fill_(torch.from_numpy(~alive[:, :held]).to(s.device)[:, None, None],
-                                           float("-inf"))
-            s -= s.amax(-1, keepdim=True)
-            weights = s.exp_().cpu().numpy()
+            weights = _block_weights(scores, alive, held)
             alive_f = alive.astype(np.float64)
         attn_rows = np.zeros((n_heads, n, width)) if self.top is not None else None
         heads = np.arange(n_heads)
@@ -225,11 +284,16 @@ class RowLayerState:
                     alive_f[rows, victims] = 0.0
         steps = np.arange(n)[None, :, None]
         reads = (np.arange(width)[None, None, :] < held + 1 + steps) & (steps <= dropped_at[:, None, :])
-        if not compression:  # compression sets evicted_at itself, by position
+        self._end_block(columns, alive, dropped_at, first, n)
+        return reads, attn_rows
+
+    def _end_block(self, columns: np.ndarray, alive: np.ndarray, dropped_at: np.ndarray, first: int, n: int) -> None:
+        """After a block of n queries: note when each column dropped in it left (dropped_at: the step after
+        which it did; n: not dropped) and hold only the alive columns."""
+        if self.policy.kind != "compression":  # compression sets evicted_at itself, by position
             h, j = np.nonzero((dropped_at >= 0) & (dropped_at < n))
             self.evicted_at[h, columns[h, j]] = first + dropped_at[h, j] + 1
         self._keep_columns(columns, alive)
-        return reads, attn_rows
 
     def _keep_columns(self, columns: np.ndarray, alive: np.ndarray) -> None:
         """After a block: hold the alive columns only, and drop the others from the policy's arrays."""

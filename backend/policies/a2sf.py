@@ -3,7 +3,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import EvictionPolicy, grow
+from .base import EvictionPolicy, RunningScore, grow
 from .registry import register
 
 
@@ -47,3 +47,6 @@ class A2SF(EvictionPolicy):
 
     def protected(self, t):
         return slice(t + 1 - self.window, t + 1) if self.window else None
+
+    def running_score(self):
+        return RunningScore(decay=self.alpha, recent=self.window, layer=self.heads == "layer", state="score")

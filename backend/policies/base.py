@@ -93,6 +93,23 @@ class FullPolicy(Policy):
 
 
 @dataclass(frozen=True)
+class RunningScore:
+    """An eviction policy's ``update``, ``score`` and ``protected`` in the form the compiled walk runs
+    (kernels/eviction_walk.py): the score of each held token is ``decay * score + attention`` after every
+    step (H2O: decay 1, its A2S; A2SF: alpha; TOVA: 0, the current attention) or, ``by_position``, the
+    token's position (Window: the oldest goes); the first ``sinks`` positions and the latest ``recent``
+    are never dropped; ``layer`` scores the layer from the score averaged over heads. ``state`` names the
+    policy's state array that holds the running score (None when the policy keeps none)."""
+
+    decay: float = 0.0
+    by_position: bool = False
+    sinks: int = 0
+    recent: int = 0
+    layer: bool = False
+    state: str | None = None
+
+
+@dataclass(frozen=True)
 class EvictionPolicy(Policy):
     """Keeps at most ``budget`` tokens (the current one included); drops the lowest ``score``.
 
@@ -111,6 +128,11 @@ class EvictionPolicy(Policy):
         raise NotImplementedError
 
     def protected(self, t: int) -> slice | None:
+        return None
+
+    def running_score(self) -> RunningScore | None:
+        """The policy as a running score, when it is one: the engine then walks it compiled. It must say
+        what ``update``, ``score`` and ``protected`` do (tests/test_eviction_walk.py compares the two)."""
         return None
 
     def step(self, state: State, attn: np.ndarray | None, kept: np.ndarray, t: int,

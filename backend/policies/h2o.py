@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import EvictionPolicy, grow
+from .base import EvictionPolicy, RunningScore, grow
 from .registry import register
 
 
@@ -51,3 +51,6 @@ class H2O(EvictionPolicy):
 
     def protected(self, t):
         return slice(max(0, t + 1 - self.window), t + 1)
+
+    def running_score(self):
+        return RunningScore(decay=1.0, recent=self.window, layer=self.heads == "layer", state="a2s")

@@ -1,6 +1,7 @@
 """StreamingLLM / Window+i: attention sinks plus a recent window (Xiao et al., 2023; TOVA Sec. 3.3)."""
 from dataclasses import dataclass
 
+from .base import RunningScore
 from .window import Window
 from .registry import register
 
@@ -31,3 +32,6 @@ class Sinks(Window):
 
     def protected(self, t):
         return slice(0, self.sinks)
+
+    def running_score(self):
+        return RunningScore(by_position=True, sinks=self.sinks)

@@ -1,7 +1,7 @@
 """TOVA: Token Omission Via Attention (Oren et al., 2024, Sec. 3.4 and App. A)."""
 from dataclasses import dataclass
 
-from .base import EvictionPolicy
+from .base import EvictionPolicy, RunningScore
 from .registry import register
 
 
@@ -36,3 +36,6 @@ class TOVA(EvictionPolicy):
 
     def protected(self, t):
         return slice(0, self.sinks) if self.sinks else None
+
+    def running_score(self):
+        return RunningScore(decay=0.0, sinks=self.sinks, layer=self.heads == "layer")

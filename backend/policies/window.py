@@ -3,7 +3,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import EvictionPolicy
+from .base import EvictionPolicy, RunningScore
 from .registry import register
 
 
@@ -24,3 +24,6 @@ class Window(EvictionPolicy):
     def score(self, state, attn, t, positions):
         # Older = lower score, so argmin picks the earliest cached position.
         return positions.astype(np.float64)
+
+    def running_score(self):
+        return RunningScore(by_position=True)

@@ -1,0 +1,89 @@
+"""The compiled eviction walk (kernels/eviction_walk.py) against the numpy walk it replaces for running-score
+policies: the same tokens dropped at the same steps, the same running scores and outputs to rounding."""
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from backend import engine
+from backend.engine import RowLayerState, compiled_running_score
+from backend.policies import POLICIES, H2O, TOVA, load_plugins
+from backend.policies.base import RunningScore
+
+load_plugins()
+RUNNING = [name for name, cls in POLICIES.items()
+           if cls.kind == "eviction" and cls.for_budget(24).running_score() is not None]
+
+
+def walk(policy, compiled: bool, monkeypatch, chunk: int, tokens: int = 160, dtype=torch.float32, record: bool = True):
+    """Feed random queries in blocks of ``chunk`` to one (layer, row); return the state and the outputs."""
+    monkeypatch.setattr(engine, "COMPILED_WALK", compiled)
+    g = torch.Generator().manual_seed(chunk)
+    heads, group, dim = 3, 3, 16
+    k, v = (torch.randn(heads, tokens, dim, generator=g, dtype=dtype) for _ in range(2))
+    q = torch.randn(heads, group, tokens, dim, generator=g, dtype=dtype) * 2
+    state = RowLayerState(policy, heads, record_top_k=8 if record else 0)
+    assert (state.running is not None) == compiled
+    outs = [state.attend(q[:, :, lo:lo + chunk], k[:, :lo + chunk], v[:, :lo + chunk], lo, dim ** -0.5, None)
+            for lo in range(0, tokens, chunk)]
+    return state, torch.cat(outs, 2)
+
+
+def assert_same_walk(policy, monkeypatch, chunk, dtype=torch.float32):
+    reference, out_ref = walk(policy, False, monkeypatch, chunk, dtype=dtype)
+    compiled, out = walk(policy, True, monkeypatch, chunk, dtype=dtype)
+    np.testing.assert_array_equal(compiled.evicted_at, reference.evicted_at)
+    np.testing.assert_array_equal(compiled.slots, reference.slots)
+    assert compiled.state.keys() == reference.state.keys()
+    for name in reference.state:
+        np.testing.assert_allclose(compiled.state[name], reference.state[name], rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-6)
+    pos, val = compiled.top.rows(160)
+    pos_ref, val_ref = reference.top.rows(160)
+    np.testing.assert_array_equal(pos, pos_ref)
+    np.testing.assert_allclose(val, val_ref, rtol=1e-3)
+
+
+def test_the_running_score_policies_are_the_paper_baselines():
+    assert set(RUNNING) >= {"window", "sinks", "h2o", "tova", "a2sf"}
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 40])
+@pytest.mark.parametrize("name", RUNNING)
+def test_compiled_walk_equals_the_numpy_walk(name, chunk, monkeypatch):
+    """Prompt blocks of 40 and 7 and decode steps (1); the cache fills at 24 and the text is 160 long."""
+    assert_same_walk(POLICIES[name].for_budget(24), monkeypatch, chunk)
+
+
+@pytest.mark.parametrize("policy", [
+    H2O(budget=20, recent=3, heads="layer"), H2O(budget=20, recent=0),
+    TOVA(budget=20, heads="head", sinks=4), TOVA(budget=20, heads="layer", sinks=2),
+    POLICIES["a2sf"](budget=20, alpha=0.5, window=6, heads="layer"), POLICIES["sinks"](budget=20, sinks=0),
+], ids=lambda p: p.spec())
+def test_compiled_walk_equals_the_numpy_walk_for_other_parameters(policy, monkeypatch):
+    assert_same_walk(policy, monkeypatch, 13)
+    assert_same_walk(policy, monkeypatch, 13, dtype=torch.float64)
+
+
+@dataclasses.dataclass(frozen=True)
+class MisdeclaredH2O(H2O):
+    """Says it forgets (A2SF's decay) while its update does not: the comparison must catch it."""
+
+    def running_score(self):
+        return dataclasses.replace(super().running_score(), decay=0.5)
+
+
+def test_a_declaration_that_does_not_match_the_policy_is_caught(monkeypatch):
+    with pytest.raises(AssertionError):
+        assert_same_walk(MisdeclaredH2O(budget=24), monkeypatch, 7)
+
+
+def test_a_subclass_that_changes_the_score_is_walked_in_numpy():
+    @dataclasses.dataclass(frozen=True)
+    class Reversed(H2O):
+        def score(self, state, attn, t, positions):
+            return -state["a2s"]
+
+    assert compiled_running_score(H2O(budget=8)) == RunningScore(decay=1.0, recent=4, state="a2s")
+    assert compiled_running_score(Reversed(budget=8)) is None
