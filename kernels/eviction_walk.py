@@ -100,4 +100,13 @@ def _walk(weights, alive, positions, state, first, held, budget, decay, by_posit
             dropped_at[h, victim[h]] = i
 
 
-walk = numba.njit(cache=True, nogil=True)(_walk) if numba is not None else None
+def _compiled():
+    if numba is None:
+        return None
+    try:  # the compiled code is cached beside this file, or in the user's cache, when either is writable
+        return numba.njit(cache=True, nogil=True)(_walk)
+    except RuntimeError:  # nowhere to cache it: compile in each process (about a second)
+        return numba.njit(nogil=True)(_walk)
+
+
+walk = _compiled()
