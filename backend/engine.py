@@ -12,8 +12,9 @@ text on the prompt path; the code is the same), for each batch row:
 * **Eviction and compression** rows score the block's queries against the tokens the row holds at the
   block's start plus the block's own tokens, nothing else: ``budget + n`` keys, however long the text.
   The row's policy then walks the block query by query (numpy over those columns; compiled with numba for
-  the running-score policies, kernels/eviction_walk.py), deciding what query ``t`` reads; an eviction policy drops a token per KV head once the cache is full, a compression
-  policy keeps its budget when its schedule says so. One masked softmax gives the block's output.
+  the running-score policies, kernels/eviction_walk.py), deciding what query ``t`` reads; an eviction
+  policy drops a token per KV head once the cache is full, a compression policy keeps its budget when its
+  schedule says so. One masked softmax gives the block's output.
 * **Selection** rows (oracle, SparQ, ReAttention) need every key for every query: that is their cost.
   They hold one block's masks at a time and record what each query read as spans (spans.py).
 

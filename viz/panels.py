@@ -32,7 +32,7 @@ from .sweep import sweep_figure as sweep_plot
 from .tsne import tsne_figure
 
 SWEEP_BUDGETS = (8, 16, 24, 32, 48, 64, 96, 128)
-TSNE_POINTS = 512  # keys a t-SNE map embeds: both maps ~1-2.6 s at 512 points on two cores (backend/tsne.py), 4x that at 1024
+TSNE_POINTS = 512  # keys a t-SNE map embeds: both maps take 1-2.6 s at 512 on two cores, 4x that at 1024
 INTRO = """# KV Lens
 **See what KV-cache policies keep.** Type a prompt, pick policies side by side, and KV Lens runs
 SmolLM2-135M-Instruct with an instrumented cache: at every token each policy decides which cached tokens the query
