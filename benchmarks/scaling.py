@@ -64,7 +64,8 @@ def measure(length: int, policies: list[str], budget: int, record: bool, chunk: 
     trace_bytes = {t.spec: len(t.to_bytes()) for t in [*traces, full]}
     bare = max(_bare_bytes(t) for t in traces)
     config = lm.model.config
-    return {"bare_trace_max": bare, "layers": config.num_hidden_layers, "kv_heads": config.num_key_value_heads, "tokens": len(ids), "rows": len(specs) + 1, "plain_s": plain, "run_s": wall,
+    return {"bare_trace_max": bare, "layers": config.num_hidden_layers, "kv_heads": config.num_key_value_heads,
+            "tokens": len(ids), "rows": len(specs) + 1, "plain_s": plain, "run_s": wall,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "trace_bytes": trace_bytes,
             "recorded_bytes": sum(_recorded_bytes(t) for t in [*traces, full])}
 
@@ -96,7 +97,7 @@ def main() -> None:
             continue
         r = json.loads(result.stdout.strip().splitlines()[-1])
         ratio = r["run_s"] / r["plain_s"]
-        goal = 4 * r["layers"] * r["kv_heads"] * r["tokens"] + 2 * 2**20  # 4 bytes per (layer, KV head, token) + 2 MB
+        goal = 4 * r["layers"] * r["kv_heads"] * r["tokens"] + 2 * 2**20  # 4 B per layer, KV head, token + 2 MB
         sizes = r["trace_bytes"]
         others = [v for k, v in sizes.items() if k != "full"]
         print(f"| {r['tokens']} | {r['run_s']:.1f} s | {r['plain_s']:.2f} s | {ratio:.1f}x | {ratio / r['rows']:.2f}x "
