@@ -16,17 +16,21 @@ RUNNING = [name for name, cls in POLICIES.items()
            if cls.kind == "eviction" and cls.for_budget(24).running_score() is not None]
 
 
-def walk(policy, compiled: bool, monkeypatch, chunk: int, tokens: int = 160, dtype=torch.float32, record: bool = True):
-    """Feed random queries in blocks of ``chunk`` to one (layer, row); return the state and the outputs."""
+TOKENS = 160
+
+
+def walk(policy, compiled: bool, monkeypatch, chunk: int, dtype=torch.float32):
+    """Feed TOKENS random queries in blocks of ``chunk`` to one (layer, row), recording its top-8 attention;
+    return the state and the outputs."""
     monkeypatch.setattr(engine, "COMPILED_WALK", compiled)
     g = torch.Generator().manual_seed(chunk)
     heads, group, dim = 3, 3, 16
-    k, v = (torch.randn(heads, tokens, dim, generator=g, dtype=dtype) for _ in range(2))
-    q = torch.randn(heads, group, tokens, dim, generator=g, dtype=dtype) * 2
-    state = RowLayerState(policy, heads, record_top_k=8 if record else 0)
+    k, v = (torch.randn(heads, TOKENS, dim, generator=g, dtype=dtype) for _ in range(2))
+    q = torch.randn(heads, group, TOKENS, dim, generator=g, dtype=dtype) * 2
+    state = RowLayerState(policy, heads, record_top_k=8)
     assert (state.running is not None) == compiled
     outs = [state.attend(q[:, :, lo:lo + chunk], k[:, :lo + chunk], v[:, :lo + chunk], lo, dim ** -0.5, None)
-            for lo in range(0, tokens, chunk)]
+            for lo in range(0, TOKENS, chunk)]
     return state, torch.cat(outs, 2)
 
 
@@ -39,8 +43,8 @@ def assert_same_walk(policy, monkeypatch, chunk, dtype=torch.float32):
     for name in reference.state:
         np.testing.assert_allclose(compiled.state[name], reference.state[name], rtol=1e-12, atol=1e-15)
     torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-6)
-    pos, val = compiled.top.rows(160)
-    pos_ref, val_ref = reference.top.rows(160)
+    pos, val = compiled.top.rows(TOKENS)
+    pos_ref, val_ref = reference.top.rows(TOKENS)
     np.testing.assert_array_equal(pos, pos_ref)
     np.testing.assert_allclose(val, val_ref, rtol=1e-3)
 
