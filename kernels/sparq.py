@@ -202,6 +202,87 @@ def sparq_attention_reference(q, K, V, v_mean, k, r, l, *, K_t=None, return_scor
     )
 
 
+@dataclass
+class SparQBlock:
+    """What SparQ computed for a block of consecutive queries over one cache (``sparq_attention_block``).
+
+    out:     [n, H_q, d] attention output, dtype of ``q``.
+    reads:   bool [H_kv, n, S]: the positions each query read (its whole cache while that fits in ``k``).
+    alpha:   [n, H_q] approximate mass of what was read (Eq. D5); exactly 1 where the cache fits in ``k``.
+    scores:  [H_kv, G, n, S] approximate scores ``s_hat`` (Eq. D1), 0 past each query's own position.
+    weights: [H_kv, G, n, S] exact attention over what was read (Eq. D3), 0 elsewhere.
+    exact:   [H_kv, G, n, S] exact attention over each query's whole cache (what dense attention reads).
+    """
+
+    out: torch.Tensor
+    reads: torch.Tensor
+    alpha: torch.Tensor
+    scores: torch.Tensor
+    weights: torch.Tensor
+    exact: torch.Tensor
+
+
+def _top_earliest(score: torch.Tensor, m: int) -> torch.Tensor:
+    """bool mask of the m highest entries along the last axis, the earlier position winning ties (what a
+    stable descending sort keeps), in O(S) per row after one top-k instead of a sort."""
+    if m == 0:
+        return torch.zeros(score.shape, dtype=torch.bool, device=score.device)
+    kth = torch.topk(score, m, dim=-1).values[..., -1:]
+    above = score > kth
+    tie = score == kth
+    need = m - above.sum(-1, keepdim=True)
+    return above | (tie & (tie.cumsum(-1) <= need))
+
+
+def sparq_attention_block(q, K, V, first, k, r, l):
+    """SparQ for a block of consecutive queries over one cache (a prompt's queries), in plain torch.
+
+    q: [H_q, n, d], the queries at positions first .. first + n - 1; K, V: [H_kv, S', d], S' >= first + n.
+    Query t = first + i reads within positions 0..t, with v_mean the mean of V over them: what
+    ``sparq_attention_reference`` computes for it on ``K[:, :t + 1]`` (its ``lengths`` form), for the whole
+    block at once and without a copy of the cache per query. Step 1 keeps the r components as a 0/1 mask
+    on q, so the approximate logits of every query are one matmul per KV head (the other components add
+    exact zeros). Ties as in the reference: the lower component index, the earlier position.
+    Computation in float32 (float64 for float64 inputs). Returns a :class:`SparQBlock`.
+    """
+    _check_params(k, r, l)
+    H_q, n, d = q.shape
+    H_kv = K.shape[0]
+    G, S = H_q // H_kv, first + n
+    acc = _acc_dtype(q.dtype)
+    K, V = K[:, :S].to(acc), V[:, :S].to(acc)
+    position = torch.arange(S, device=q.device)
+    length = torch.arange(first + 1, S + 1, device=q.device)  # [n]: each query's cache
+    exists = position[None, :] < length[:, None]  # [n, S]
+    qg = q.to(acc).reshape(H_kv, G, n, d)
+
+    # Step 1 (Eq. D1, D2): components per query and KV head, as a mask on the query.
+    i1, _, tau = _query_components(qg.permute(2, 0, 1, 3).reshape(n, H_q, d), H_kv, r)  # [n, H_kv, r], [n, H_kv, G]
+    kept = torch.zeros(n, H_kv, d, dtype=acc, device=q.device).scatter_(-1, i1, 1.0)
+    q_hat = qg * kept.permute(1, 0, 2)[:, None]  # [H_kv, G, n, d]
+    logits = (q_hat @ K[:, None].transpose(-1, -2)) / tau.permute(1, 2, 0)[..., None]
+    s_hat = torch.softmax(logits.masked_fill_(~exists, float("-inf")), dim=-1)  # [H_kv, G, n, S]
+
+    # Step 2: the local window plus the best earlier positions by the group's summed s_hat; a query
+    # whose cache fits in k reads all of it.
+    local = min(l, k)
+    start = length - local  # [n]: first position of each query's local window
+    candidate = position[None, :] < start[:, None]
+    picked = _top_earliest(s_hat.sum(1).masked_fill(~candidate, float("-inf")), min(k - local, S))
+    whole = length <= k  # [n]
+    reads = (picked & candidate) | ((position[None, :] >= start[:, None]) & exists) | (whole[:, None] & exists)
+
+    # Step 3: exact attention over what was read (Eq. D3), mixed with the mean value by alpha (Eq. D4, D5).
+    exact_logits = (qg @ K[:, None].transpose(-1, -2)) / math.sqrt(d)  # [H_kv, G, n, S]
+    weights = torch.softmax(exact_logits.masked_fill(~reads[:, None], float("-inf")), dim=-1)
+    exact = torch.softmax(exact_logits.masked_fill_(~exists, float("-inf")), dim=-1)
+    alpha = torch.where(whole, torch.ones((), dtype=acc, device=q.device), (s_hat * reads[:, None]).sum(-1))
+    v_mean = V.cumsum(1)[:, first:S] / length[None, :, None].to(acc)  # [H_kv, n, d]
+    out = alpha[..., None] * (weights @ V[:, None]) + (1 - alpha[..., None]) * v_mean[:, None]
+    return SparQBlock(out=out.permute(2, 0, 1, 3).reshape(n, H_q, d).to(q.dtype), reads=reads,
+                      alpha=alpha.permute(2, 0, 1).reshape(n, H_q), scores=s_hat, weights=weights, exact=exact)
+
+
 # ----------------------------------------------------------------------------- Triton kernels
 #
 # Device functions (no torch kernels in between, so a decode step can be captured in a CUDA graph):

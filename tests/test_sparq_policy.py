@@ -6,10 +6,9 @@ import pytest
 import torch
 
 from backend.policies import SparQ, parse_spec
-from backend.policies import sparq as sparq_policy
 from backend.policies.base import Block
 from backend.runner import run, score_text
-from kernels.sparq import sparq_attention_triton, triton_enabled
+from kernels.sparq import sparq_attention_reference, sparq_attention_triton, triton_enabled
 from tests.conftest import make_tiny
 
 
@@ -95,13 +94,43 @@ def test_bad_parameters_are_clear_errors():
 @pytest.mark.skipif(not triton_enabled(torch.empty(0)), reason="needs TRITON_INTERPRET=1 (on a GPU: test_engine_cuda)")
 def test_kernel_path_equals_reference_path(monkeypatch, text_ids):
     """What a GPU runs (the Triton kernels, a block's later queries in one call with ``lengths``), here
-    through the Triton interpreter on a float32 model: same reads, same log-probs as the reference."""
+    through the Triton interpreter on a float32 model: same reads, same log-probs as the CPU's block path."""
     model = make_tiny(dtype=torch.float32)
     policy = SparQ(budget=6, r=3)
     (reference,), _ = run(model, ["sparq"], [policy], text_ids, record_layers=(1,))
-    monkeypatch.setattr(sparq_policy, "sparq_attention_reference", sparq_attention_triton)
+    monkeypatch.setattr(SparQ, "attend_block",
+                        lambda self, state, block: (state, self.attend_rows(block, sparq_attention_triton)))
     (kernel,), _ = run(model, ["sparq"], [policy], text_ids, record_layers=(1,))
     for layer in range(2):
         np.testing.assert_array_equal(kernel.reads(layer), reference.reads(layer))
     np.testing.assert_allclose(kernel.logprobs, reference.logprobs, atol=1e-5)
     np.testing.assert_allclose(kernel.stats["alpha"], reference.stats["alpha"], atol=1e-5)
+
+
+@pytest.mark.parametrize("first, n, budget, local", [(0, 30, 8, 2), (5, 20, 8, 0), (25, 5, 8, 8), (0, 7, 16, 4)])
+def test_block_path_equals_one_reference_call_per_query(first, n, budget, local):
+    """The CPU's whole-block computation (kernels/sparq.py ``sparq_attention_block``) against the decode
+    reference called row by row (``attend_rows``): outputs, reads, alpha, agreement and attention rows."""
+    g = torch.Generator().manual_seed(first + n)
+    q = torch.randn(6, n, 16, generator=g, dtype=torch.float64) * 2
+    k, v = (torch.randn(2, first + n, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    policy = SparQ(budget=budget, r=4, local=local)
+    block = Block(q=q, k=k, v=v, first=first, scaling=16 ** -0.5)
+    _, whole = policy.attend_block({}, block)
+    rows = policy.attend_rows(block, sparq_attention_reference)
+    torch.testing.assert_close(whole.out, rows.out, atol=1e-10, rtol=1e-10)
+    np.testing.assert_array_equal(whole.reads, rows.reads)
+    np.testing.assert_allclose(whole.attn, rows.attn, atol=1e-6)
+    for name in ("alpha", "topk_agreement", "transfer_bytes"):
+        np.testing.assert_allclose(whole.stats[name], rows.stats[name], atol=1e-6)
+
+
+def test_block_path_breaks_score_ties_toward_the_earlier_position():
+    """Equal keys give equal approximate scores: the earlier positions are read, as a stable sort keeps them."""
+    k = torch.zeros(1, 12, 4, dtype=torch.float64)
+    k[0, :, 0] = 1.0  # every key the same
+    q = torch.ones(1, 3, 4, dtype=torch.float64)
+    policy = SparQ(budget=4, r=4, local=1)
+    _, result = policy.attend_block({}, Block(q=q, k=k, v=k.clone(), first=9, scaling=0.5))
+    for i, t in enumerate(range(9, 12)):
+        assert np.flatnonzero(result.reads[0, i]).tolist() == [0, 1, 2, t]

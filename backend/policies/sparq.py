@@ -4,7 +4,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.sparq import sparq_attention, sparq_attention_reference, sparq_transfer_bytes
+from kernels.sparq import sparq_attention, sparq_attention_block, sparq_transfer_bytes
 
 from .base import AttendingPolicy, BlockResult
 from .registry import register
@@ -57,16 +57,40 @@ class SparQ(AttendingPolicy):
             raise ValueError(f"sparq: r must be <= the model's head size {head_dim}, got r={self.r}")
 
     def attend_block(self, state, block):
+        """On a GPU the Triton kernels, one decode-shaped call per query that fits its cache in the budget and
+        one for the rest; on the CPU the whole block in one torch call (kernels/sparq.py): the same algorithm,
+        tests/test_sparq_policy.py holds them equal."""
+        if block.k.is_cuda:
+            return state, self.attend_rows(block, sparq_attention)
+        n_q_heads, n, dim = block.q.shape
+        n_kv_heads, total, _ = block.k.shape
+        steps = torch.arange(block.first, block.first + n)
+        res = sparq_attention_block(block.q, block.k, block.v, block.first, self.budget, self.r, self.window)
+        width = res.reads.shape[-1]
+        reads = np.zeros((n_kv_heads, n, total), bool)
+        reads[..., :width] = res.reads.numpy()
+        attn = np.zeros((n_kv_heads, n, total), np.float32)
+        attn[..., :width] = res.weights.mean(1).float().numpy()
+        agreement = _topk_agreement_masks(res.scores.sum(1), res.exact.sum(1), self.budget, steps)
+        stats = {"alpha": res.alpha.float().numpy(), "topk_agreement": agreement,
+                 "transfer_bytes": self._transfer(steps, dim, n_kv_heads)}
+        return state, BlockResult(out=res.out, reads=reads, attn=attn, stats=stats)
+
+    def _transfer(self, steps: torch.Tensor, dim: int, n_kv_heads: int) -> np.ndarray:
+        return np.array([[cost["sparq"], cost["dense"]] for cost in
+                         (sparq_transfer_bytes(int(t) + 1, dim, self.budget, self.r, n_kv_heads=n_kv_heads)
+                          for t in steps)], np.float64)
+
+    def attend_rows(self, block, attend) -> BlockResult:
+        """The block as decode steps through ``attend`` (the kernels' signature): queries that fit their whole
+        cache in the budget read everything (alpha = 1), one call each; the later ones share one call, each
+        row reading its own prefix of the cache (``lengths``)."""
         n_q_heads, n, dim = block.q.shape
         n_kv_heads, total, _ = block.k.shape
         group = n_q_heads // n_kv_heads
         steps = torch.arange(block.first, block.first + n)
         counts = torch.arange(1, total + 1, device=block.v.device)[None, :, None]
         running_mean = block.v.cumsum(1) / counts  # [H_kv, M, d]: mean of V over positions 0..t
-        # Queries that fit their whole cache in the budget read everything (alpha = 1), one call each;
-        # the later ones share one call, each row reading its own prefix of the cache (``lengths``).
-        # Triton kernels on a GPU, the torch reference on a CPU.
-        attend = sparq_attention if block.k.is_cuda else sparq_attention_reference
         short = steps < self.budget
         calls = [[i] for i in torch.nonzero(short).flatten().tolist()] + [torch.nonzero(~short).flatten().tolist()]
         out = torch.empty(n, n_q_heads, dim, dtype=block.q.dtype, device=block.q.device)
@@ -95,11 +119,21 @@ class SparQ(AttendingPolicy):
             # A call's rows either read their whole cache (one row, length <= budget) or `budget` tokens.
             agreement[rows] = _topk_agreement(approx, exact.sum(2), min(self.budget, length))
             alpha[rows] = res.alpha.float().cpu().numpy()
-        transfer = np.array([[cost["sparq"], cost["dense"]] for cost in
-                             (sparq_transfer_bytes(int(t) + 1, dim, self.budget, self.r, n_kv_heads=n_kv_heads)
-                              for t in steps)], np.float64)
-        stats = {"alpha": alpha, "topk_agreement": agreement, "transfer_bytes": transfer}
-        return state, BlockResult(out=out, reads=reads, attn=attn, stats=stats)
+        stats = {"alpha": alpha, "topk_agreement": agreement, "transfer_bytes": self._transfer(steps, dim, n_kv_heads)}
+        return BlockResult(out=out, reads=reads, attn=attn, stats=stats)
+
+
+def _topk_agreement_masks(approx: torch.Tensor, exact: torch.Tensor, k: int, steps: torch.Tensor) -> np.ndarray:
+    """Per query and KV head ([H_kv, n, S] scores, 0 past each query): share of the k highest exact scores
+    that the k highest approximate scores find (App. G); 1 for a query whose whole cache fits in k."""
+    kk = min(k, approx.shape[-1])
+    hits = torch.zeros(approx.shape, dtype=torch.bool)
+    hits.scatter_(-1, torch.topk(approx, kk, dim=-1).indices, True)
+    found = torch.zeros(approx.shape, dtype=torch.bool)
+    found.scatter_(-1, torch.topk(exact, kk, dim=-1).indices, True)
+    share = (hits & found).sum(-1).double() / kk  # [H_kv, n]
+    share = torch.where((steps + 1 <= k)[None, :], torch.ones_like(share), share)
+    return share.T.numpy().astype(np.float32)
 
 
 def _topk_agreement(approx: torch.Tensor, exact: torch.Tensor, k: int) -> np.ndarray:
