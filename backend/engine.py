@@ -448,7 +448,7 @@ class PolicyCache(DynamicCache):
         """What a selection row's queries read, over its first ``length`` steps."""
         per_layer = []
         for layer in self.rows:
-            recorder = copy.deepcopy(layer[row].spans)
+            recorder = layer[row].spans  # finishing leaves it as it was
             per_layer.append([(p[s < length], s[s < length], np.minimum(e[s < length], length))
                               for p, s, e in recorder.finish(length)])
         return ReadSpans.join(per_layer, length)

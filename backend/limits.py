@@ -1,9 +1,9 @@
 """The one set of limits every front end (app, CLI, sweep) enforces, so a public Space stays responsive.
 
 Texts may fill the default model's context (8192 tokens). What a run may cost is bounded in
-**row-tokens**: each policy's row costs its length in tokens, and a selection row (oracle, SparQ,
-ReAttention, which read every key for every query) costs more as the text grows, ``length * length /
-SELECTION_UNIT`` when that is more. On a 2-vCPU Space, 32k row-tokens is four eviction policies at 8k
+**row-tokens**: each policy's row costs its length in tokens (twice for KVzip, whose reconstruction pass
+re-reads the text), and a row that reads every key for every query (oracle, SparQ, ReAttention, Quest)
+costs more as the text grows, ``length * length / SELECTION_UNIT`` when that is more. On a 2-vCPU Space, 32k row-tokens is four eviction policies at 8k
 tokens (or eight at 4k, or one selection policy at 5.8k): a few minutes of work and under 6 GB, so the
 queue moves. An operator may change any limit with an environment variable ``KVLENS_MAX_<FIELD>``
 (e.g. ``KVLENS_MAX_ROW_TOKENS=100000`` on a workstation); visitors cannot.
@@ -41,8 +41,10 @@ class Limits:
 SELECTION_UNIT = 1024  # a selection row costs length * length / SELECTION_UNIT row-tokens when that is more
 
 
-def row_cost(kind: str, length: int) -> int:
-    """Row-tokens of one policy's row over ``length`` tokens: linear for eviction and compression (their
-    work per step is bounded by the budget; the Full row is the plain model's and not counted), quadratic
-    beyond SELECTION_UNIT for selection."""
-    return max(length, length * length // SELECTION_UNIT) if kind == "selection" else length
+def row_cost(policy, length: int) -> int:
+    """Row-tokens of one policy's row over ``length`` tokens: linear when its work per step is bounded by the
+    budget (eviction, compression, StreamingLLM's window; the Full row is the plain model's and not
+    counted), once more per extra pass over the text (KVzip), quadratic beyond SELECTION_UNIT when every
+    query reads every key (``policy.reads_every_key``)."""
+    per_pass = max(length, length * length // SELECTION_UNIT) if policy.reads_every_key else length
+    return per_pass * (1 + policy.extra_passes)

@@ -138,7 +138,7 @@ def visitor_jobs(specs: Sequence[str], lengths: Sequence, model: str, limits: Li
                          model=model)
     policies = check_run(request, limits)  # spec syntax, duplicates, the model's allow-list, Unicode
     for length in chosen:
-        cost = sum(row_cost(p.kind, length) for p in policies if p.name != "full")
+        cost = sum(row_cost(p, length) for p in policies if p.name != "full")
         if cost > limits.row_tokens:
             raise RequestError(f"{len(specs)} policies x {length} tokens come to {cost:,} row-tokens, more than "
                                f"the {limits.row_tokens:,} one run may use here; pick fewer policies or a shorter "

@@ -197,11 +197,12 @@ def _check_cost(lm: LoadedModel, policies: list[Policy], ids: list[int], request
     if length > lm.context:
         raise RequestError(f"The text and the new tokens come to {length} tokens; the model reads at most "
                            f"{lm.context}.")
-    cost = sum(row_cost(p.kind, length) for p in policies)
+    cost = sum(row_cost(p, length) for p in policies)
     if cost > limit:
-        selection = [p.name for p in policies if p.kind == "selection"]
-        why = (f" ({', '.join(dict.fromkeys(selection))} read every key for every query: at {length} tokens each "
-               f"counts {row_cost('selection', length) // length}x)") if selection and row_cost("selection", length) > length else ""
+        quadratic = [p for p in policies if p.reads_every_key]
+        why = (f" ({', '.join(dict.fromkeys(p.name for p in quadratic))} read every key for every query: at "
+               f"{length} tokens each counts {row_cost(quadratic[0], length) // length}x)"
+               if quadratic and row_cost(quadratic[0], length) > length else "")
         raise RequestError(f"{what}: {len(policies)} policies x {length} tokens come to {cost:,} row-tokens, more "
                            f"than the {limit:,} row-tokens one request may use here{why}; use fewer policies, fewer "
                            f"new tokens or a shorter text.")

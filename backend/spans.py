@@ -67,12 +67,32 @@ class ReadSpans:
         return np.stack([self.window(layer) for layer in range(self.n_layers)])
 
     def arrays(self) -> dict[str, np.ndarray]:
-        return {"span_offsets": self.offsets, "span_pos": self.pos, "span_start": self.start, "span_end": self.end}
+        """The stored form (trace format 3), small integers that compress well, for policies such as SparQ
+        whose choice flickers from one query to the next (at 2k tokens over half its spans are one query
+        long): per (layer, head) and position the number of spans, and per span the gap since the previous
+        span of its position closed (or since the position itself) and its length."""
+        counts = np.zeros((self.n_layers * self.n_heads, self.length), np.int64)
+        rows = np.repeat(np.arange(len(counts)), np.diff(self.offsets))
+        np.add.at(counts, (rows, self.pos), 1)
+        pos, start, end = (a.astype(np.int64) for a in (self.pos, self.start, self.end))
+        same = np.r_[False, (rows[1:] == rows[:-1]) & (pos[1:] == pos[:-1])]
+        gap = start - np.where(same, np.r_[0, end[:-1]], pos)
+        return {"span_counts": _narrow(counts), "span_gap": _narrow(gap), "span_length": _narrow(end - start)}
 
     @classmethod
     def from_arrays(cls, arrays: dict, n_layers: int, n_heads: int, length: int) -> "ReadSpans":
-        return cls(n_layers, n_heads, length, arrays["span_offsets"].astype(np.int64),
-                   *(arrays[k].astype(np.int32) for k in ("span_pos", "span_start", "span_end")))
+        counts = arrays["span_counts"].astype(np.int64).reshape(n_layers * n_heads, length)
+        gap, size = arrays["span_gap"].astype(np.int64), arrays["span_length"].astype(np.int64)
+        flat = counts.ravel()
+        pos = np.repeat(np.tile(np.arange(length), len(counts)), flat)
+        # Within a position's spans, start_j = pos + sum(gap_0..j) + sum(length_0..j-1).
+        run = np.cumsum(gap + size)
+        first = (np.cumsum(flat) - flat)[flat > 0]  # index of each position's first span
+        base = np.repeat(np.r_[0, run][first], flat[flat > 0])
+        start = pos + run - size - base
+        offsets = np.r_[0, np.cumsum(counts.sum(1))].astype(np.int64)
+        return cls(n_layers, n_heads, length, offsets, pos.astype(np.int32), start.astype(np.int32),
+                   (start + size).astype(np.int32))
 
     @classmethod
     def join(cls, per_layer: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]], length: int) -> "ReadSpans":
@@ -96,6 +116,11 @@ class ReadSpans:
             recorder.add(masks[layer], 0)
             per_layer.append(recorder.finish(length))
         return cls.join(per_layer, length)
+
+
+def _narrow(values: np.ndarray) -> np.ndarray:
+    """The smallest unsigned integer type that holds every (non-negative) value."""
+    return values.astype(np.min_scalar_type(int(values.max(initial=0))))
 
 
 class SpanRecorder:
@@ -129,16 +154,17 @@ class SpanRecorder:
         for head in range(n_heads):
             mine = closes & (h == head)
             if mine.any():
-                self.closed[head].append(np.stack([p[mine], opened[mine], steps[mine]]))
+                self.closed[head].append(np.stack([p[mine], opened[mine], steps[mine]]).astype(np.int32))
         last = np.r_[~same[1:], True]
         self.open_since[h[last], p[last]] = np.where(opens[last], steps[last], -1)
 
     def finish(self, length: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """Close the spans still open at the end of the text; return (pos, start, end) per head, sorted by position."""
+        """Close the spans still open at the end of the text; return (pos, start, end) per head, sorted by position
+        (the recorder itself is unchanged: recording may go on)."""
         out = []
         for head in range(self.n_heads):
             still = np.flatnonzero(self.open_since[head] >= 0)
-            pieces = self.closed[head] + [np.stack([still, self.open_since[head, still], np.full(len(still), length)])]
+            pieces = self.closed[head] + [np.stack([still, self.open_since[head, still], np.full(len(still), length)]).astype(np.int32)]
             spans = np.concatenate(pieces, axis=1)
             order = np.lexsort((spans[1], spans[0]))
             out.append(tuple(spans[:, order]))

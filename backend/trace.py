@@ -11,7 +11,7 @@ import numpy as np
 from .recorded import TopAttention
 from .spans import ReadSpans
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 ARRAY_FIELDS = ("tokens", "evicted_at", "scored_ids", "logprobs", "top1_ids", "kl_to_full", "generated_ids",
                 "keys", "key_positions", "rope_inv_freq")
 
@@ -104,7 +104,7 @@ class Trace:
     def _from_arrays(cls, meta: dict, arrays: dict) -> "Trace":
         if meta.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"trace format {meta.get('format_version')} is not {FORMAT_VERSION}")
-        if "span_offsets" in arrays:
+        if "span_counts" in arrays:
             arrays["spans"] = ReadSpans.from_arrays(arrays, meta["n_layers"], meta["n_kv_heads"], len(arrays["tokens"]))
         if "attn_pos" in arrays:
             arrays["attention"] = TopAttention.from_arrays(arrays.pop("attn_pos"), arrays.pop("attn_val"))

@@ -52,6 +52,26 @@ def test_spans_recorded_block_by_block_equal_spans_of_the_whole_mask():
                 np.testing.assert_array_equal(mine, theirs)
 
 
+@pytest.mark.parametrize("seed, share", [(0, 0.3), (1, 0.05), (2, 0.9)])
+def test_stored_spans_give_back_the_same_spans(seed, share):
+    """The stored form (per-position counts, gaps and lengths: trace format 3) decodes to the very spans."""
+    spans = ReadSpans.from_masks(random_masks(seed=seed, share=share, n=50))
+    stored = spans.arrays()
+    assert set(stored) == {"span_counts", "span_gap", "span_length"}
+    assert all(a.dtype.kind == "u" and a.dtype.itemsize == 1 for a in stored.values())  # T = 50: a byte each
+    back = ReadSpans.from_arrays(stored, spans.n_layers, spans.n_heads, spans.length)
+    for name in ("offsets", "pos", "start", "end"):
+        np.testing.assert_array_equal(getattr(back, name), getattr(spans, name))
+
+
+def test_stored_spans_of_a_head_that_read_nothing():
+    masks = random_masks()
+    masks[1, 2] = False  # layer 1, head 2 never read anything
+    spans = ReadSpans.from_masks(masks)
+    back = ReadSpans.from_arrays(spans.arrays(), 2, 3, 40)
+    np.testing.assert_array_equal(back.dense(), masks)
+
+
 def test_a_token_read_by_every_query_is_one_span():
     masks = np.tri(10, dtype=bool)[None, None]
     spans = ReadSpans.from_masks(masks)
@@ -153,10 +173,10 @@ def test_a_recorded_eviction_row_keeps_whole_rows_when_its_budget_fits(tiny, tex
 
 @pytest.mark.parametrize("policy", [Oracle(budget=5), SparQ(budget=6, r=2), SnapKV(budget=12, window=4, interval=8)],
                          ids=lambda p: p.name)
-def test_traces_v2_round_trip(tiny, text_ids, policy):
+def test_traces_round_trip(tiny, text_ids, policy):
     (trace,), _ = run(tiny, [policy.name], [policy], text_ids, record_layers=(1,))
     back = Trace.from_bytes(trace.to_bytes())
-    assert back.meta["format_version"] == 2
+    assert back.meta["format_version"] == 3
     for layer in range(2):
         np.testing.assert_array_equal(back.reads(layer), trace.reads(layer))
     np.testing.assert_array_equal(back.attention.pos, trace.attention.pos)
@@ -190,12 +210,19 @@ def test_texts_up_to_the_models_context_are_accepted_and_longer_ones_refused(tin
 
 def test_a_selection_row_costs_more_as_the_text_grows():
     from backend.limits import Limits, row_cost
+    from backend.policies import POLICIES
 
-    assert row_cost("eviction", 8192) == 8192 and row_cost("compression", 8192) == 8192
-    assert row_cost("selection", 1000) == 1000 and row_cost("selection", 8192) == 8 * 8192
+    tova, snapkv, sparq = POLICIES["tova"](), POLICIES["snapkv"](), POLICIES["sparq"]()
+    assert row_cost(tova, 8192) == 8192 and row_cost(snapkv, 8192) == 8192
+    assert row_cost(sparq, 1000) == 1000 and row_cost(sparq, 8192) == 8 * 8192
+    for name in ("oracle", "reattention", "quest"):
+        assert row_cost(POLICIES[name](), 8192) == 8 * 8192
+    # StreamingLLM is a selection policy by interface, but each query reads its window only.
+    assert row_cost(POLICIES["streamingllm"](), 8192) == 8192
+    assert row_cost(POLICIES["kvzip"](), 4096) == 2 * 4096  # its reconstruction pass re-reads the text
     limits = Limits()
-    assert 4 * row_cost("eviction", 8192) <= limits.row_tokens < 5 * row_cost("eviction", 8192)
-    assert row_cost("selection", 8192) > limits.row_tokens  # not on a shared Space; an operator may raise it
+    assert 4 * row_cost(tova, 8192) <= limits.row_tokens < 5 * row_cost(tova, 8192)
+    assert row_cost(sparq, 8192) > limits.row_tokens  # not on a shared Space; an operator may raise it
 
 
 def test_the_message_says_why_a_selection_row_at_length_is_refused(tiny_session, monkeypatch):

@@ -50,6 +50,10 @@ class Policy:
     version: ClassVar[int] = 1
     # Window and sinks never look at attention: the engine skips computing it for them.
     uses_attention: ClassVar[bool] = True
+    # What a row costs (limits.row_cost): every key for every query (selection), and passes over the text
+    # besides the model's own (KVzip's reconstruction re-reads the context once).
+    reads_every_key: ClassVar[bool] = False
+    extra_passes: ClassVar[int] = 0
 
     def __post_init__(self) -> None:
         budget = getattr(self, "budget", None)
@@ -289,6 +293,7 @@ class SelectionPolicy(Policy):
     """Chooses, before query t reads, which positions ``0..t`` it reads (a mask per KV head)."""
 
     kind: ClassVar[str] = "selection"
+    reads_every_key: ClassVar[bool] = True
     budget: int = 64
 
     def select(self, state: State, attn_full: np.ndarray, t: int) -> tuple[State, np.ndarray]:

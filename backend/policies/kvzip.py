@@ -44,6 +44,7 @@ class KVzip(CompressionPolicy):
     color = "#44AA99"
     uses_attention = False  # its scores come from its own pass, not from the text's attention
     rereads: ClassVar[bool] = True  # the runner feeds it a reconstruction pass before it compresses
+    extra_passes: ClassVar[int] = 1  # that pass: the row costs twice its length (limits.row_cost)
 
     FIRST: ClassVar[str] = "\n\nRepeat the previous context exactly."
     LATER: ClassVar[str] = "\n\nRepeat the part of the previous context exactly, starting with "

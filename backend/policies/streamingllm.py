@@ -38,6 +38,7 @@ class StreamingLLM(AttendingPolicy):
     paper = 'Xiao et al., 2023, *Efficient Streaming Language Models with Attention Sinks*, Sec. 3.2'
     color = "#EE3377"
     needs_prerope = True
+    reads_every_key = False  # a query reads its cache, ``budget`` keys, re-rotated
     budget: int = 64
     sinks: int = 4
 
