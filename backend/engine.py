@@ -11,8 +11,9 @@ text on the prompt path; the code is the same), for each batch row:
 * **Full** attends with SDPA.
 * **Eviction and compression** rows score the block's queries against the tokens the row holds at the
   block's start plus the block's own tokens, nothing else: ``budget + n`` keys, however long the text.
-  The row's policy then walks the block query by query (numpy over those columns; compiled with numba for
-  the running-score policies, kernels/eviction_walk.py), deciding what query ``t`` reads; an eviction
+  The row's policy then walks the block query by query (numpy over those columns; compiled for the
+  running-score policies: numba on the CPU, kernels/eviction_walk.py, and one Triton launch per block on a
+  GPU, kernels/eviction_walk_triton.py, so decisions stay on the device), deciding what query ``t`` reads; an eviction
   policy drops a token per KV head once the cache is full, a compression policy keeps its budget when its
   schedule says so. One masked softmax gives the block's output.
 * **Selection** rows (oracle, SparQ, ReAttention) need every key for every query: that is their cost.
@@ -34,7 +35,7 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from kernels import eviction_walk
+from kernels import eviction_walk, eviction_walk_triton
 
 from .cache_layer import GrowingLayer
 from .policies import Policy
@@ -44,6 +45,7 @@ from .spans import ReadSpans, SpanRecorder
 
 ATTN_IMPLEMENTATION = "kvlens"
 COMPILED_WALK = True  # False: every eviction policy walks in numpy (the reference; tests compare the two)
+DEVICE_WALK = False  # True: the Triton walk on CPU tensors too (tests, under TRITON_INTERPRET=1); GPUs always take it
 
 
 class TopRecorder:
@@ -82,10 +84,11 @@ class _NoSpans:
 
 
 def compiled_running_score(policy: Policy) -> RunningScore | None:
-    """The policy's running score when the compiled walk can take it: numba is there (COMPILED_WALK) and
-    the policy's ``update``, ``score``, ``protected`` and ``step`` are those of the class that declared it
-    (a subclass that changes one of them is walked in numpy, so it is never walked as its parent)."""
-    if not COMPILED_WALK or eviction_walk.walk is None or policy.kind != "eviction":
+    """The policy's running score when a compiled walk can take it (numba's on the CPU, Triton's on a GPU):
+    COMPILED_WALK is on and the policy's ``update``, ``score``, ``protected`` and ``step`` are those of the
+    class that declared it (a subclass that changes one of them is walked in numpy, so it is never walked as
+    its parent)."""
+    if not COMPILED_WALK or policy.kind != "eviction":
         return None
     running = policy.running_score()
     if running is None:
@@ -95,16 +98,18 @@ def compiled_running_score(policy: Policy) -> RunningScore | None:
     return running if same else None
 
 
-def _block_weights(scores: torch.Tensor, alive: np.ndarray, held: int) -> np.ndarray:
-    """exp(score - row max) once for a block, float64 [H, G, n, C] as policies decide in float64; zero where a
-    query cannot see a column (later in the block, or held at the block's start but not alive: a -1 pad)."""
+def _block_weights(scores: torch.Tensor, alive: np.ndarray | torch.Tensor, held: int) -> torch.Tensor:
+    """exp(score - row max) once for a block, float64 [H, G, n, C] on the scores' device, as policies decide in
+    float64; zero where a query cannot see a column (later in the block, or held at the block's start but not
+    alive: a -1 pad)."""
     n = scores.shape[2]
     s = scores.to(torch.float64, copy=True)  # a copy even when the model runs in float64: s is changed in place
     s[..., held:].masked_fill_(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    if held and not alive[:, :held].all():
-        s[..., :held].masked_fill_(torch.from_numpy(~alive[:, :held]).to(s.device)[:, None, None], float("-inf"))
+    unseen = ~torch.as_tensor(alive[:, :held]).to(s.device)  # one host-to-device copy of the held columns' state
+    if held:
+        s[..., :held].masked_fill_(unseen[:, None, None], float("-inf"))
     s -= s.amax(-1, keepdim=True)
-    return s.exp_().cpu().numpy()
+    return s.exp_()
 
 
 def _causal(first: int, n: int, total: int, device) -> torch.Tensor:
@@ -200,11 +205,13 @@ class RowLayerState:
         """Decide query by query what the block's queries read; return each query head's softmax over what it
         read [H, G, n, C] and, when recording, the policy's attention rows [H, n, C] (None otherwise).
 
-        Running-score policies (Window, sinks, H2O, TOVA, A2SF) walk compiled on the CPU; the numpy walk is
-        their reference and every other policy's walk."""
-        if self.running is not None and scores.device.type == "cpu" and scores.dtype in (torch.float32,
-                                                                                          torch.float64):
-            return self._walk_compiled(scores, columns, first)
+        Running-score policies (Window, sinks, H2O, TOVA, A2SF) walk compiled: with numba on the CPU, in one
+        Triton launch per block on a GPU; the numpy walk is their reference and every other policy's walk."""
+        if self.running is not None and scores.dtype in (torch.float32, torch.float64):
+            if (scores.is_cuda or DEVICE_WALK) and eviction_walk_triton.usable(scores):
+                return self._walk_device(scores, columns, first)
+            if scores.device.type == "cpu" and eviction_walk.walk is not None:
+                return self._walk_compiled(scores, columns, first)
         reads, attn_rows = self._walk_numpy(scores, columns, first, key, value, n_prompt, q)
         # -inf where a query does not read (adding a bias is several times faster than a broadcast masked_fill).
         unread = torch.from_numpy(np.where(reads, np.float32(0), np.float32(-np.inf))).to(scores.device, scores.dtype)
@@ -221,7 +228,7 @@ class RowLayerState:
         score = np.zeros((n_heads, width))
         if running.state is not None:
             score[:, :held] = self.state[running.state]
-        weights = _block_weights(scores, alive, held)
+        weights = _block_weights(scores, alive, held).cpu().numpy()
         probs = np.empty(scores.shape, np.float32 if scores.dtype == torch.float32 else np.float64)
         attn_rows = np.zeros((n_heads, n, width)) if self.top is not None else np.zeros((0, 0, 0))
         eviction_walk.walk(weights, alive, columns, score, first, held, self.policy.budget, float(running.decay),
@@ -231,6 +238,32 @@ class RowLayerState:
             self.state = {**self.state, running.state: score}
         self._end_block(columns, alive, dropped_at, first, n)
         return torch.from_numpy(probs), attn_rows if self.top is not None else None
+
+    def _walk_device(self, scores: torch.Tensor, columns: np.ndarray, first: int):
+        """The same walk as one Triton launch on the scores' device (kernels/eviction_walk_triton.py): no copy
+        to the host between steps; the block's outcome (who was dropped when, the running score) comes back
+        once, for the row's bookkeeping."""
+        n_heads, _, n, width = scores.shape
+        held, running, device = width - n, self.running, scores.device
+        where = torch.from_numpy(columns).to(device)
+        alive = torch.zeros((n_heads, width), dtype=torch.bool, device=device)
+        alive[:, :held] = where[:, :held] >= 0
+        dropped_at = torch.where(alive, n, -1)
+        dropped_at[:, held:] = n
+        score = torch.zeros((n_heads, width), dtype=torch.float64, device=device)
+        if running.state is not None:
+            score[:, :held] = torch.from_numpy(self.state[running.state]).to(device)
+        probs = torch.empty(scores.shape, dtype=scores.dtype, device=device)
+        record = self.top is not None
+        attn_rows = torch.zeros((n_heads, n if record else 0, width if record else 0), dtype=torch.float64,
+                                device=device)
+        eviction_walk_triton.walk(_block_weights(scores, alive, held), alive, where, score, first, held,
+                                  self.policy.budget, float(running.decay), running.by_position, running.sinks,
+                                  running.recent, running.layer, probs, dropped_at, attn_rows)
+        if running.state is not None:
+            self.state = {**self.state, running.state: score.cpu().numpy()}
+        self._end_block(columns, alive.cpu().numpy(), dropped_at.cpu().numpy(), first, n)
+        return probs, attn_rows.cpu().numpy() if record else None
 
     def _walk_numpy(self, scores: torch.Tensor, columns: np.ndarray, first: int, key, value, n_prompt, q):
         """Decide query by query what the block's queries read; return reads bool [H, n, C] and, when
@@ -250,7 +283,7 @@ class RowLayerState:
         dropped_at[:, held:] = n
         weights = None
         if policy.uses_attention or self.top is not None:
-            weights = _block_weights(scores, alive, held)
+            weights = _block_weights(scores, alive, held).cpu().numpy()
             alive_f = alive.astype(np.float64)
         attn_rows = np.zeros((n_heads, n, width)) if self.top is not None else None
         heads = np.arange(n_heads)

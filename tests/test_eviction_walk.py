@@ -10,6 +10,7 @@ from backend import engine
 from backend.engine import RowLayerState, compiled_running_score
 from backend.policies import POLICIES, H2O, TOVA, load_plugins
 from backend.policies.base import RunningScore
+from kernels import eviction_walk_triton
 
 load_plugins()
 RUNNING = [name for name, cls in POLICIES.items()
@@ -19,10 +20,11 @@ RUNNING = [name for name, cls in POLICIES.items()
 TOKENS = 160
 
 
-def walk(policy, compiled: bool, monkeypatch, chunk: int, dtype=torch.float32):
+def walk(policy, compiled: bool, monkeypatch, chunk: int, dtype=torch.float32, device_walk: bool = False):
     """Feed TOKENS random queries in blocks of ``chunk`` to one (layer, row), recording its top-8 attention;
-    return the state and the outputs."""
+    return the state and the outputs. ``device_walk``: the Triton walk (a GPU's) instead of numba's."""
     monkeypatch.setattr(engine, "COMPILED_WALK", compiled)
+    monkeypatch.setattr(engine, "DEVICE_WALK", device_walk)
     g = torch.Generator().manual_seed(chunk)
     heads, group, dim = 3, 3, 16
     k, v = (torch.randn(heads, TOKENS, dim, generator=g, dtype=dtype) for _ in range(2))
@@ -34,9 +36,9 @@ def walk(policy, compiled: bool, monkeypatch, chunk: int, dtype=torch.float32):
     return state, torch.cat(outs, 2)
 
 
-def assert_same_walk(policy, monkeypatch, chunk, dtype=torch.float32):
+def assert_same_walk(policy, monkeypatch, chunk, dtype=torch.float32, device_walk=False):
     reference, out_ref = walk(policy, False, monkeypatch, chunk, dtype=dtype)
-    compiled, out = walk(policy, True, monkeypatch, chunk, dtype=dtype)
+    compiled, out = walk(policy, True, monkeypatch, chunk, dtype=dtype, device_walk=device_walk)
     np.testing.assert_array_equal(compiled.evicted_at, reference.evicted_at)
     np.testing.assert_array_equal(compiled.slots, reference.slots)
     assert compiled.state.keys() == reference.state.keys()
@@ -91,3 +93,30 @@ def test_a_subclass_that_changes_the_score_is_walked_in_numpy():
 
     assert compiled_running_score(H2O(budget=8)) == RunningScore(decay=1.0, recent=4, state="a2s")
     assert compiled_running_score(Reversed(budget=8)) is None
+
+
+needs_triton = pytest.mark.skipif(not eviction_walk_triton.usable(torch.empty(0)),
+                                  reason="needs TRITON_INTERPRET=1 (or a GPU)")
+
+
+@needs_triton
+@pytest.mark.parametrize("chunk", [1, 40])
+@pytest.mark.parametrize("name", RUNNING)
+def test_the_triton_walk_a_gpu_takes_equals_the_numpy_walk(name, chunk, monkeypatch):
+    """kernels/eviction_walk_triton.py (decisions kept on the device), run here by the Triton interpreter."""
+    assert_same_walk(POLICIES[name].for_budget(24), monkeypatch, chunk, device_walk=True)
+
+
+@needs_triton
+@pytest.mark.parametrize("policy", [
+    H2O(budget=20, recent=3, heads="layer"), TOVA(budget=20, heads="head", sinks=4),
+    POLICIES["a2sf"](budget=20, alpha=0.5, window=6, heads="layer"), POLICIES["sinks"](budget=20, sinks=0),
+], ids=lambda p: p.spec())
+def test_the_triton_walk_equals_the_numpy_walk_for_other_parameters(policy, monkeypatch):
+    assert_same_walk(policy, monkeypatch, 13, dtype=torch.float64, device_walk=True)
+
+
+@needs_triton
+def test_the_triton_walk_catches_a_misdeclared_policy(monkeypatch):
+    with pytest.raises(AssertionError):
+        assert_same_walk(MisdeclaredH2O(budget=24), monkeypatch, 7, device_walk=True)
