@@ -113,22 +113,44 @@ def test_streamingllm_caches_sinks_then_the_window_in_cache_order():
     assert exists.tolist() == [[True] * 3 + [False] * 2, [True] * 5, [True] * 5]
 
 
-def test_streamingllm_rotates_kept_keys_by_their_place_in_the_cache():
-    calls = []
+def rerotated_reference(policy, q_pre, k_pre, v, first, rope):
+    """The authors' way, one query at a time: its cache (``cache_of``) rotated at 0..L-1, the query at its place."""
+    n_q_heads, n, dim = q_pre.shape
+    n_kv_heads = k_pre.shape[0]
+    group = n_q_heads // n_kv_heads
+    where, exists = policy.cache_of(torch.arange(first, first + n), k_pre.shape[1])
+    out = torch.empty(n, n_q_heads, dim, dtype=q_pre.dtype)
+    for i in range(n):
+        kept = where[i][exists[i]]
+        keys = rope(k_pre[:, kept], torch.arange(len(kept)))
+        query = rope(q_pre[:, i:i + 1], torch.tensor([len(kept) - 1]))[:, 0]
+        for h in range(n_q_heads):
+            weights = torch.softmax(query[h] @ keys[h // group].T * dim ** -0.5, -1)
+            out[i, h] = weights @ v[h // group, kept]
+    return out, where, exists
 
-    def rope(x, positions):
-        calls.append((x.clone(), positions.clone()))
-        return x
 
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((2, 1, 4), (1, 10, 4), (1, 10, 4)))
-    block = Block(q=q, k=k, v=v, first=9, scaling=1.0, q_pre=q, k_pre=k, rope=rope)
-    _, result = StreamingLLM(budget=5, sinks=2).attend_block({}, block)
-    (rotated_keys, key_positions), (_, query_positions) = calls
-    torch.testing.assert_close(rotated_keys[0, 0], k[0, [0, 1, 7, 8, 9]])  # sinks, then the window
-    assert key_positions.tolist() == [0, 1, 2, 3, 4]  # their places in the cache, not 0, 1, 7, 8, 9
-    assert query_positions.tolist() == [4]  # the query at its own place, the last
-    assert np.flatnonzero(result.reads[0, 0]).tolist() == [0, 1, 7, 8, 9]
+@pytest.mark.parametrize("first, n", [(0, 12), (3, 1), (9, 1), (5, 15), (14, 6)])
+@pytest.mark.parametrize("budget, sinks", [(5, 2), (6, 0), (8, 4)])
+def test_streamingllm_equals_rotating_each_querys_cache(tiny, first, n, budget, sinks):
+    """The block computation (window scores at text positions, sinks against the query at its place in the
+    cache) against re-rotating every query's cache as the authors' ``pos_shift`` does."""
+    rope = rope_function(tiny)
+    g = torch.Generator().manual_seed(first * 31 + n)
+    dim = tiny.model.config.hidden_size // tiny.model.config.num_attention_heads
+    q_pre = torch.randn(6, n, dim, generator=g, dtype=torch.float64)
+    k_pre, v = (torch.randn(2, first + n, dim, generator=g, dtype=torch.float64) for _ in range(2))
+    q, k = rope(q_pre, torch.arange(first, first + n)), rope(k_pre, torch.arange(first + n))
+    policy = StreamingLLM(budget=budget, sinks=sinks)
+    block = Block(q=q, k=k, v=v, first=first, scaling=dim ** -0.5, q_pre=q_pre, k_pre=k_pre, rope=rope)
+    _, result = policy.attend_block({}, block)
+    expected, where, exists = rerotated_reference(policy, q_pre, k_pre, v, first, rope)
+    # Equal up to the RoPE tables' float32 angles (transformers builds cos/sin from float32 frequencies), so
+    # rotating by t and by t - slid agree to ~1e-7, not to float64 rounding.
+    torch.testing.assert_close(result.out, expected, atol=1e-6, rtol=1e-6)
+    for i in range(n):
+        assert np.flatnonzero(result.reads[0, i]).tolist() == sorted(where[i][exists[i]].tolist())
+        np.testing.assert_allclose(result.attn[:, i].sum(-1), 1.0, atol=1e-6)
 
 
 def test_streamingllm_with_real_rope_moves_only_the_sinks(tiny):

@@ -8,8 +8,6 @@ import torch
 from .base import AttendingPolicy, BlockResult
 from .registry import register
 
-ROW_ELEMENTS = 1 << 22  # gathered key entries per slice of queries (memory stays bounded on long blocks)
-
 
 @register
 @dataclass(frozen=True)
@@ -21,8 +19,9 @@ class StreamingLLM(AttendingPolicy):
     (Sec. 3.2: a cache holding tokens [0, 1, 2, 3, 6, 7, 8] that decodes token 9 gives them positions
     0..7): sink i sits at position i, the window follows, and the query sits at its own place in the
     cache, min(t, budget - 1). The authors' code (``pos_shift``) rotates the cached pre-RoPE keys by
-    ``arange(cache length)`` and the query at the cache length; so does this policy, one query at a time
-    (each query's cache is its own), with the model's RoPE.
+    ``arange(cache length)`` and the query at the cache length; this policy computes the same attention
+    (each query's cache is its own) from the model's RoPE, using that RoPE scores depend only on distances
+    (``attend_block``).
 
     What changes: inside the window the distance from query to key is the same either way (both are
     shifted by t - budget + 1), so only the sinks move: query t sees sink i budget - 1 - i positions back
@@ -60,29 +59,36 @@ class StreamingLLM(AttendingPolicy):
         return where, where <= steps[:, None]
 
     def attend_block(self, state, block):
-        n_q_heads, n, dim = block.q_pre.shape
-        n_kv_heads, total, _ = block.k_pre.shape
+        """Each query's re-rotated cache, computed without rotating it per query: RoPE scores depend only on
+        the distance between query and key, and inside the window both are shifted by the same ``slid``, so
+        the window's scores are the model's own (keys and queries at their positions in the text); only the
+        sinks, which stay at 0..sinks-1 while the query sits at its place in the cache, ``t - slid``, take a
+        query rotated there. A block then costs O(n x (n + budget)), not a rotation of ``budget`` keys per
+        query; tests/test_policies_issue13_selection.py holds it equal to rotating each query's cache."""
+        n_q_heads, n, dim = block.q.shape
+        n_kv_heads, total, _ = block.k.shape
         group = n_q_heads // n_kv_heads
-        device = block.q_pre.device
-        steps = torch.arange(block.first, block.first + n, device=device)
-        where, exists = self.cache_of(steps, total)
-        width = where.shape[1]
-        slots = torch.arange(width, device=device)
-        out = torch.empty(n, n_q_heads, dim, dtype=block.q.dtype, device=device)
+        device, first = block.q.device, block.first
+        steps = torch.arange(first, first + n, device=device)
+        slid = (steps - (self.budget - 1)).clamp(min=0)
+        sinks, window = min(self.sinks, total), self.budget - self.sinks
+        lo = max(0, first - window + 1)  # the earliest window key of the block's queries
+        near = torch.arange(lo, first + n, device=device)
+        sink_ok = torch.arange(sinks, device=device)[None, :] <= steps[:, None]  # [n, sinks]
+        near_ok = (near[None, :] >= torch.clamp(steps - window + 1, min=sinks)[:, None]) & (near[None, :] <= steps[:, None])
+        q_text = block.q.view(n_kv_heads, group, n, dim)  # at its position in the text
+        q_cache = block.rope(block.q_pre, steps - slid).view(n_kv_heads, group, n, dim)  # at its place in the cache
+        scores = torch.cat([(q_cache @ block.k[:, None, :sinks].transpose(-1, -2)).masked_fill(~sink_ok, float("-inf")),
+                            (q_text @ block.k[:, None, lo:].transpose(-1, -2)).masked_fill(~near_ok, float("-inf"))],
+                           -1) * block.scaling
+        weights = torch.softmax(scores, dim=-1)  # [H_kv, G, n, sinks + near]
+        values = torch.cat([block.v[:, :sinks], block.v[:, lo:]], 1)
+        out = (weights @ values[:, None]).permute(2, 0, 1, 3).reshape(n, n_q_heads, dim)
+        mean = weights.mean(1).float().cpu().numpy()
         reads = np.zeros((n_kv_heads, n, total), bool)
         attn = np.zeros((n_kv_heads, n, total), np.float32)
-        rows_per_slice = max(1, ROW_ELEMENTS // (n_kv_heads * width * dim))
-        for s in range(0, n, rows_per_slice):
-            rows = slice(s, min(s + rows_per_slice, n))
-            at, ok = where[rows], exists[rows]  # [r, L]
-            keys = block.rope(block.k_pre[:, at], slots)  # [H_kv, r, L, d]: entry j rotated at position j
-            place = ok.sum(1) - 1  # the query's own place in its cache: min(t, budget - 1)
-            q = block.rope(block.q_pre[:, rows], place).view(n_kv_heads, group, -1, dim)
-            scores = torch.einsum("hgrd,hrld->hgrl", q, keys) * block.scaling
-            weights = torch.softmax(scores.masked_fill(~ok, float("-inf")), dim=-1)
-            values = block.v[:, at]  # [H_kv, r, L, d]
-            out[rows] = torch.einsum("hgrl,hrld->rhgd", weights, values).reshape(-1, n_q_heads, dim).to(out.dtype)
-            index = np.broadcast_to(at.cpu().numpy(), (n_kv_heads, *at.shape))
-            np.put_along_axis(reads[:, rows], index, np.broadcast_to(ok.cpu().numpy(), index.shape), axis=-1)
-            np.put_along_axis(attn[:, rows], index, weights.mean(1).float().cpu().numpy(), axis=-1)
-        return state, BlockResult(out=out, reads=reads, attn=attn)
+        reads[..., lo:] = near_ok.cpu().numpy()
+        attn[..., lo:] = mean[..., sinks:]
+        reads[..., :sinks] |= sink_ok.cpu().numpy()
+        attn[..., :sinks] += mean[..., :sinks]
+        return state, BlockResult(out=out.to(block.q.dtype), reads=reads, attn=attn)
