@@ -13,9 +13,9 @@ text on the prompt path; the code is the same), for each batch row:
   block's start plus the block's own tokens, nothing else: ``budget + n`` keys, however long the text.
   The row's policy then walks the block query by query (numpy over those columns; compiled for the
   running-score policies: numba on the CPU, kernels/eviction_walk.py, and one Triton launch per block on a
-  GPU, kernels/eviction_walk_triton.py, so decisions stay on the device), deciding what query ``t`` reads; an eviction
-  policy drops a token per KV head once the cache is full, a compression policy keeps its budget when its
-  schedule says so. One masked softmax gives the block's output.
+  GPU, kernels/eviction_walk_triton.py, so decisions stay on the device), deciding what query ``t``
+  reads; an eviction policy drops a token per KV head once the cache is full, a compression policy keeps
+  its budget when its schedule says so. One masked softmax gives the block's output.
 * **Selection** rows (oracle, SparQ, ReAttention) need every key for every query: that is their cost.
   They hold one block's masks at a time and record what each query read as spans (spans.py).
 

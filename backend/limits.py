@@ -3,7 +3,8 @@
 Texts may fill the default model's context (8192 tokens). What a run may cost is bounded in
 **row-tokens**: each policy's row costs its length in tokens (twice for KVzip, whose reconstruction pass
 re-reads the text), and a row that reads every key for every query (oracle, SparQ, ReAttention, Quest)
-costs more as the text grows, ``length * length / SELECTION_UNIT`` when that is more. On a 2-vCPU Space, 32k row-tokens is four eviction policies at 8k
+costs more as the text grows, ``length * length / SELECTION_UNIT`` when that is more. On a 2-vCPU Space,
+32k row-tokens is four eviction policies at 8k
 tokens (or eight at 4k, or one selection policy at 5.8k): a few minutes of work and under 6 GB, so the
 queue moves. An operator may change any limit with an environment variable ``KVLENS_MAX_<FIELD>``
 (e.g. ``KVLENS_MAX_ROW_TOKENS=100000`` on a workstation); visitors cannot.

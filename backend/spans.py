@@ -164,7 +164,8 @@ class SpanRecorder:
         out = []
         for head in range(self.n_heads):
             still = np.flatnonzero(self.open_since[head] >= 0)
-            pieces = self.closed[head] + [np.stack([still, self.open_since[head, still], np.full(len(still), length)]).astype(np.int32)]
+            still_open = np.stack([still, self.open_since[head, still], np.full(len(still), length)]).astype(np.int32)
+            pieces = self.closed[head] + [still_open]
             spans = np.concatenate(pieces, axis=1)
             order = np.lexsort((spans[1], spans[0]))
             out.append(tuple(spans[:, order]))

@@ -75,7 +75,8 @@ class StreamingLLM(AttendingPolicy):
         lo = max(0, first - window + 1)  # the earliest window key of the block's queries
         near = torch.arange(lo, first + n, device=device)
         sink_ok = torch.arange(sinks, device=device)[None, :] <= steps[:, None]  # [n, sinks]
-        near_ok = (near[None, :] >= torch.clamp(steps - window + 1, min=sinks)[:, None]) & (near[None, :] <= steps[:, None])
+        earliest = torch.clamp(steps - window + 1, min=sinks)  # [n]: each query's first window position
+        near_ok = (near[None, :] >= earliest[:, None]) & (near[None, :] <= steps[:, None])
         q_text = block.q.view(n_kv_heads, group, n, dim)  # at its position in the text
         q_cache = block.rope(block.q_pre, steps - slid).view(n_kv_heads, group, n, dim)  # at its place in the cache
         scores = torch.cat([(q_cache @ block.k[:, None, :sinks].transpose(-1, -2)).masked_fill(~sink_ok, float("-inf")),
