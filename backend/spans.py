@@ -71,9 +71,9 @@ class ReadSpans:
         whose choice flickers from one query to the next (at 2k tokens over half its spans are one query
         long): per (layer, head) and position the number of spans, and per span the gap since the previous
         span of its position closed (or since the position itself) and its length."""
-        counts = np.zeros((self.n_layers * self.n_heads, self.length), np.int64)
-        rows = np.repeat(np.arange(len(counts)), np.diff(self.offsets))
-        np.add.at(counts, (rows, self.pos), 1)
+        n_rows = self.n_layers * self.n_heads
+        rows = np.repeat(np.arange(n_rows), np.diff(self.offsets))
+        counts = np.bincount(rows * self.length + self.pos, minlength=n_rows * self.length).reshape(n_rows, -1)
         pos, start, end = (a.astype(np.int64) for a in (self.pos, self.start, self.end))
         same = np.r_[False, (rows[1:] == rows[:-1]) & (pos[1:] == pos[:-1])]
         gap = start - np.where(same, np.r_[0, end[:-1]], pos)
