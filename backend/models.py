@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import save_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from .allocator import bound_mmap_threshold
 from .engine import ATTN_IMPLEMENTATION
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -134,6 +135,7 @@ def load_model(name: str = DEFAULT_MODEL) -> LoadedModel:
     """Load an allow-listed model with the instrumented attention registered; float32, eval mode."""
     if name not in ALLOWED_MODELS:
         raise ModelError(f"unknown model {name!r}; allowed: {', '.join(ALLOWED_MODELS)}")
+    bound_mmap_threshold()  # every process that runs a model: its per-block arrays go back when freed
     packaged = gguf_path() if name == DEFAULT_MODEL else None
     if packaged is not None:
         path, fingerprint = _converted_default(packaged)
