@@ -1,8 +1,9 @@
-"""Merge needle grids (``python -m backend needle``'s ``grid.csv``) into the shipped
-``assets/long_context/needle_grid.csv``, which the app's "Long context" tab draws.
+"""Merge needle grids (``python -m backend needle``'s ``grid.csv``, or its checkpoint ``cells.jsonl``, which
+holds every cell the folder ever ran) into the shipped ``assets/long_context/needle_grid.csv``, which the
+app's "Long context" tab draws.
 
-    python -m benchmarks.needle_assets assets/long_context/needle_grid.csv out/needle-eviction-8k/grid.csv \
-        out/needle-selection/grid.csv --out assets/long_context/needle_grid.csv
+    python -m benchmarks.needle_assets assets/long_context/needle_grid.csv out/needle-eviction-8k/cells.jsonl \
+        out/needle-selection/cells.jsonl --out assets/long_context/needle_grid.csv
 
 Runs that share cells each carry their own Full row: it is kept once, and a Full answer that differs between
 runs of the same cell is an error (the runs would not be comparable). A (spec, cell) in several inputs is
@@ -12,7 +13,9 @@ length, depth and seed, so re-merging the same runs writes the same bytes.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 import pandas as pd
 
@@ -35,13 +38,24 @@ def merge(frames: list[pd.DataFrame]) -> pd.DataFrame:
     return df.drop(columns=["_order", "_budget"]).reset_index(drop=True)
 
 
+def read_grid(path: str) -> pd.DataFrame:
+    """A ``grid.csv``, or the rows of every cell in a ``cells.jsonl`` checkpoint (JSON, never pickled)."""
+    if Path(path).suffix != ".jsonl":
+        return pd.read_csv(path)
+    with open(path, encoding="utf-8") as lines:
+        rows = [row for line in lines if line.strip() for row in json.loads(line)["rows"]]
+    df = pd.DataFrame(rows, columns=NEEDLE_COLUMNS)
+    df["budget"] = df["budget"].astype(float)  # as grid.csv reads back: Full's budget is empty
+    return df
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("grids", nargs="+", help="grid.csv files (or the shipped table), first wins")
+    parser.add_argument("grids", nargs="+", help="grid.csv or cells.jsonl files (or the shipped table), first wins")
     parser.add_argument("--out", required=True, help="the merged CSV to write")
     args = parser.parse_args(argv)
     try:
-        merged = merge([pd.read_csv(path) for path in args.grids])
+        merged = merge([read_grid(path) for path in args.grids])
     except (OSError, ValueError, KeyError) as err:
         print(f"needle_assets: {err}", file=sys.stderr)
         return 2

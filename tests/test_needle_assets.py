@@ -1,4 +1,6 @@
 """The merge that builds the shipped needle table from several runs' grid.csv files."""
+import json
+
 import pandas as pd
 import pytest
 
@@ -42,3 +44,16 @@ def test_the_shipped_table_is_already_merged(tmp_path):
     shipped = ASSETS / NEEDLE_FILE
     assert main([str(shipped), "--out", str(tmp_path / "again.csv")]) == 0
     assert (tmp_path / "again.csv").read_bytes() == shipped.read_bytes()
+
+
+def test_a_checkpoint_merges_as_its_grid_csv_does(tmp_path):
+    """cells.jsonl (the checkpoint, every cell a folder ran) gives the same table as grid.csv."""
+    rows = [_row("full", 1024, 0.5), _row("tova:budget=128", 1024, 0.5, answer="no", found=False)]
+    for row in rows:
+        row["budget"] = None if row["budget"] is None else int(row["budget"])  # as the checkpoint holds it
+    (tmp_path / "cells.jsonl").write_text(json.dumps({"key": "k", "rows": rows}) + "\n")
+    pd.DataFrame(rows).to_csv(tmp_path / "grid.csv", index=False)
+    assert main([str(tmp_path / "cells.jsonl"), "--out", str(tmp_path / "a.csv")]) == 0
+    assert main([str(tmp_path / "grid.csv"), "--out", str(tmp_path / "b.csv")]) == 0
+    assert (tmp_path / "a.csv").read_text() == (tmp_path / "b.csv").read_text()
+    assert "tova,128.0,tova:budget=128" in (tmp_path / "a.csv").read_text()
