@@ -135,7 +135,7 @@ def load_model(name: str = DEFAULT_MODEL) -> LoadedModel:
     """Load an allow-listed model with the instrumented attention registered; float32, eval mode."""
     if name not in ALLOWED_MODELS:
         raise ModelError(f"unknown model {name!r}; allowed: {', '.join(ALLOWED_MODELS)}")
-    bound_mmap_threshold()  # every process that runs a model: its per-block arrays go back when freed
+    bound_mmap_threshold()  # only where an operator set KVLENS_MMAP_THRESHOLD (allocator.py)
     packaged = gguf_path() if name == DEFAULT_MODEL else None
     if packaged is not None:
         path, fingerprint = _converted_default(packaged)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from transformers.models.llama.modeling_llama import rotate_half
 
+from .allocator import give_back
 from .engine import PolicyCache
 from .models import LoadedModel
 from .policies import Full, Policy
@@ -100,6 +101,7 @@ def _forward(lm: LoadedModel, cache: PolicyCache, ids: torch.Tensor, start: int)
     cache.feed(ids, start)
     out = lm.model.model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True,
                          kv_lens=cache)
+    give_back()  # the block's freed arrays: without it the heap fragments and RSS creeps up (allocator.py)
     return out.last_hidden_state
 
 

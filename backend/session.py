@@ -13,7 +13,6 @@ stay content-addressed, so the same request replays from the store whoever makes
 """
 from __future__ import annotations
 
-import ctypes
 import gc
 import io
 import json
@@ -25,6 +24,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
+from .allocator import give_back
 from .limits import Limits, row_cost
 from .models import ALLOWED_MODELS, DEFAULT_MODEL, LoadedModel, ModelError, load_model
 from .policies import Policy, SpecError, parse_spec
@@ -211,10 +211,7 @@ def _check_cost(lm: LoadedModel, policies: list[Policy], ids: list[int], request
 def release_memory() -> None:
     """Give freed memory back to the system between runs (glibc keeps freed arenas otherwise)."""
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
+    give_back()
 
 
 def execute(request: RunRequest, store: TraceStore | None, progress: Progress | None = None,

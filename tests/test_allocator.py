@@ -4,7 +4,10 @@ import sys
 
 import pytest
 
-from backend.allocator import bound_mmap_threshold
+from backend import allocator, runner
+from backend.allocator import LIBC, bound_mmap_threshold
+from backend.policies import parse_spec
+from tests.conftest import make_tiny
 
 # In a fresh process: free a 4 MB array (glibc then raises its mmap threshold to 4 MB), allocate 2 MB, and
 # print how many bytes glibc holds in mmapped blocks more than before (mallinfo2's hblkhd).
@@ -13,7 +16,7 @@ import ctypes, sys
 import numpy as np
 from backend.allocator import bound_mmap_threshold
 if sys.argv[1] == "bound":
-    assert bound_mmap_threshold()
+    assert bound_mmap_threshold(1 << 20)
 class Info(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
                                                       "fsmblks", "uordblks", "fordblks", "keepcost")]
@@ -32,7 +35,25 @@ def _mmapped_bytes(mode: str) -> int:
     return int(out.stdout)
 
 
-@pytest.mark.skipif(not bound_mmap_threshold(), reason="the C library is not glibc")
+@pytest.mark.skipif(LIBC is None, reason="the C library is not glibc")
 def test_a_freed_big_block_no_longer_sends_the_next_ones_to_the_heap():
     assert _mmapped_bytes("default") < 2 << 20  # glibc's own rule: the 2 MB array came from the heap
     assert _mmapped_bytes("bound") >= 2 << 20  # bounded: from mmap, so freeing it returns it
+
+
+def test_no_threshold_is_set_unless_an_operator_asks(monkeypatch):
+    monkeypatch.delenv("KVLENS_MMAP_THRESHOLD", raising=False)
+    assert bound_mmap_threshold() is False
+    monkeypatch.setenv("KVLENS_MMAP_THRESHOLD", "0")
+    assert bound_mmap_threshold() is False
+
+
+def test_every_forward_call_of_a_run_gives_the_freed_pages_back(monkeypatch):
+    calls = []
+    monkeypatch.setattr(runner, "give_back", lambda: calls.append(1) or True)
+    lm = make_tiny()
+    ids = list(range(3, 40))
+    runner.run(lm, ["tova:budget=8"], [parse_spec("tova:budget=8")], ids, "generate", 3, chunk=16,
+               record_layers=())
+    assert len(calls) >= 3 + 3  # prompt blocks (37 tokens in blocks of 16) and the decoding steps
+    assert allocator.give_back() is (LIBC is not None)
