@@ -1,0 +1,41 @@
+"""The needle tables of docs/results.md, made from a needle table by benchmarks.needle_tables."""
+from pathlib import Path
+
+import pandas as pd
+
+from benchmarks.needle_tables import depth_table, found_table, main
+
+
+def _grid():
+    rows = [("full", None, 1024, 0.0, True), ("full", None, 1024, 1.0, True), ("full", None, 2048, 1.0, False),
+            ("sparq", 128, 1024, 0.0, False), ("sparq", 128, 1024, 1.0, True),
+            ("sparq", 128, 2048, 0.5, True)]
+    return pd.DataFrame(rows, columns=["policy", "budget", "length", "depth", "found"])
+
+
+def test_found_counts_only_the_depths_run():
+    assert found_table(_grid()).splitlines() == [
+        "| policy | 1024 tokens | 2048 tokens | all |",
+        "|---|---:|---:|---:|",
+        "| Full | 2/2 | 0/1 | 2/3 |",
+        "| SparQ 128 | 1/2 | 1/1 | 2/3 |",
+    ]
+
+
+def test_depth_patterns_mark_unrun_cells_apart_from_misses():
+    assert depth_table(_grid(), policies=["sparq"]).splitlines()[2:] == ["| SparQ 128 | `.---Y` | `--Y--` |"]
+
+
+def test_results_md_holds_the_selection_tables_of_the_shipped_grid(capsys):
+    """docs/results.md quotes the tool's output on the shipped table: a re-run grid must update both."""
+    assert main(["--policies", "full,sparq,reattention,quest"]) == 0
+    printed = capsys.readouterr().out.strip()
+    results = (Path(__file__).resolve().parents[1] / "docs" / "results.md").read_text(encoding="utf-8")
+    for table in printed.split("\n\n"):
+        assert table in results
+
+
+def test_a_missing_table_is_one_line(tmp_path, capsys):
+    assert main([str(tmp_path / "none.csv")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("needle_tables: ") and err.count("\n") == 1
