@@ -449,7 +449,7 @@ class PolicyCache(DynamicCache):
         for b, state in enumerate(self.rows[layer]):
             if isinstance(state.policy, AttendingPolicy):
                 block = Block(q=query[b], k=key[b], v=value[b], first=first, scaling=scaling, rope=self.rope,
-                              decoding=self.decoding, layer=layer, n_layers=len(self.rows),
+                              decoding=self.decoding, layer=layer, n_layers=len(self.rows), n_prompt=self.n_prompt,
                               q_pre=self.prerope_q[layer][b] if self.needs_prerope else None,
                               k_pre=self.prerope_k[layer][b] if self.needs_prerope else None)
                 outputs.append(state.run_attending(block).to(query.dtype))

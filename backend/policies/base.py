@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
 import numpy as np
+import torch
 
 State = dict[str, np.ndarray]
 
@@ -351,6 +352,7 @@ class Block:
     decoding: each query is a decoding step, though they arrive together (teacher-forced decoding);
     otherwise they are a prompt. Only a policy that cuts prompts its own way (``may_cut``) cares.
     layer, n_layers: which layer of how many (Quest keeps its first layers dense).
+    n_prompt: the prompt's length in generate mode, None in prompt mode (a text scored with no prompt).
     """
 
     q: "torch.Tensor"
@@ -364,6 +366,13 @@ class Block:
     decoding: bool = False
     layer: int = 0
     n_layers: int = 1
+    n_prompt: int | None = None
+
+    @property
+    def in_prompt(self) -> bool:
+        """Every query of the block reads the prompt of a generate-mode run (the prefill); blocks never
+        straddle the prompt's end, whose last query is the one that predicts the first answer token."""
+        return not self.decoding and self.n_prompt is not None and self.first + self.q.shape[1] <= self.n_prompt
 
 
 @dataclass
@@ -391,3 +400,26 @@ class AttendingPolicy(SelectionPolicy):
 
     def attend_block(self, state: State, block: Block) -> tuple[State, BlockResult]:
         raise NotImplementedError
+
+
+PREFILLS = ("select", "dense")  # an attending policy's ``prefill``: how the prompt of a generate-mode run is read
+
+
+def check_prefill(name: str, prefill: str) -> None:
+    if prefill not in PREFILLS:
+        raise ValueError(f"{name}: prefill must be one of {PREFILLS}, got {prefill!r}")
+
+
+def dense_attention(block: Block) -> tuple["torch.Tensor", np.ndarray, np.ndarray]:
+    """Exact causal attention of the block over everything cached (a prefill read densely):
+    (out [n, H_q, d], reads [H_kv, n, M], attn [H_kv, n, M], the mean of each group's weights)."""
+    n_q_heads, n, dim = block.q.shape
+    n_kv_heads, total, _ = block.k.shape
+    q = block.q.view(n_kv_heads, n_q_heads // n_kv_heads, n, dim)
+    causal = torch.arange(total, device=q.device)[None, :] <= torch.arange(block.first, block.first + n,
+                                                                           device=q.device)[:, None]
+    scores = (q @ block.k.transpose(-1, -2)[:, None]) * block.scaling  # [H_kv, G, n, M]
+    weights = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+    out = (weights @ block.v[:, None]).permute(2, 0, 1, 3).reshape(n, n_q_heads, dim)
+    reads = np.broadcast_to(causal.cpu().numpy(), (n_kv_heads, n, total)).copy()
+    return out, reads, weights.mean(1).float().cpu().numpy()

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .base import AttendingPolicy, BlockResult
+from .base import AttendingPolicy, BlockResult, check_prefill
 from .registry import register
 
 GROUPS = ("sum", "each")
@@ -27,8 +27,10 @@ class Quest(AttendingPolicy):
       small budgets would be exceeded. Only pages before the query's own compete, so every bound a
       query uses is of complete pages: a prompt block gives each query what decoding would.
     * the first ``dense_layers`` layers read everything (Sec. 4.1; ``_quest_skip_layer = 2`` in the code).
-    * every query selects, prompt tokens too: the paper's PG19 protocol feeds the text one token at a
-      time. Quest's serving system reads a prompt densely; KV Lens scores prompt tokens as decoding steps.
+    * every query selects, prompt tokens too (``prefill="select"``, the default): the paper's PG19
+      protocol feeds the text one token at a time. Quest's serving system and its passkey and LongBench
+      runs read a prompt densely and select only while decoding: ``prefill="dense"`` does that in a
+      generate-mode run (the first answer token is then Full's); prompt mode has no prompt to read densely.
     * ties go to the earlier page (``torch.topk`` leaves them unspecified).
     * GQA (the paper and code are multi-head only; their accuracy code repeats KV heads, so each query
       head would pick its own pages): ``group="sum"`` picks one page set per KV head from the sum of its
@@ -41,6 +43,7 @@ class Quest(AttendingPolicy):
     page_size: tokens per page (16 in the paper).
     dense_layers: the first layers attend to everything (2 in the paper).
     group: "sum" (one choice per KV head) or "each" (one per query head, union recorded).
+    prefill: "select" (every prompt query selects) or "dense" (the prompt is read exactly; see above).
     """
 
     name = "quest"
@@ -52,6 +55,7 @@ class Quest(AttendingPolicy):
     page_size: int = 16
     dense_layers: int = 2
     group: str = "sum"
+    prefill: str = "select"
 
     @classmethod
     def for_budget(cls, budget: int) -> "Quest":
@@ -71,6 +75,7 @@ class Quest(AttendingPolicy):
             raise ValueError(f"quest: dense_layers must be >= 0, got {self.dense_layers}")
         if self.group not in GROUPS:
             raise ValueError(f"quest: group must be one of {GROUPS}, got {self.group!r}")
+        check_prefill(self.name, self.prefill)
 
     def choose_pages(self, q: torch.Tensor, k: torch.Tensor, first: int) -> torch.Tensor:
         """q [H_kv, G, n, d] (queries first..first+n-1), k [H_kv, M, d] -> bool [H_kv, 1 or G, n, P]: the pages
@@ -104,7 +109,7 @@ class Quest(AttendingPolicy):
         q = block.q.view(n_kv_heads, group, n, dim)
         steps = torch.arange(block.first, block.first + n, device=device)
         causal = torch.arange(total, device=device)[None, :] <= steps[:, None]  # [n, M]
-        if block.layer < self.dense_layers:
+        if block.layer < self.dense_layers or (self.prefill == "dense" and block.in_prompt):
             read = causal.expand(n_kv_heads, 1, n, total)
             pages_read = ((steps // self.page_size + 1).float().cpu()[:, None]).expand(n, n_kv_heads)
         else:

@@ -6,7 +6,7 @@ import torch
 
 from kernels.sparq import sparq_attention, sparq_attention_block, sparq_transfer_bytes
 
-from .base import AttendingPolicy, BlockResult
+from .base import AttendingPolicy, BlockResult, check_prefill, dense_attention
 from .registry import register
 
 
@@ -28,6 +28,11 @@ class SparQ(AttendingPolicy):
     budget: k, positions each query reads, the local window included.
     r: query components used for the approximate scores (16 = d/4 for the default model's d = 64).
     local: l, most recent positions always read; -1 means budget // 4 (the paper's l = k/4).
+    prefill: how a generate-mode run reads its prompt. "select" (default): every prompt query is a step
+        that selects, as in the paper's token-by-token cost model (Sec. 2) and its WikiText runs. "dense":
+        the prompt is read with exact attention and only the answer's tokens select, as the paper's
+        question-answering runs serve a prompt (SparQ speeds up generation, not the prefill); the first
+        answer token is then Full's. Prompt mode has no prompt, so there every token selects.
     """
 
     name = "sparq"
@@ -37,6 +42,7 @@ class SparQ(AttendingPolicy):
     budget: int = 32
     r: int = 16
     local: int = -1
+    prefill: str = "select"
 
     @property
     def window(self) -> int:
@@ -50,6 +56,7 @@ class SparQ(AttendingPolicy):
             raise ValueError(f"sparq: local must be >= 0, or -1 for budget // 4, got {self.local}")
         if self.window > self.budget:
             raise ValueError(f"sparq: local must be <= budget, got local={self.local}, budget={self.budget}")
+        check_prefill(self.name, self.prefill)
 
     def check_model(self, head_dim: int, n_layers: int) -> None:
         # The kernels would quietly use min(r, d) components; a trace must record what ran.
@@ -60,6 +67,8 @@ class SparQ(AttendingPolicy):
         """On a GPU the Triton kernels, one decode-shaped call per query that fits its cache in the budget and
         one for the rest; on the CPU the whole block in one torch call (kernels/sparq.py): the same algorithm,
         tests/test_sparq_policy.py holds them equal."""
+        if self.prefill == "dense" and block.in_prompt:
+            return state, self.attend_densely(block)
         if block.k.is_cuda:
             return state, self.attend_rows(block, sparq_attention)
         n_q_heads, n, dim = block.q.shape
@@ -75,6 +84,18 @@ class SparQ(AttendingPolicy):
         stats = {"alpha": res.alpha.float().numpy(), "topk_agreement": agreement,
                  "transfer_bytes": self._transfer(steps, dim, n_kv_heads)}
         return state, BlockResult(out=res.out, reads=reads, attn=attn, stats=stats)
+
+    def attend_densely(self, block) -> BlockResult:
+        """A prompt block read exactly (``prefill="dense"``): every position read, alpha 1, agreement 1, and the
+        dense transfer for both figures (no approximate scores were fetched)."""
+        n_q_heads, n, dim = block.q.shape
+        n_kv_heads = block.k.shape[0]
+        out, reads, attn = dense_attention(block)
+        steps = torch.arange(block.first, block.first + n)
+        dense = self._transfer(steps, dim, n_kv_heads)[:, 1:]
+        stats = {"alpha": np.ones((n, n_q_heads), np.float32), "topk_agreement": np.ones((n, n_kv_heads), np.float32),
+                 "transfer_bytes": np.concatenate([dense, dense], axis=1)}
+        return BlockResult(out=out, reads=reads, attn=attn, stats=stats)
 
     def _transfer(self, steps: torch.Tensor, dim: int, n_kv_heads: int) -> np.ndarray:
         return np.array([[cost["sparq"], cost["dense"]] for cost in
