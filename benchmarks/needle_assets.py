@@ -8,7 +8,8 @@ app's "Long context" tab draws.
 Runs that share cells each carry their own Full row: it is kept once, and a Full answer that differs between
 runs of the same cell is an error (the runs would not be comparable). A (spec, cell) in several inputs is
 kept from the first. Rows are sorted by policy (Full first, then in order of first appearance), budget,
-length, depth and seed, so re-merging the same runs writes the same bytes.
+spec (``sparq:budget=128`` before ``sparq:budget=128,prefill=dense``), length, depth and seed, so re-merging
+the same runs writes the same bytes.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def merge(frames: list[pd.DataFrame]) -> pd.DataFrame:
     df = df.drop_duplicates(subset=["spec", *CELL], keep="first")
     order = {name: i for i, name in enumerate(["full", *df["policy"].drop_duplicates()])}
     df = df.assign(_order=df["policy"].map(order), _budget=df["budget"].fillna(-1))
-    df = df.sort_values(["_order", "_budget", "length", "depth", "seed"], kind="stable")
+    df = df.sort_values(["_order", "_budget", "spec", "length", "depth", "seed"], kind="stable")
     return df.drop(columns=["_order", "_budget"]).reset_index(drop=True)
 
 

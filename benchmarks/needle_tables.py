@@ -20,16 +20,21 @@ from backend.policies import POLICIES
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
-def label(policy: str, budget) -> str:
+def label(spec: str) -> str:
+    """``sparq:budget=128,prefill=dense`` -> ``SparQ 128 (prefill=dense)``: the class name, the budget, the rest."""
+    policy, _, params = spec.partition(":")
     name = POLICIES[policy].__name__ if policy in POLICIES else policy
-    return name if pd.isna(budget) else f"{name} {int(budget)}"
+    items = [item for item in params.split(",") if item]
+    budget = [item.partition("=")[2] for item in items if item.startswith("budget=")]
+    others = [item for item in items if not item.startswith("budget=")]
+    return " ".join([name, *budget]) + (f" ({', '.join(others)})" if others else "")
 
 
 def _rows(df: pd.DataFrame, policies: list[str] | None):
     """(label, that spec's rows) in the table's order, restricted to ``policies`` when given."""
-    for (policy, budget), rows in df.groupby(["policy", "budget"], sort=False, dropna=False):
-        if policies is None or policy in policies:
-            yield label(policy, budget), rows
+    for spec, rows in df.groupby("spec", sort=False):
+        if policies is None or rows["policy"].iloc[0] in policies:
+            yield label(spec), rows
 
 
 def found_table(df: pd.DataFrame, policies: list[str] | None = None) -> str:

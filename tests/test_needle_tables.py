@@ -7,10 +7,12 @@ from benchmarks.needle_tables import depth_table, found_table, main
 
 
 def _grid():
-    rows = [("full", None, 1024, 0.0, True), ("full", None, 1024, 1.0, True), ("full", None, 2048, 1.0, False),
-            ("sparq", 128, 1024, 0.0, False), ("sparq", 128, 1024, 1.0, True),
-            ("sparq", 128, 2048, 0.5, True)]
-    return pd.DataFrame(rows, columns=["policy", "budget", "length", "depth", "found"])
+    rows = [("full", None, "full", 1024, 0.0, True), ("full", None, "full", 1024, 1.0, True),
+            ("full", None, "full", 2048, 1.0, False),
+            ("sparq", 128, "sparq:budget=128", 1024, 0.0, False), ("sparq", 128, "sparq:budget=128", 1024, 1.0, True),
+            ("sparq", 128, "sparq:budget=128", 2048, 0.5, True),
+            ("sparq", 128, "sparq:budget=128,prefill=dense", 1024, 0.0, True)]
+    return pd.DataFrame(rows, columns=["policy", "budget", "spec", "length", "depth", "found"])
 
 
 def test_found_counts_only_the_depths_run():
@@ -19,11 +21,13 @@ def test_found_counts_only_the_depths_run():
         "|---|---:|---:|---:|",
         "| Full | 2/2 | 0/1 | 2/3 |",
         "| SparQ 128 | 1/2 | 1/1 | 2/3 |",
+        "| SparQ 128 (prefill=dense) | 1/1 | 0/0 | 1/1 |",
     ]
 
 
 def test_depth_patterns_mark_unrun_cells_apart_from_misses():
-    assert depth_table(_grid(), policies=["sparq"]).splitlines()[2:] == ["| SparQ 128 | `.---Y` | `--Y--` |"]
+    assert depth_table(_grid(), policies=["sparq"]).splitlines()[2:] == [
+        "| SparQ 128 | `.---Y` | `--Y--` |", "| SparQ 128 (prefill=dense) | `Y----` | `-----` |"]
 
 
 def test_results_md_holds_the_selection_tables_of_the_shipped_grid(capsys):
