@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import pandas as pd
 
@@ -68,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("grid", nargs="?", help="a needle table (default: the shipped one)")
     parser.add_argument("--policies", help="comma-separated policy names to show, in the table's order")
     args = parser.parse_args(argv)
+    if args.grid and not Path(args.grid).is_file():
+        print(f"needle_tables: no such file: {args.grid}", file=sys.stderr)
+        return 2
     try:
         df = read_needle_grid(args.grid)
     except ShippedFileError as err:

@@ -42,4 +42,8 @@ def test_results_md_holds_the_selection_tables_of_the_shipped_grid(capsys):
 def test_a_missing_table_is_one_line(tmp_path, capsys):
     assert main([str(tmp_path / "none.csv")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("needle_tables: ") and err.count("\n") == 1
+    assert err == f"needle_tables: no such file: {tmp_path / 'none.csv'}\n"
+    (tmp_path / "bad.csv").write_text("policy,depth\nfull,0\n")
+    assert main([str(tmp_path / "bad.csv")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("needle_tables: bad.csv lacks the columns") and err.count("\n") == 1
