@@ -5,7 +5,8 @@
 
 * **found**: per policy spec, the needles found out of the depths run at each length, and over all lengths;
 * **depths**: per policy spec and length, one character per depth in the order given (``Y`` found, ``.``
-  missed, ``-`` not run), so unrun cells stay visible instead of counting as misses.
+  missed, ``-`` not run), so unrun cells stay visible instead of counting as misses. One seed per cell, as
+  the shipped table holds (the found counts would add several seeds up; the patterns would show the last).
 """
 from __future__ import annotations
 
