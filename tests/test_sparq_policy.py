@@ -134,4 +134,3 @@ def test_block_path_breaks_score_ties_toward_the_earlier_position():
     _, result = policy.attend_block({}, Block(q=q, k=k, v=k.clone(), first=9, scaling=0.5))
     for i, t in enumerate(range(9, 12)):
         assert np.flatnonzero(result.reads[0, i]).tolist() == [0, 1, 2, t]
-
