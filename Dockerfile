@@ -20,7 +20,7 @@ COPY --chown=user:user . .
 USER user
 # Dequantize the packaged GGUF once at build time, so the first visitor does not wait for it. The POS
 # tagger and the example corpora ship in assets/nltk_data.
-RUN python -c "from backend.models import load_model; load_model()"
+RUN python -c "from backend.engine.models import load_model; load_model()"
 
 EXPOSE 7860
 CMD ["python", "app.py"]

@@ -1,4 +1,4 @@
-"""KV Lens web app: Gradio wiring only. Runs go through backend.session; figures come from viz.panels.
+"""KV Lens web app: Gradio wiring only. Runs go through backend.api; figures come from viz.panels.
 
 A public Space must survive its visitors: requests are checked before they queue for the model
 (``validator=``, outside the model slot), one visitor holds at most one model job (backend.guard),
@@ -20,11 +20,13 @@ from pathlib import Path
 import gradio as gr
 from starlette.middleware import Middleware
 
-from backend import long_context, session
+from backend.experiments import shipped
+
+from backend import api
 from backend.policies import POLICIES, load_plugins
 from backend.guard import Admission, RequestGuard
-from backend.session import LIMITS, RequestError
-from backend.store import TraceStore
+from backend.api import LIMITS, RequestError
+from backend.traces.store import TraceStore
 from viz import panels
 from viz.needle import found_rates, needle_figure, needle_table_html
 from viz.sweep import sweep_ci_figure
@@ -77,7 +79,7 @@ def shown(err: Exception) -> gr.Error:
 
 def load_run(run_id):
     try:
-        return panels.cached_run(run_id, lambda: session.reopen(run_id, STORE))
+        return panels.cached_run(run_id, lambda: api.reopen(run_id, STORE))
     except RequestError as err:  # e.g. the run was evicted from the store since
         raise shown(err) from None
 
@@ -114,7 +116,7 @@ def run_request(prompt, mode, max_new, names, budget, sinks, alpha, heads, custo
         specs = specs_from_controls(names, budget, sinks, alpha, heads, custom)
     except (TypeError, ValueError):  # a raw API call with controls out of shape
         raise RequestError("The policy controls are out of range.") from None
-    return session.RunRequest(prompt=prompt, specs=specs, mode=mode, max_new_tokens=max_new, model=model)
+    return api.RunRequest(prompt=prompt, specs=specs, mode=mode, max_new_tokens=max_new, model=model)
 
 
 def sweep_request(prompt, mode, max_new, names, sinks, alpha, heads, model):
@@ -124,7 +126,7 @@ def sweep_request(prompt, mode, max_new, names, sinks, alpha, heads, model):
                 for spec in specs_from_controls(names, budget, sinks, alpha, heads, "") if spec != "full"]
     except (TypeError, ValueError):
         raise RequestError("The policy controls are out of range.") from None
-    return session.SweepRequest(prompt=prompt, jobs=jobs, mode=mode, max_new_tokens=max_new, model=model,
+    return api.SweepRequest(prompt=prompt, jobs=jobs, mode=mode, max_new_tokens=max_new, model=model,
                                 chat=True, record=True)
 
 
@@ -151,12 +153,12 @@ def _verdicts(check, n_inputs: int, request: gr.Request | None):
 
 def check_run(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model, request: gr.Request = None):
     """Validator of a run: runs before the job queues, outside the model slot."""
-    return _verdicts(lambda: session.check_run(run_request(prompt, mode, max_new, names, budget, sinks, alpha,
+    return _verdicts(lambda: api.check_run(run_request(prompt, mode, max_new, names, budget, sinks, alpha,
                                                            heads, custom, model)), 10, request)
 
 
 def check_sweep(prompt, mode, max_new, names, sinks, alpha, heads, model, request: gr.Request = None):
-    return _verdicts(lambda: session.check_sweep(sweep_request(prompt, mode, max_new, names, sinks, alpha, heads,
+    return _verdicts(lambda: api.check_sweep(sweep_request(prompt, mode, max_new, names, sinks, alpha, heads,
                                                                model)), 8, request)
 
 
@@ -167,7 +169,7 @@ def _leave(request: gr.Request | None) -> None:
 def on_run(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model, request: gr.Request = None,
            progress=gr.Progress()):
     try:
-        run = session.execute(run_request(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model),
+        run = api.run(run_request(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model),
                               STORE, lambda frac, what: progress(frac, desc=what))
     except RequestError as err:
         raise shown(err) from None
@@ -175,7 +177,7 @@ def on_run(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, mo
         _leave(request)
     panels.remember(run)
     steps = len(run.traces[0].tokens)
-    replayed = "replayed from the store" if all(run.result.replayed) else "computed"
+    replayed = "replayed from the store" if all(run.replayed) else "computed"
     cached = "" if STORE.available else " The trace store is unavailable here, so this run is not cached."
     status = f"{len(run.traces)} policies, {steps} tokens, {replayed}.{cached}"
     meta = run.full.meta  # the selectors follow the model's shape (allow-listed models differ)
@@ -187,7 +189,7 @@ def on_run(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, mo
 def on_sweep(prompt, mode, max_new, names, sinks, alpha, heads, model, request: gr.Request = None,
              progress=gr.Progress()):
     try:
-        table = session.execute_sweep(sweep_request(prompt, mode, max_new, names, sinks, alpha, heads, model), STORE,
+        table = api.sweep(sweep_request(prompt, mode, max_new, names, sinks, alpha, heads, model), STORE,
                                       lambda frac, what: progress(frac, desc=what))
     except RequestError as err:
         raise shown(err) from None
@@ -196,15 +198,15 @@ def on_sweep(prompt, mode, max_new, names, sinks, alpha, heads, model, request: 
     return panels.sweep_figure(table), "Budgets stored: moving the budget slider now replays them instantly."
 
 
-def shipped_long_context(folder: Path = long_context.ASSETS):
+def shipped_long_context(folder: Path = shipped.ASSETS):
     """The needle grid and sweep computed offline (assets/long_context/): two figures, and a message for
     each file that is missing or malformed (its figure is then None)."""
     figures, notes = [], []
-    for read, draw, name in ((long_context.read_needle_grid, needle_figure, long_context.NEEDLE_FILE),
-                             (long_context.read_sweep_summary, sweep_ci_figure, long_context.SWEEP_FILE)):
+    for read, draw, name in ((shipped.read_needle_grid, needle_figure, shipped.NEEDLE_FILE),
+                             (shipped.read_sweep_summary, sweep_ci_figure, shipped.SWEEP_FILE)):
         try:
             figures.append(draw(read(folder / name)))
-        except long_context.ShippedFileError as err:
+        except shipped.ShippedFileError as err:
             figures.append(None)
             notes.append(f"**{html.escape(str(err))}**")
     return figures[0], figures[1], "\n\n".join(notes)
@@ -216,7 +218,7 @@ def needle_jobs(names, budget, lengths, model):
         specs = specs_from_controls([n for n in names or [] if n != "full"], budget, 4, 0.1, "paper default", "")
     except (TypeError, ValueError):
         raise RequestError("The policy controls are out of range.") from None
-    return long_context.visitor_jobs(specs, lengths, model)
+    return api.check_needle(specs, lengths, model)
 
 
 def check_needle(names, budget, lengths, model, request: gr.Request = None):
@@ -227,7 +229,7 @@ def on_needle(names, budget, lengths, model, request: gr.Request = None, progres
     started = time.monotonic()
     try:
         jobs = needle_jobs(names, budget, lengths, model)
-        table = long_context.run_visitor_grid(jobs, lambda frac, what: progress(frac, desc=what),
+        table = api.needle_grid(jobs, lambda frac, what: progress(frac, desc=what),
                                               no_cache=not STORE.available)
     except RequestError as err:
         raise shown(err) from None
@@ -266,7 +268,7 @@ def on_export(run_id, layer, head, step, alpha):
     figures = panels.figures_html(run, layer, head, panels.clamp_step(run, step), alpha)
     EXPORTS.mkdir(parents=True, exist_ok=True)
     path = Path(tempfile.mkdtemp(dir=EXPORTS)) / f"kvlens-{run_id[:12]}.zip"
-    path.write_bytes(session.export_zip(run, {"figures.html": figures}))
+    path.write_bytes(api.export_zip(run, {"figures.html": figures}))
     return str(path)
 
 
@@ -281,7 +283,7 @@ def on_load(request: gr.Request):
     if not run_id:
         return None, ""
     try:
-        run = session.reopen(run_id, STORE)
+        run = api.reopen(run_id, STORE)
     except RequestError as err:
         return None, f"**{html.escape(str(err))}**"
     panels.remember(run)
@@ -313,7 +315,7 @@ def build() -> gr.Blocks:
                                      label="h2o / tova / a2sf / oracle: decide per KV head or per layer")
                     custom = gr.Textbox(label="More policies, one spec per line", lines=2,
                                         placeholder="tova:budget=32,heads=head\nh2o:budget=32,recent=8")
-                    model = gr.Dropdown(list(session.ALLOWED_MODELS), value=session.DEFAULT_MODEL, label="Model",
+                    model = gr.Dropdown(list(api.ALLOWED_MODELS), value=api.DEFAULT_MODEL, label="Model",
                                         info="Hub models load only where the Space has internet.")
                 run_button = gr.Button("Run", variant="primary", elem_id="run")
                 status = gr.Markdown(elem_id="status")
@@ -371,17 +373,17 @@ def build() -> gr.Blocks:
                         gr.Markdown(shipped_note, elem_id="long-context-note")
                         gr.Plot(shipped_needle, elem_id="shipped-needle")
                         gr.Plot(shipped_sweep, elem_id="shipped-sweep")
-                        gr.Markdown(f"**Run a small needle grid**: Full and up to {long_context.VISITOR_POLICIES} "
+                        gr.Markdown(f"**Run a small needle grid**: Full and up to {api.NEEDLE_POLICIES} "
                                     "policies, depths 0%, 50% and 100%, one seed; at most 6 cells, each half a "
                                     "minute to two minutes on two CPU cores. The command line runs longer grids.")
                         with gr.Row():
                             needle_names = gr.CheckboxGroup([n for n in POLICY_CHOICES if n != "full"],
                                                             value=NEEDLE_DEFAULT_POLICIES, elem_id="needle-policies",
-                                                            label=f"Policies (up to {long_context.VISITOR_POLICIES})")
+                                                            label=f"Policies (up to {api.NEEDLE_POLICIES})")
                         with gr.Row():
                             needle_budget = gr.Slider(16, 256, value=NEEDLE_DEFAULT_BUDGET, step=16, label="Budget")
-                            needle_lengths = gr.CheckboxGroup(list(long_context.VISITOR_LENGTHS),
-                                                              value=[long_context.VISITOR_LENGTHS[0]],
+                            needle_lengths = gr.CheckboxGroup(list(api.NEEDLE_LENGTHS),
+                                                              value=[api.NEEDLE_LENGTHS[0]],
                                                               label="Context length (tokens)")
                         needle_button = gr.Button("Run the needle grid", elem_id="needle-run")
                         needle_status = gr.Markdown(elem_id="needle-status")
@@ -438,7 +440,7 @@ def launch(**options) -> None:
     """Serve the app (``options`` go to ``demo.launch``, e.g. ``prevent_thread_lock`` in tests)."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # Load (and on first use convert) the default model while the page comes up, not on the first click.
-    threading.Thread(target=session.get_model, daemon=True).start()
+    threading.Thread(target=api.get_model, daemon=True).start()
     # Localhost unless the deployment says otherwise (the Dockerfile and Spaces set GRADIO_SERVER_NAME).
     settings = {"server_name": os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
                 "server_port": int(os.environ.get("GRADIO_SERVER_PORT", "7860")), **options}

@@ -1,7 +1,7 @@
 """Command line: ``python -m backend run ...`` writes one trace per policy and a summary.json;
 ``python -m backend sweep ...`` writes perplexity vs budget.
 
-Requests go through the app's front door (session.py: the same limits and checks). Everything that
+Requests go through the app's front door (api.py: the same limits and checks). Everything that
 needs no model is checked first (the text file, the policies, the output directory), so a mistake is
 reported in a second, not after the model has loaded and the run has finished.
 """
@@ -16,15 +16,16 @@ from pathlib import Path
 
 import pandas as pd
 
-from . import metrics
-from .models import ALLOWED_MODELS, DEFAULT_MODEL
+from .analysis import metrics
+from .engine.models import ALLOWED_MODELS, DEFAULT_MODEL
 from .policies import PluginError, SpecError, describe, load_plugins, policy_table
-from .runner import DEFAULT_CHUNK
-from .session import LIMITS, RequestError, RunRequest, SweepRequest, check_run, check_sweep, execute, execute_sweep
-from .store import TraceStore
-from .sweep import (DEFAULT_BUDGETS, DEFAULT_POLICIES, MAX_ROWS, budget_jobs, parse_budgets, split_policies, summarize,
+from .engine.runner import DEFAULT_CHUNK
+from . import api
+from .api import LIMITS, RequestError, RunRequest, SweepRequest, check_run, check_sweep
+from .traces.store import TraceStore
+from .experiments.sweep import (DEFAULT_BUDGETS, DEFAULT_POLICIES, MAX_ROWS, budget_jobs, parse_budgets, split_policies, summarize,
                     write_tables)
-from .trace import file_stem
+from .traces.trace import file_stem
 
 
 class CliError(Exception):
@@ -95,7 +96,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_run(request)
     out = writable_dir(args.out)
     store = open_store(args.no_cache)
-    run = execute(request, store, progress_printer(), chunk=args.chunk)
+    run = api.run(request, store, progress_printer(), chunk=args.chunk)
     if sys.stderr.isatty():
         print(file=sys.stderr)
     summary = {}
@@ -106,7 +107,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if "extra_pass_tokens" in trace.meta:  # tokens a policy fed through the model besides the text (KVzip)
             summary[spec]["extra_pass_tokens"] = trace.meta["extra_pass_tokens"]
         print(f"{spec:32s} ppl {row['ppl']:9.3f}  kl_to_full {row['kl_to_full']:.4f}  "
-              f"top1 {row['top1_agreement']:.3f}  {'(replayed from the store)' if run.result.replayed[index] else ''}")
+              f"top1 {row['top1_agreement']:.3f}  {'(replayed from the store)' if run.replayed[index] else ''}")
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"wrote {len(run.traces)} traces and summary.json to {out}")
     return 0
@@ -147,7 +148,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     out = writable_dir(args.out)
     if len(requests) == 1 and args.ray is None:  # one text, one model: in this process, as the app runs it
         store = open_store(args.no_cache)
-        df = execute_sweep(requests[0], store, progress_printer())
+        df = api.sweep(requests[0], store, progress_printer())
         if sys.stderr.isatty():
             print(file=sys.stderr)
         df.insert(0, "document", docs[0][0])
@@ -173,8 +174,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def _sweep_grid(args, jobs, docs, models, out: Path) -> pd.DataFrame:
-    from .grid import GridError, run_grid, stderr_progress
-    from .service import ENGINE_VERSION
+    from .experiments.grid import GridError, run_grid, stderr_progress
+    from .runs import ENGINE_VERSION
 
     grid = [{"kind": "sweep", "model": model, "engine": ENGINE_VERSION,
              "payload": {"document": name, "text": text, "jobs": [list(j) for j in jobs],
@@ -203,8 +204,8 @@ def _numbers(text: str, kind, flag: str) -> list:
 
 
 def cmd_needle(args: argparse.Namespace) -> int:
-    from .grid import GridError, run_grid, stderr_progress
-    from .needle import needle_frame, needle_jobs
+    from .experiments.grid import GridError, run_grid, stderr_progress
+    from .experiments.needle import needle_frame, needle_jobs
 
     lengths = _numbers(args.lengths, int, "--lengths")
     depths = _numbers(args.depths, float, "--depths")

@@ -29,30 +29,30 @@ def main() -> None:
     start = time.perf_counter()
     model()
     import app  # builds the page; the model is loaded once per process
-    from backend import session
+    from backend import api
 
-    session.get_model()
+    api.get_model()
     load = time.perf_counter() - start
     specs = app.specs_from_controls(app.DEFAULT_POLICIES, app.DEFAULT_BUDGET, 4, 0.1, "paper default", "")
     print(f"model load + app import: {load:.1f} s; {len(specs)} policies {specs}")
-    lm = session.get_model()
+    lm = api.get_model()
     long_text = lm.tokenizer.decode(lm.tokenizer(inaugural()).input_ids[:980])  # + chat template: ~1010
     cases = [(name, (ROOT / "assets" / "examples" / f"{name}.txt").read_text().strip(), 64)
              for name in ("needle", "story")] + [("inaugural", long_text, 16)]
     for example, prompt, max_new in cases:
-        request = session.RunRequest(prompt=prompt, specs=specs, mode="generate", max_new_tokens=max_new)
+        request = api.RunRequest(prompt=prompt, specs=specs, mode="generate", max_new_tokens=max_new)
         colds = []
         for _ in range(args.repeat):
             app.STORE.clear()
             start = time.perf_counter()
-            run = session.execute(request, app.STORE)
+            run = api.run(request, app.STORE)
             colds.append(time.perf_counter() - start)
         cold = f"{min(colds):.1f} s" + (f" (worst {max(colds):.1f} s)" if len(colds) > 1 else "")
         replays, renders = [], []
         for _ in range(5):
             app.panels._runs.clear()
             start = time.perf_counter()
-            again = session.reopen(run.run_id, app.STORE)
+            again = api.reopen(run.run_id, app.STORE)
             replays.append(time.perf_counter() - start)
             app.panels.remember(again)
             start = time.perf_counter()

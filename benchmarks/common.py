@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from backend.models import load_model
+from backend.engine.models import load_model
 from backend.texts import inaugural  # noqa: F401  a long real text that ships in the repo
 
 

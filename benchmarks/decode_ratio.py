@@ -9,7 +9,7 @@ import argparse
 import torch
 
 from backend.policies import parse_spec
-from backend.runner import generate
+from backend.engine.runner import generate
 
 from .common import best_of, model
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from backend.long_context import NEEDLE_COLUMNS
+from backend.experiments.shipped import NEEDLE_COLUMNS
 
 CELL = ["model", "length", "depth", "seed"]
 

@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 from backend.policies import POLICIES
-from backend.runner import run
+from backend.engine.runner import compute_traces
 
 from .common import model
 
@@ -34,7 +34,7 @@ def main() -> None:
     ids = lm.encode(EXAMPLE.read_text(), chat=True)
     specs = [f"{name}:budget={budget}" for name in names for budget in budgets]
     policies = [POLICIES[name].for_budget(budget) for name in names for budget in budgets]
-    traces, full = run(lm, specs, policies, ids, "generate", args.new_tokens, record_layers=())
+    traces, full = compute_traces(lm, specs, policies, ids, "generate", args.new_tokens, record_layers=())
 
     def cell(trace) -> str:
         answer = " ".join(lm.tokenizer.decode(trace.generated_ids, skip_special_tokens=True).split())

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from backend.long_context import ShippedFileError, read_needle_grid
+from backend.experiments.shipped import ShippedFileError, read_needle_grid
 from backend.policies import POLICIES
 
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)

@@ -9,7 +9,7 @@ import argparse
 import torch
 
 from backend.policies import parse_spec
-from backend.runner import score_text
+from backend.engine.runner import score_text
 
 from .common import best_of, inaugural, model
 

@@ -8,10 +8,10 @@ import statistics
 import tempfile
 import time
 
-from backend import metrics
+from backend.analysis import metrics
 from backend.policies import parse_spec
-from backend.service import run_policies
-from backend.store import TraceStore
+from backend.runs import replay_or_compute
+from backend.traces.store import TraceStore
 
 from .common import inaugural, model
 
@@ -25,12 +25,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as directory:
         store = TraceStore(directory)
         start = time.perf_counter()
-        run_policies(lm, SPECS, policies, ids, "prompt", store=store)
+        replay_or_compute(lm, SPECS, policies, ids, "prompt", store=store)
         cold = time.perf_counter() - start
         times = []
         for _ in range(10):
             start = time.perf_counter()
-            result = run_policies(lm, SPECS, policies, ids, "prompt", store=store)
+            result = replay_or_compute(lm, SPECS, policies, ids, "prompt", store=store)
             [metrics.summary_row(t, result.full) for t in result.traces]
             times.append(time.perf_counter() - start)
         assert all(result.replayed)

@@ -18,17 +18,17 @@ CHILD = """
 import json, os, resource, sys, time
 import torch
 torch.set_num_threads(1)
-from backend.models import load_model
-from backend.needle import Cell, haystack
+from backend.engine.models import load_model
+from backend.experiments.needle import Cell, haystack
 from backend.policies import parse_spec
-from backend.runner import run
+from backend.engine.runner import compute_traces
 length, specs = int(sys.argv[1]), [s for s in sys.argv[2].split(",") if s]
 lm = load_model()
 ids = haystack(lm, Cell(length, 0.5))[1]
 base = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 start = time.perf_counter()
 with torch.inference_mode():
-    run(lm, specs, [parse_spec(s) for s in specs], ids, "generate", 16, record_layers=())
+    compute_traces(lm, specs, [parse_spec(s) for s in specs], ids, "generate", 16, record_layers=())
 seconds = time.perf_counter() - start
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print(json.dumps({"above_model_gb": (peak - base) / 1e9, "seconds": seconds}))

@@ -22,7 +22,7 @@ import time
 import torch
 
 from backend.policies import parse_spec
-from backend.runner import DEFAULT_CHUNK, default_record_layers, run
+from backend.engine.runner import DEFAULT_CHUNK, compute_traces, default_record_layers
 from backend.texts import corpus_files, corpus_text
 
 from .common import model
@@ -58,7 +58,7 @@ def measure(length: int, policies: list[str], budget: int, record: bool, chunk: 
             lm.model(torch.tensor([ids]))
             plain = min(plain, time.perf_counter() - start)
     start = time.perf_counter()
-    traces, full = run(lm, specs, [parse_spec(s) for s in specs], ids, mode="prompt", chunk=chunk,
+    traces, full = compute_traces(lm, specs, [parse_spec(s) for s in specs], ids, mode="prompt", chunk=chunk,
                        record_layers=default_record_layers(lm) if record else ())
     wall = time.perf_counter() - start
     trace_bytes = {t.spec: len(t.to_bytes()) for t in [*traces, full]}

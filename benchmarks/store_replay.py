@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from backend.store import TraceStore, get_or_compute, run_key
+from backend.traces.store import TraceStore, get_or_compute, run_key
 
 GOAL_S = 0.3
 LAYERS, KV_HEADS, T, N_PROMPT = 30, 3, 512, 384

@@ -16,9 +16,9 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from backend.recorded import TopAttention, key_positions
-from backend.spans import ReadSpans
-from backend.trace import FORMAT_VERSION, Trace
+from backend.traces.recorded import TopAttention, key_positions
+from backend.traces.spans import ReadSpans
+from backend.traces.trace import FORMAT_VERSION, Trace
 
 N_LAYERS, N_HEADS, HEAD_DIM = 30, 3, 64
 RECORDED = [0, 15, 29]
@@ -129,7 +129,7 @@ def _trace(n: int, spec: str, kind: str, budget: int | None, rng, evicted_at=Non
 
 
 def synthetic_run(n: int = 8192, budget: int = BUDGET, seed: int = 0) -> SimpleNamespace:
-    """A run (what viz/panels.py reads of ``backend.session.Run``) of Full, sinks, h2o, tova, a2sf and oracle."""
+    """A run (what viz/panels.py reads of ``backend.api.Run``) of Full, sinks, h2o, tova, a2sf and oracle."""
     rng = np.random.default_rng(seed)
     b = f"budget={budget}"
     full = _trace(n, "full", "full", None, rng)

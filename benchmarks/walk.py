@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from backend.engine import RowLayerState
+from backend.engine.attention import RowLayerState
 from backend.policies import parse_spec
 
 

@@ -3,7 +3,7 @@ eviction policies whose score is a running sum (``RunningScore`` in backend/poli
 sinks, H2O, TOVA, A2SF).
 
 At long texts the walk is the engine's cost: one decision per token, layer and row. Written in numpy
-(``RowLayerState._walk_numpy`` in backend/engine.py, which stays the reference and serves every other
+(``RowLayerState._walk_numpy`` in backend/engine/attention.py, which stays the reference and serves every other
 eviction policy) each step is some thirty array calls over a few hundred columns; here it is one loop
 that numba compiles, from the block's float64 exp(score) computed once in torch (vectorised), with the
 block's attention output computed on the way (the float64 softmax, rounded to the model's dtype) instead

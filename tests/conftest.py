@@ -8,8 +8,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from backend.engine import ATTN_IMPLEMENTATION
-from backend.models import LoadedModel
+from backend.engine import models
+from backend.engine.attention import ATTN_IMPLEMENTATION
+from backend.engine.models import LoadedModel
 
 
 class TinyTokenizer:
@@ -52,7 +53,7 @@ def text_ids() -> list[int]:
 
 @pytest.fixture(scope="session")
 def default_lm():
-    from backend.models import load_model
+    from backend.engine.models import load_model
     return load_model()
 
 
@@ -81,11 +82,11 @@ def free_port() -> int:
 def tiny_session(tiny, tmp_path, monkeypatch):
     """The app's session with the tiny model standing in for the default one, and a private store."""
     import app
-    from backend import session
-    from backend.models import DEFAULT_MODEL
-    from backend.store import TraceStore
+    from backend import api
+    from backend.engine.models import DEFAULT_MODEL
+    from backend.traces.store import TraceStore
 
-    monkeypatch.setitem(session._models, DEFAULT_MODEL, tiny)
+    monkeypatch.setitem(models.LOADED, DEFAULT_MODEL, tiny)
     store = TraceStore(tmp_path / "store")
     monkeypatch.setattr(app, "STORE", store)
     return store

@@ -4,8 +4,8 @@ import sys
 
 import pytest
 
-from backend import allocator, runner
-from backend.allocator import LIBC, bound_mmap_threshold
+from backend.engine.attention import allocator, runner
+from backend.engine.allocator import LIBC, bound_mmap_threshold
 from backend.policies import parse_spec
 from tests.conftest import make_tiny
 
@@ -14,7 +14,7 @@ from tests.conftest import make_tiny
 PROBE = """
 import ctypes, sys
 import numpy as np
-from backend.allocator import bound_mmap_threshold
+from backend.engine.allocator import bound_mmap_threshold
 if sys.argv[1] == "bound":
     assert bound_mmap_threshold(1 << 20)
 class Info(ctypes.Structure):
@@ -53,7 +53,7 @@ def test_every_forward_call_of_a_run_gives_the_freed_pages_back(monkeypatch):
     monkeypatch.setattr(runner, "give_back", lambda: calls.append(1) or True)
     lm = make_tiny()
     ids = list(range(3, 40))
-    runner.run(lm, ["tova:budget=8"], [parse_spec("tova:budget=8")], ids, "generate", 3, chunk=16,
+    runner.compute_traces(lm, ["tova:budget=8"], [parse_spec("tova:budget=8")], ids, "generate", 3, chunk=16,
                record_layers=())
     assert len(calls) >= 3 + 3  # prompt blocks (37 tokens in blocks of 16) and the decoding steps
     assert allocator.give_back() is (LIBC is not None)

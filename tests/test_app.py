@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 import app
-from backend import session
+from backend import api
 from backend.limits import Limits
-from backend.models import DEFAULT_MODEL
+from backend.engine.models import DEFAULT_MODEL
 from backend.policies import parse_spec
-from backend.session import RequestError, RunRequest
-from backend.store import TraceStore
+from backend.api import RequestError, RunRequest
+from backend.traces.store import TraceStore
 
 
 def test_controls_become_specs_every_policy_accepts():
@@ -40,17 +40,17 @@ def test_controls_become_specs_every_policy_accepts():
 ])
 def test_bad_requests_are_messages_not_tracebacks(tmp_path, request_, message):
     with pytest.raises(RequestError, match=message):
-        session.execute(request_, TraceStore(tmp_path))
+        api.run(request_, TraceStore(tmp_path))
 
 
 def test_run_reopens_from_its_id_and_exports(tiny_session):
     request = RunRequest(prompt="the cat sat on the mat, the dog sat on the log", specs=["tova:budget=6", "h2o:budget=6"],
                          mode="generate", max_new_tokens=5)
-    run = session.execute(request, tiny_session)
-    again = session.reopen(run.run_id, tiny_session)
+    run = api.run(request, tiny_session)
+    again = api.reopen(run.run_id, tiny_session)
     assert [t.spec for t in again.traces] == ["tova:budget=6", "h2o:budget=6"]
     np.testing.assert_array_equal(again.traces[0].evicted_at, run.traces[0].evicted_at)
-    with zipfile.ZipFile(io.BytesIO(session.export_zip(again))) as z:
+    with zipfile.ZipFile(io.BytesIO(api.export_zip(again))) as z:
         names = z.namelist()
         assert "run.json" in names and "00-tova-budget-6.npz" in names and "02-full.json" in names
         with np.load(io.BytesIO(z.read("00-tova-budget-6.npz")), allow_pickle=False) as npz:
@@ -61,13 +61,13 @@ def test_run_reopens_from_its_id_and_exports(tiny_session):
 @pytest.mark.parametrize("run_id, message", [("../../etc/passwd", "does not name a run"), ("0" * 32, "no longer stored")])
 def test_deep_links_to_nothing_say_so(tiny_session, run_id, message):
     with pytest.raises(RequestError, match=message):
-        session.reopen(run_id, tiny_session)
+        api.reopen(run_id, tiny_session)
     returned_id, status = app.on_load(SimpleNamespace(query_params={"run": run_id}))
     assert returned_id is None and message in status
 
 
 def test_deep_link_and_views_render_a_stored_run(tiny_session):
-    run = session.execute(RunRequest(prompt="one two three four five six seven eight nine ten",
+    run = api.run(RunRequest(prompt="one two three four five six seven eight nine ten",
                                      specs=["tova:budget=6", "oracle:budget=6", "sparq:budget=6,r=4"], mode="prompt"),
                           tiny_session)
     app.panels._runs.clear()
@@ -103,7 +103,7 @@ def test_zoom_controls_become_a_window_inside_the_text():
 
 
 def test_summary_has_no_oracle_column_without_an_oracle(tiny_session):
-    run = session.execute(RunRequest(prompt="one two three four five six seven eight nine ten",
+    run = api.run(RunRequest(prompt="one two three four five six seven eight nine ten",
                                      specs=["tova:budget=6"], mode="prompt"), tiny_session)
     summary = app.render_run(run.run_id)[0]
     assert "Similarity to oracle" not in summary.columns and "Perplexity" in summary.columns
@@ -111,7 +111,7 @@ def test_summary_has_no_oracle_column_without_an_oracle(tiny_session):
 
 def test_too_long_prompt_is_refused(tiny_session):
     with pytest.raises(RequestError, match="limit here is 10"):
-        session.execute(RunRequest(prompt="x" * 11, specs=["tova"], mode="prompt"), tiny_session,
+        api.run(RunRequest(prompt="x" * 11, specs=["tova"], mode="prompt"), tiny_session,
                         limits=Limits(prompt_tokens=10))
 
 
@@ -128,7 +128,7 @@ def test_budget_sweep_stores_every_budget_and_the_slider_replays(tiny_session):
 
 def test_exports_leave_nothing_behind_once_handed_over(tiny_session, tmp_path, monkeypatch):
     monkeypatch.setattr(app, "EXPORTS", tmp_path / "exports")
-    run = session.execute(RunRequest(prompt="one two three four five six", specs=["tova:budget=4"], mode="prompt"),
+    run = api.run(RunRequest(prompt="one two three four five six", specs=["tova:budget=4"], mode="prompt"),
                           tiny_session)
     path = app.on_export(run.run_id, "all", "all", 3, 0.3)
     assert zipfile.is_zipfile(path)

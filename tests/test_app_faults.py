@@ -122,7 +122,7 @@ def client(url: str):
 
 
 def run_and_render(url: str, timeout_s: float) -> tuple[str, str, list[str]]:
-    """(status, run id, the summary's policies) of RUN in a fresh session."""
+    """(status, run id, the summary's policies) of RUN in a fresh api."""
     c = client(url)
     try:
         status = c.submit(*RUN, api_name="/on_run").result(timeout=timeout_s)[0]
@@ -178,8 +178,8 @@ def test_killed_mid_run_restarts_completes_and_replays(app):
     set_aside = list(app.store.parent.glob(f"{app.store.name}.broken-*"))
     assert bool(set_aside) == ("was damaged" in first_log.read_text() + app.log.read_text()), set_aside
     assert (app.store / "cache.db").is_file()
-    from backend import session
-    from backend.store import TraceStore
+    from backend import api
+    from backend.traces.store import TraceStore
 
     db = sqlite3.connect(app.store / "cache.db")
     try:
@@ -191,5 +191,5 @@ def test_killed_mid_run_restarts_completes_and_replays(app):
     with TraceStore(app.store) as store:
         assert store.available, store.disabled_reason
         assert all(store.get(key) is not None for key in keys)
-        run = session.reopen(run_id, store)
+        run = api.reopen(run_id, store)
     assert [trace.spec for trace in run.traces] == specs

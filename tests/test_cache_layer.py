@@ -1,11 +1,11 @@
-"""GrowingLayer (backend/cache_layer.py): appends in place, reads like DynamicLayer's concatenation, and a
+"""GrowingLayer (backend/engine/cache_layer.py): appends in place, reads like DynamicLayer's concatenation, and a
 copy never sees what the other side appends."""
 import copy
 
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from backend.cache_layer import GrowingLayer
+from backend.engine.cache_layer import GrowingLayer
 
 
 def blocks(sizes, seed=0):

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from backend.trace import Trace
+from backend.engine import models
+from backend.traces.trace import Trace
 
 
 @pytest.fixture(autouse=True)
@@ -96,8 +97,8 @@ def test_default_model_generate_run_writes_traces_and_summary(tmp_path):
     (["--max-tokens", "9000"], "Max tokens must be an integer from 2 to 8192"),
 ])
 def test_cheap_mistakes_are_reported_before_the_model_loads(text_file, tmp_path, monkeypatch, capsys, args, message):
-    from backend import cli, session
-    monkeypatch.setattr(session, "get_model", lambda *a: pytest.fail("checked after loading the model"))
+    from backend import api, cli
+    monkeypatch.setattr(api, "get_model", lambda *a: pytest.fail("checked after loading the model"))
     argv = ["run", "--text", str(text_file), "--policy", "full", "--out", str(tmp_path / "o"), *args]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
@@ -105,9 +106,9 @@ def test_cheap_mistakes_are_reported_before_the_model_loads(text_file, tmp_path,
 
 
 def test_a_one_token_generate_prompt_without_chat_is_a_one_line_error(tiny, tmp_path, monkeypatch, capsys):
-    from backend import cli, session
-    from backend.models import DEFAULT_MODEL
-    monkeypatch.setitem(session._models, DEFAULT_MODEL, tiny)
+    from backend import api, cli
+    from backend.engine.models import DEFAULT_MODEL
+    monkeypatch.setitem(models.LOADED, DEFAULT_MODEL, tiny)
     path = tmp_path / "one.txt"
     path.write_text("a")
     argv = ["run", "--text", str(path), "--policy", "tova:budget=8", "--mode", "generate", "--no-chat", "--out",

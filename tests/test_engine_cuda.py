@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from backend.policies import H2O, TOVA, Oracle, ReAttention, SparQ
-from backend.runner import run
+from backend.engine.runner import compute_traces
 
 from tests.conftest import make_tiny
 
@@ -21,8 +21,8 @@ def test_gpu_run_matches_cpu_run():
     gpu = make_tiny(dtype=torch.float32)
     gpu.model.to("cuda")
     specs = [p.name for p in POLICIES]
-    cpu_traces, cpu_full = run(cpu, specs, POLICIES, ids, mode="generate", max_new_tokens=6, record_layers=(1,))
-    gpu_traces, gpu_full = run(gpu, specs, POLICIES, ids, mode="generate", max_new_tokens=6, record_layers=(1,))
+    cpu_traces, cpu_full = compute_traces(cpu, specs, POLICIES, ids, mode="generate", max_new_tokens=6, record_layers=(1,))
+    gpu_traces, gpu_full = compute_traces(gpu, specs, POLICIES, ids, mode="generate", max_new_tokens=6, record_layers=(1,))
     np.testing.assert_array_equal(cpu_full.tokens, gpu_full.tokens)
     for a, b in zip(cpu_traces, gpu_traces):
         np.testing.assert_array_equal(a.tokens, b.tokens, err_msg=a.spec)

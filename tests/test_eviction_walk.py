@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from backend import engine
-from backend.engine import RowLayerState, compiled_running_score
+from backend.engine.attention import attention
+from backend.engine.attention import RowLayerState, compiled_running_score
 from backend.policies import POLICIES, H2O, TOVA, load_plugins
 from backend.policies.base import RunningScore
 from kernels import eviction_walk_triton

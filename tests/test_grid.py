@@ -5,10 +5,10 @@ import json
 import pandas as pd
 import pytest
 
-from backend import grid as grid_module
-from backend.grid import GridError, job_key, run_grid
-from backend.needle import NEEDLE, QUESTION, Cell, found, haystack, needle_frame, needle_jobs
-from backend.sweep import summarize
+from backend.experiments import grid as grid_module
+from backend.experiments.grid import GridError, job_key, run_grid
+from backend.experiments.needle import NEEDLE, QUESTION, Cell, found, haystack, needle_frame, needle_jobs
+from backend.experiments.sweep import summarize
 
 
 # --- The haystack ----------------------------------------------------------------------------------------
@@ -104,7 +104,7 @@ def test_summary_is_the_mean_with_a_students_t_interval():
 
 @pytest.fixture(scope="module")
 def default_lm():
-    from backend.session import get_model
+    from backend.api import get_model
 
     return get_model()
 

@@ -10,11 +10,12 @@ import httpx
 import pytest
 
 import app
-from backend import session
+from backend.engine import models
+from backend import api
 from backend.limits import Limits
-from backend.models import DEFAULT_MODEL
-from backend.session import RequestError, RunRequest
-from backend.store import TraceStore
+from backend.engine.models import DEFAULT_MODEL
+from backend.api import RequestError, RunRequest
+from backend.traces.store import TraceStore
 from tests.conftest import free_port, make_tiny
 
 LIMITS = Limits()
@@ -54,17 +55,17 @@ BAD_REQUESTS = [
 
 @pytest.mark.parametrize("what, bad, message", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
 def test_cheap_checks_refuse_bad_requests_with_one_line_and_no_model(what, bad, message, monkeypatch):
-    monkeypatch.setattr(session, "get_model", lambda *a: pytest.fail("a cheap check must not load the model"))
+    monkeypatch.setattr(api, "get_model", lambda *a: pytest.fail("a cheap check must not load the model"))
     with pytest.raises(RequestError) as err:
-        session.check_run(bad)
+        api.check_run(bad)
     assert message in str(err.value) and len(str(err.value).splitlines()) == 1
 
 
 def test_a_20_mb_prompt_is_refused_by_its_size_before_tokenizing(monkeypatch, tiny_session):
-    monkeypatch.setattr(type(session._models[DEFAULT_MODEL]), "encode",
+    monkeypatch.setattr(type(models.LOADED[DEFAULT_MODEL]), "encode",
                         lambda *a, **k: pytest.fail("must not tokenize"))
     with pytest.raises(RequestError, match="20,000,000 characters long"):  # refused by size: encode never runs
-        session.execute(request(prompt="x" * 20_000_000), tiny_session)
+        api.run(request(prompt="x" * 20_000_000), tiny_session)
 
 
 @pytest.mark.parametrize("what, bad, message", [
@@ -76,32 +77,32 @@ def test_a_20_mb_prompt_is_refused_by_its_size_before_tokenizing(monkeypatch, ti
 ])
 def test_model_side_checks_refuse_before_running(tiny_session, what, bad, message):
     with pytest.raises(RequestError, match=message):
-        session.execute(bad, tiny_session, limits=Limits(row_tokens=100))
+        api.run(bad, tiny_session, limits=Limits(row_tokens=100))
 
 
 @pytest.mark.parametrize("link", ["", "../../etc/passwd", "0" * 64, "a" * 32 + "\n", "A" * 32, None, 42])
 def test_malformed_deep_links_say_they_name_no_run(tiny_session, link):
     with pytest.raises(RequestError, match="does not name a run"):
-        session.reopen(link, tiny_session)
+        api.reopen(link, tiny_session)
 
 
 def test_a_trace_key_used_as_a_link_is_not_a_run_and_ids_are_unguessable(tiny_session):
-    first = session.execute(request(), tiny_session)
-    second = session.execute(request(), tiny_session)
+    first = api.run(request(), tiny_session)
+    second = api.run(request(), tiny_session)
     assert first.run_id != second.run_id  # the same request twice: two links, one set of traces
-    assert second.result.replayed == [True] and first.result.keys == second.result.keys
+    assert second.replayed == [True] and first.keys == second.keys
     with pytest.raises(RequestError, match="does not name a run"):
-        session.reopen(first.result.keys[0], tiny_session)  # 64 hex: a trace key, not a link
-    returned, status = app.on_load(type("R", (), {"query_params": {"run": first.result.keys[0][:32]}})())
+        api.reopen(first.keys[0], tiny_session)  # 64 hex: a trace key, not a link
+    returned, status = app.on_load(type("R", (), {"query_params": {"run": first.keys[0][:32]}})())
     assert returned is None and "no longer stored" in status
-    assert session.reopen(first.run_id, tiny_session).traces[0].spec == "tova:budget=6"
+    assert api.reopen(first.run_id, tiny_session).traces[0].spec == "tova:budget=6"
 
 
 def test_a_damaged_manifest_reads_as_no_run(tiny_session):
-    run = session.execute(request(), tiny_session)
-    tiny_session.put(session._manifest_key(run.run_id), b"\xff\xfe not json")
+    run = api.run(request(), tiny_session)
+    tiny_session.put(api._manifest_key(run.run_id), b"\xff\xfe not json")
     with pytest.raises(RequestError, match="does not name a run"):
-        session.reopen(run.run_id, tiny_session)
+        api.reopen(run.run_id, tiny_session)
 
 
 def test_error_messages_shown_on_the_page_are_escaped():
@@ -110,7 +111,7 @@ def test_error_messages_shown_on_the_page_are_escaped():
 
 
 def test_the_validator_refuses_outside_the_model_slot_and_gates_one_job_per_session(monkeypatch):
-    monkeypatch.setattr(session, "get_model", lambda *a: pytest.fail("the validator must not load the model"))
+    monkeypatch.setattr(api, "get_model", lambda *a: pytest.fail("the validator must not load the model"))
     visitor = type("R", (), {"session_hash": "s1", "client": type("C", (), {"host": "10.0.0.1"})()})()
     controls = ("hi there", "prompt", 8, ["tova"], 40, 4, 0.1, "paper default", "", DEFAULT_MODEL)
     bad = app.check_run("x" * (LIMITS.text_chars + 1), *controls[1:], request=visitor)
@@ -127,7 +128,7 @@ def test_the_validator_refuses_outside_the_model_slot_and_gates_one_job_per_sess
 def test_controls_out_of_range_from_the_raw_api_are_messages():
     for budget, sinks in ((-5, 4), ("x", 4), (40, None)):
         with pytest.raises(RequestError):
-            session.check_run(app.run_request("hi there", "prompt", 8, ["sinks"], budget, sinks, 0.1, "paper default",
+            api.check_run(app.run_request("hi there", "prompt", 8, ["sinks"], budget, sinks, 0.1, "paper default",
                                               "", DEFAULT_MODEL))
 
 
@@ -136,16 +137,16 @@ def test_controls_out_of_range_from_the_raw_api_are_messages():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    saved = dict(session._models)
-    session._models[DEFAULT_MODEL] = make_tiny()
+    saved = dict(models.LOADED)
+    models.LOADED[DEFAULT_MODEL] = make_tiny()
     store, app.STORE = app.STORE, TraceStore(tmp_path_factory.mktemp("store"))
     port = free_port()
     app.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
     yield f"http://127.0.0.1:{port}"
     app.demo.close()
     app.STORE = store
-    session._models.clear()
-    session._models.update(saved)
+    models.LOADED.clear()
+    models.LOADED.update(saved)
 
 
 def join(url: str, data: list, fn: str = "on_run") -> httpx.Response:
@@ -212,10 +213,10 @@ class HtmlWordTokenizer:
 def test_html_in_the_prompt_is_text_in_every_view(tmp_path, monkeypatch):
     lm = make_tiny()
     lm.tokenizer = HtmlWordTokenizer()
-    monkeypatch.setitem(session._models, DEFAULT_MODEL, lm)
+    monkeypatch.setitem(models.LOADED, DEFAULT_MODEL, lm)
     monkeypatch.setattr(app, "STORE", TraceStore(tmp_path / "store"))
     prompt = "".join(HtmlWordTokenizer.WORDS * 3)
-    run = session.execute(RunRequest(prompt=prompt, specs=["tova:budget=4", "sinks:budget=4,sinks=1"], mode="generate",
+    run = api.run(RunRequest(prompt=prompt, specs=["tova:budget=4", "sinks:budget=4,sinks=1"], mode="generate",
                                      max_new_tokens=4), app.STORE)
     outputs = [*app.render_run(run.run_id), *app.render_views(run.run_id, "all", "all", 5, 0.3)]
     html_outputs = [o for o in outputs if isinstance(o, str)]

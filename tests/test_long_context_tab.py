@@ -6,11 +6,13 @@ import pandas as pd
 import pytest
 
 import app
-from backend import cli, long_context, session
+from backend.engine import models
+from backend import api, cli
+from backend.experiments import shipped
 from backend.limits import Limits
-from backend.models import DEFAULT_MODEL
-from backend.needle import needle_jobs
-from backend.session import RequestError
+from backend.engine.models import DEFAULT_MODEL
+from backend.experiments.needle import needle_jobs
+from backend.api import RequestError
 from tests.conftest import TinyTokenizer, make_tiny
 from viz.needle import needle_figure, needle_table_html
 from viz.sweep import sweep_ci_figure
@@ -18,11 +20,11 @@ from viz.sweep import sweep_ci_figure
 
 def test_shipped_needle_grid_draws_one_heatmap_per_policy_and_the_sweep_its_lines():
     needle, sweep, note = app.shipped_long_context()
-    shipped = pd.read_csv(long_context.ASSETS / long_context.NEEDLE_FILE)
+    shipped = pd.read_csv(shipped.ASSETS / shipped.NEEDLE_FILE)
     assert note == ""
     assert [trace.type for trace in needle.data] == ["heatmap"] * shipped["spec"].nunique()
     assert [trace.name for trace in needle.data] == list(dict.fromkeys(shipped["spec"]))
-    summary = pd.read_csv(long_context.ASSETS / long_context.SWEEP_FILE)
+    summary = pd.read_csv(shipped.ASSETS / shipped.SWEEP_FILE)
     assert {trace.name for trace in sweep.data if trace.showlegend is not False} == set(summary["policy"]) - {"full"}
     assert any("Full" in (shape.text or "") for shape in sweep.layout.annotations)  # the topline
 
@@ -79,16 +81,16 @@ BAD_FILES = [
 
 @pytest.mark.parametrize("name, content, message", BAD_FILES, ids=[f"{b[0]}: {b[2]}" for b in BAD_FILES])
 def test_a_missing_or_malformed_file_is_a_message_in_the_tab(tmp_path, name, content, message):
-    for good in (long_context.NEEDLE_FILE, long_context.SWEEP_FILE):
-        (tmp_path / good).write_bytes((long_context.ASSETS / good).read_bytes())
+    for good in (shipped.NEEDLE_FILE, shipped.SWEEP_FILE):
+        (tmp_path / good).write_bytes((shipped.ASSETS / good).read_bytes())
     (tmp_path / name).unlink()
     if content is not None:
         (tmp_path / name).write_bytes(content if isinstance(content, bytes) else content.encode())
     needle, sweep, note = app.shipped_long_context(tmp_path)
     assert message in note.replace("&#x27;", "'") and len(note.splitlines()) == 1
     assert "<b>" not in note  # the file's content reaches the page escaped
-    assert (needle is None) == (name == long_context.NEEDLE_FILE)
-    assert (sweep is None) == (name == long_context.SWEEP_FILE)
+    assert (needle is None) == (name == shipped.NEEDLE_FILE)
+    assert (sweep is None) == (name == shipped.SWEEP_FILE)
 
 
 VISITOR_REFUSALS = [
@@ -111,7 +113,7 @@ VISITOR_REFUSALS = [
                          ids=[r[-1] + f" {i}" for i, r in enumerate(VISITOR_REFUSALS)])
 def test_the_visitor_grid_refuses_what_is_over_its_bounds_before_it_queues(monkeypatch, names, budget, lengths, model,
                                                                           message):
-    monkeypatch.setattr(session, "get_model", lambda *a: pytest.fail("a cheap check must not load the model"))
+    monkeypatch.setattr(api, "get_model", lambda *a: pytest.fail("a cheap check must not load the model"))
     with pytest.raises(RequestError, match=message):
         app.needle_jobs(names, budget, lengths, model)
     verdicts = app.check_needle(names, budget, lengths, model)  # the validator: shown under the policies
@@ -121,10 +123,10 @@ def test_the_visitor_grid_refuses_what_is_over_its_bounds_before_it_queues(monke
 
 def test_the_visitor_grid_follows_the_operators_limits():
     with pytest.raises(RequestError, match="longer than the 600 tokens allowed here"):
-        long_context.visitor_jobs(["tova:budget=64"], [1024], DEFAULT_MODEL, Limits(prompt_tokens=600))
+        api.check_needle(["tova:budget=64"], [1024], DEFAULT_MODEL, Limits(prompt_tokens=600))
     with pytest.raises(RequestError, match="more than the 1,000 one run may use"):
-        long_context.visitor_jobs(["tova:budget=64", "h2o:budget=64"], [512], DEFAULT_MODEL, Limits(row_tokens=1000))
-    most = long_context.visitor_jobs(["window:budget=64", "tova:budget=64", "sparq:budget=64"], [512, 1024, 512],
+        api.check_needle(["tova:budget=64", "h2o:budget=64"], [512], DEFAULT_MODEL, Limits(row_tokens=1000))
+    most = api.check_needle(["window:budget=64", "tova:budget=64", "sparq:budget=64"], [512, 1024, 512],
                                      DEFAULT_MODEL)
     assert len(most) == 3 * 2 and most[0]["payload"]["specs"][0] == "full"  # 3 depths x 2 lengths, Full first
 
@@ -141,11 +143,11 @@ def test_the_app_and_the_cli_build_the_same_jobs(tmp_path, monkeypatch):
                   **job["payload"]["cell"], "found": False, "answer": "", "number": "1", "tokens": 1}
                  for spec in job["payload"]["specs"]] for job in jobs]
 
-    monkeypatch.setattr("backend.grid.run_grid", fake_grid)
+    monkeypatch.setattr("backend.api.run_grid", fake_grid)
     policies = [arg for spec in ["full", *specs] for arg in ("--policy", spec)]
     assert cli.main(["needle", "--lengths", "512,1024", "--depths", "0,0.5,1", *policies, "--out", str(tmp_path)]) == 0
     assert seen == mine
-    assert list(pd.read_csv(tmp_path / "grid.csv").columns) == long_context.NEEDLE_COLUMNS
+    assert list(pd.read_csv(tmp_path / "grid.csv").columns) == shipped.NEEDLE_COLUMNS
 
 
 class AnswerTokenizer(TinyTokenizer):
@@ -157,7 +159,7 @@ class AnswerTokenizer(TinyTokenizer):
 
 def test_a_visitor_grid_runs_end_to_end_on_the_tiny_model(tmp_path, monkeypatch):
     tiny = make_tiny()
-    monkeypatch.setitem(session._models, DEFAULT_MODEL, replace(tiny, tokenizer=AnswerTokenizer()))
+    monkeypatch.setitem(models.LOADED, DEFAULT_MODEL, replace(tiny, tokenizer=AnswerTokenizer()))
     monkeypatch.setenv("KVLENS_STORE_DIR", str(tmp_path / "store"))  # the grid's worker opens the default store
     seen = []
     figure, table, status = app.on_needle(["tova", "sinks"], 16, [512], DEFAULT_MODEL,

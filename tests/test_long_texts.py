@@ -5,13 +5,13 @@ import numpy as np
 import pytest
 import torch
 
-from backend.engine import RowLayerState
+from backend.engine.attention import RowLayerState
 from backend.policies import A2SF, H2O, TOVA, Full, Oracle, ReAttention, Sinks, SnapKV, SparQ
 from backend.policies.base import top_positions, top_positions_block
-from backend.recorded import TopAttention, choose_top_k, key_positions
-from backend.runner import block_ends, run, score_text
-from backend.spans import ReadSpans, SpanRecorder
-from backend.trace import Trace
+from backend.traces.recorded import TopAttention, choose_top_k, key_positions
+from backend.engine.runner import block_ends, compute_traces, score_text
+from backend.traces.spans import ReadSpans, SpanRecorder
+from backend.traces.trace import Trace
 
 
 def random_masks(seed=0, layers=2, heads=3, n=40, share=0.3):
@@ -164,8 +164,8 @@ def test_recorded_sizes_stay_bounded_at_8k():
 
 def test_a_recorded_eviction_row_keeps_whole_rows_when_its_budget_fits(tiny, text_ids, monkeypatch):
     """With k >= budget, an eviction row's recorded attention is exact even though k < T."""
-    monkeypatch.setattr("backend.runner.choose_top_k", lambda *args: 8)
-    (trace,), _ = run(tiny, ["tova"], [TOVA(budget=6)], text_ids, record_layers=(0,))
+    monkeypatch.setattr("backend.engine.runner.choose_top_k", lambda *args: 8)
+    (trace,), _ = compute_traces(tiny, ["tova"], [TOVA(budget=6)], text_ids, record_layers=(0,))
     assert trace.attention.top_k == 8 and not trace.attention.exact
     np.testing.assert_allclose(trace.attention.covered(0, 0), 1.0, atol=2e-3)
     assert ((trace.attention.dense(0) > 0) == trace.reads(0)).all()
@@ -174,7 +174,7 @@ def test_a_recorded_eviction_row_keeps_whole_rows_when_its_budget_fits(tiny, tex
 @pytest.mark.parametrize("policy", [Oracle(budget=5), SparQ(budget=6, r=2), SnapKV(budget=12, window=4, interval=8)],
                          ids=lambda p: p.name)
 def test_traces_round_trip(tiny, text_ids, policy):
-    (trace,), _ = run(tiny, [policy.name], [policy], text_ids, record_layers=(1,))
+    (trace,), _ = compute_traces(tiny, [policy.name], [policy], text_ids, record_layers=(1,))
     back = Trace.from_bytes(trace.to_bytes())
     assert back.meta["format_version"] == 3
     for layer in range(2):
@@ -188,23 +188,23 @@ def test_traces_round_trip(tiny, text_ids, policy):
 
 
 def test_old_traces_are_refused_so_they_recompute(tiny, text_ids):
-    (trace,), _ = run(tiny, ["tova"], [TOVA(budget=5)], text_ids, record_layers=())
+    (trace,), _ = compute_traces(tiny, ["tova"], [TOVA(budget=5)], text_ids, record_layers=())
     trace.meta["format_version"] = 1
     with pytest.raises(ValueError, match="format"):
         Trace.from_bytes(trace.to_bytes())
 
 
 def test_texts_up_to_the_models_context_are_accepted_and_longer_ones_refused(tiny_session):
-    from backend import session
+    from backend import api
     from backend.limits import Limits
-    from backend.session import RequestError, RunRequest
+    from backend.api import RequestError, RunRequest
 
     roomy = Limits(prompt_tokens=8192, row_tokens=10 ** 6)
-    run = session.execute(RunRequest(prompt="ab" * 250, specs=["tova:budget=8"], mode="prompt"), tiny_session,
+    run = api.run(RunRequest(prompt="ab" * 250, specs=["tova:budget=8"], mode="prompt"), tiny_session,
                           limits=roomy)
     assert len(run.traces[0].tokens) == 500
     with pytest.raises(RequestError, match="reads at most 512"):  # the tiny model's context
-        session.execute(RunRequest(prompt="ab" * 260, specs=["tova:budget=8"], mode="prompt"), tiny_session,
+        api.run(RunRequest(prompt="ab" * 260, specs=["tova:budget=8"], mode="prompt"), tiny_session,
                         limits=roomy)
 
 
@@ -227,14 +227,14 @@ def test_a_selection_row_costs_more_as_the_text_grows():
 
 def test_the_message_says_why_a_selection_row_at_length_is_refused(tiny_session, monkeypatch):
     from backend import limits as limits_module
-    from backend import session
+    from backend import api
     from backend.limits import Limits
-    from backend.session import RequestError, RunRequest
+    from backend.api import RequestError, RunRequest
 
     monkeypatch.setattr(limits_module, "SELECTION_UNIT", 100)  # the tiny model's context is 512
     request = RunRequest(prompt="ab" * 240, specs=["tova:budget=8", "oracle:budget=8"], mode="prompt")
     with pytest.raises(RequestError, match=r"oracle read every key for every query: at 480 tokens each counts 4x"):
-        session.execute(request, tiny_session, limits=Limits(row_tokens=1000))
+        api.run(request, tiny_session, limits=Limits(row_tokens=1000))
 
 
 def test_a_compression_view_shows_the_last_querys_attention_on_every_token_it_holds(monkeypatch):

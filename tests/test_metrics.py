@@ -3,9 +3,9 @@ import numpy as np
 import pytest
 import torch
 
-from backend import metrics
+from backend.analysis import metrics
 from backend.policies import A2SF
-from backend.trace import FORMAT_VERSION, Trace
+from backend.traces.trace import FORMAT_VERSION, Trace
 
 
 def make_trace(n, *, evicted_at=None, selected=None, attention=None, keys=None, recorded_layers=(), budget=None,
@@ -260,7 +260,7 @@ def test_score_curves_at_8k_follow_sparse_rows_without_a_t_by_t_array():
     for t, p in enumerate(pos):
         top[0, 0, t, : len(p)] = p
         val[0, 0, t, : len(p)] = 1.0 / len(p)
-    from backend.recorded import TopAttention
+    from backend.traces.recorded import TopAttention
     trace = make_trace(n, recorded_layers=(2,), n_layers=3)
     trace.attention = TopAttention(pos=top, val=val)
     tracemalloc.start()
@@ -300,7 +300,7 @@ def test_unrotate_keys_inverts_transformers_rope(scaling):
 
 
 def test_key_samples_recover_the_models_keys_before_rope():
-    from backend.runner import run
+    from backend.engine.runner import compute_traces
     from backend.policies import parse_spec
     from tests.conftest import make_tiny
     lm = make_tiny()
@@ -311,7 +311,7 @@ def test_key_samples_recover_the_models_keys_before_rope():
 
     hook = lm.model.model.layers[1].self_attn.k_proj.register_forward_hook(keep_output)
     try:
-        traces, _ = run(lm, ["window:budget=8"], [parse_spec("window:budget=8")], ids, record_layers=(1,))
+        traces, _ = compute_traces(lm, ["window:budget=8"], [parse_spec("window:budget=8")], ids, record_layers=(1,))
     finally:
         hook.remove()
     samples = metrics.key_samples(traces[0], layer=1, head=1)

@@ -5,7 +5,7 @@ import pandas as pd
 import pytest
 
 from benchmarks.needle_assets import main, merge
-from backend.long_context import ASSETS, NEEDLE_COLUMNS, NEEDLE_FILE
+from backend.experiments.shipped import ASSETS, NEEDLE_COLUMNS, NEEDLE_FILE
 
 
 def _row(spec, length, depth, answer="12345", found=True):

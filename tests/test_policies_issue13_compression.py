@@ -11,7 +11,7 @@ import torch
 from backend.policies import CacheView, CompressionPolicy, parse_spec
 from backend.policies.expected_attention import ExpectedAttention, mean_rotation
 from backend.policies.rkv import RKV, redundancy
-from backend.runner import run, score_text
+from backend.engine.runner import compute_traces, score_text
 
 QUARTER = math.pi / 2  # the test RoPE turns a 2-d query a quarter turn per position
 
@@ -154,7 +154,7 @@ def test_rkv_compresses_after_the_prompt_then_each_time_the_buffer_fills():
 def test_rkv_cache_grows_to_budget_plus_buffer_while_decoding_then_back(tiny, text_ids):
     prompt = text_ids[:24]
     policy = parse_spec("rkv:budget=8,window=2,every=4")
-    (trace,), _ = run(tiny, [policy.spec()], [policy], prompt, mode="generate", max_new_tokens=10, record_layers=())
+    (trace,), _ = compute_traces(tiny, [policy.spec()], [policy], prompt, mode="generate", max_new_tokens=10, record_layers=())
     assert set(np.unique(trace.evicted_at)) == {-1, 24, 28, 32}
     after = trace.reads(0)[:, 24:].sum(-1)  # [H, decoding steps]: 8 kept + 1, 2, 3, 4 since the compression
     assert (after == 8 + np.array([1, 2, 3, 4, 1, 2, 3, 4, 1, 2])).all()

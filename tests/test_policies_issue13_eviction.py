@@ -6,7 +6,7 @@ from backend.policies import H2O, SpecError, parse_spec
 from backend.policies import keyformer as keyformer_module
 from backend.policies.keyformer import Keyformer, gumbel
 from backend.policies.scissorhands import Scissorhands
-from backend.runner import score_text
+from backend.engine.runner import score_text
 
 
 def walk(policy, rows):

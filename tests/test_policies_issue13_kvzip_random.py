@@ -12,15 +12,15 @@ import torch
 
 from backend.policies import KVzip, Random, parse_spec
 from backend.policies.random_eviction import uniform
-from backend.reconstruction import RereadCache
-from backend.runner import run
+from backend.engine.reconstruction import RereadCache
+from backend.engine.runner import compute_traces
 
 # --- Random ------------------------------------------------------------------------------------------------
 
 
 def test_random_same_seed_same_trace_another_seed_another(tiny, text_ids):
     def evicted(seed):
-        (trace,), _ = run(tiny, ["random"], [Random(budget=8, seed=seed)], text_ids, record_layers=())
+        (trace,), _ = compute_traces(tiny, ["random"], [Random(budget=8, seed=seed)], text_ids, record_layers=())
         return trace.evicted_at
 
     assert (evicted(3) >= 0).any()
@@ -113,7 +113,7 @@ def test_kvzip_keeps_the_tokens_the_reconstruction_attends_to_most(tiny, text_id
     # others are kept.
     prompt, budget, sinks = text_ids[:24], 8, 2
     policy = KVzip(budget=budget, sinks=sinks)
-    (trace,), _ = run(tiny, ["kvzip"], [policy], prompt, mode="generate", max_new_tokens=2, record_layers=())
+    (trace,), _ = compute_traces(tiny, ["kvzip"], [policy], prompt, mode="generate", max_new_tokens=2, record_layers=())
     repeat = [ord(c) % 101 for c in KVzip.FIRST + KVzip.NO_TEMPLATE] + prompt
     eager = copy.deepcopy(tiny.model)
     eager.config._attn_implementation = "eager"
@@ -135,7 +135,7 @@ def test_kvzip_rereads_each_token_once_and_the_summary_shows_the_extra_pass(tiny
     import viz.panels
 
     policy = parse_spec("kvzip:budget=8,interval=4")
-    traces, full = run(tiny, ["kvzip:budget=8,interval=4", "snapkv:budget=8,window=2"],
+    traces, full = compute_traces(tiny, ["kvzip:budget=8,interval=4", "snapkv:budget=8,window=2"],
                        [policy, parse_spec("snapkv:budget=8,window=2")], text_ids, record_layers=())
     # Passes after tokens 12, 16, ..., 40 (none while 8 or fewer are cached): the first re-reads tokens 0-11
     # after the first prompt; each later one re-reads its 4 new tokens after the later prompt and 8 quoted.
@@ -150,6 +150,6 @@ def test_kvzip_rereads_each_token_once_and_the_summary_shows_the_extra_pass(tiny
 
 
 def test_kvzip_makes_no_pass_when_nothing_would_be_dropped(tiny, text_ids):
-    (trace,), full = run(tiny, ["kvzip"], [KVzip(budget=64)], text_ids[:30], mode="generate", max_new_tokens=3,
+    (trace,), full = compute_traces(tiny, ["kvzip"], [KVzip(budget=64)], text_ids[:30], mode="generate", max_new_tokens=3,
                          record_layers=())
     assert trace.meta["extra_pass_tokens"] == 0 and (trace.evicted_at == -1).all()

@@ -3,11 +3,11 @@ import numpy as np
 import pytest
 import torch
 
-from backend import session
+from backend import api
 from backend.policies import Quest, Sinks, SpecError, StreamingLLM, parse_spec
 from backend.policies.base import Block
-from backend.runner import rope_function, run
-from backend.session import RunRequest
+from backend.engine.runner import compute_traces, rope_function
+from backend.api import RunRequest
 from viz import panels
 from viz.divergence import divergence_notes
 
@@ -181,7 +181,7 @@ def test_streamingllm_with_real_rope_moves_only_the_sinks(tiny):
 
 def test_streamingllm_reads_what_sinks_reads_and_differs_once_tokens_drop(tiny, text_ids):
     budget = 8
-    (rerotated, sinks), full = run(tiny, ["streamingllm", "sinks"], [StreamingLLM(budget=budget), Sinks(budget=budget)],
+    (rerotated, sinks), full = compute_traces(tiny, ["streamingllm", "sinks"], [StreamingLLM(budget=budget), Sinks(budget=budget)],
                                    text_ids, record_layers=())
     for layer in range(tiny.n_layers):
         np.testing.assert_array_equal(rerotated.reads(layer), sinks.reads(layer))
@@ -194,7 +194,7 @@ def test_streamingllm_reads_what_sinks_reads_and_differs_once_tokens_drop(tiny, 
 
 def test_divergence_view_explains_rerotation_when_streamingllm_runs(tiny_session):
     prompt = "one two three four five six seven eight nine ten"
-    run_both = session.execute(RunRequest(prompt=prompt, specs=["sinks:budget=6", "streamingllm:budget=6"],
+    run_both = api.run(RunRequest(prompt=prompt, specs=["sinks:budget=6", "streamingllm:budget=6"],
                                           mode="prompt"), tiny_session)
     _, shown = panels.divergence(run_both)
     assert shown.startswith(divergence_notes(["streamingllm"])) and "Sec. 3.2" in shown and "no continuations" in shown

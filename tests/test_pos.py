@@ -1,7 +1,7 @@
 """POS-tag lifetime table (TOVA Tables 1 and 4): word-to-token mapping, the table, a missing tagger."""
 import pytest
 
-from backend import pos
+from backend.analysis import pos
 from tests.test_metrics import make_trace
 
 

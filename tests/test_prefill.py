@@ -6,7 +6,7 @@ import torch
 
 from backend.policies import SparQ, parse_spec
 from backend.policies.base import Block
-from backend.runner import run
+from backend.engine.runner import compute_traces
 
 
 @pytest.mark.parametrize("spec", ["sparq:budget=6,r=3,prefill=dense", "quest:budget=8,page_size=2,dense_layers=0,prefill=dense"])
@@ -15,7 +15,7 @@ def test_a_dense_prefill_reads_the_prompt_exactly_and_selects_while_decoding(tin
     prediction equals Full's), the answer's queries select as before; prefill=select differs from Full there."""
     prompt = text_ids[:30]
     dense_spec, select_spec = spec, spec.replace(",prefill=dense", "")
-    (dense, select), full = run(tiny, [dense_spec, select_spec], [parse_spec(dense_spec), parse_spec(select_spec)],
+    (dense, select), full = compute_traces(tiny, [dense_spec, select_spec], [parse_spec(dense_spec), parse_spec(select_spec)],
                                 prompt, "generate", 6, chunk=8, record_layers=())
     n = len(prompt)
     assert dense.generated_ids[0] == full.generated_ids[0]
@@ -30,7 +30,7 @@ def test_a_dense_prefill_reads_the_prompt_exactly_and_selects_while_decoding(tin
 
 def test_a_dense_prefill_is_a_prompt_mode_no_op(tiny, text_ids):
     """Prompt mode has no prompt: every token selects, whatever ``prefill`` says."""
-    (dense, select), _ = run(tiny, ["d", "s"], [SparQ(budget=6, r=3, prefill="dense"), SparQ(budget=6, r=3)],
+    (dense, select), _ = compute_traces(tiny, ["d", "s"], [SparQ(budget=6, r=3, prefill="dense"), SparQ(budget=6, r=3)],
                              text_ids, record_layers=())
     np.testing.assert_array_equal(dense.logprobs, select.logprobs)
     assert (dense.stats["alpha"][:, 6:] < 1).all()

@@ -1,8 +1,8 @@
-"""backend/reads.py: read intervals, per-step counts and heatmap bins, by hand and against dense masks."""
+"""backend/analysis/reads.py: read intervals, per-step counts and heatmap bins, by hand and against dense masks."""
 import numpy as np
 import pytest
 
-from backend import metrics, reads
+from backend.analysis import metrics, reads
 from tests.test_metrics import make_trace
 
 # Reads {0} {0,1} {1,2} {1,2,3} {2,3,4}: token 0 leaves at step 2, token 1 at step 4, the rest stay.

@@ -7,7 +7,7 @@ import torch
 
 from backend.policies import ReAttention
 from backend.policies.base import Block
-from backend.runner import generate, run, score_text
+from backend.engine.runner import compute_traces, generate, score_text
 
 NEEDLE = Path(__file__).resolve().parents[1] / "assets" / "examples" / "needle.txt"
 
@@ -21,7 +21,7 @@ def test_chunks_follow_algorithm_1():
 
 
 def test_scope_covering_the_text_equals_full(tiny, text_ids):
-    (trace,), full = run(tiny, ["reattention"], [ReAttention(budget=40, global_size=2, span=4, topk=2, chunk=4)],
+    (trace,), full = compute_traces(tiny, ["reattention"], [ReAttention(budget=40, global_size=2, span=4, topk=2, chunk=4)],
                          text_ids, record_layers=())
     np.testing.assert_allclose(trace.logprobs, full.logprobs, atol=1e-6)
     assert trace.selected[..., -1, :].all()  # the last query read every token

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from backend.policies import POLICIES, Full, load_plugins, parse_spec, policy_table
-from backend.runner import _teacher_force, new_cache, run, score_text
+from backend.engine.runner import _teacher_force, compute_traces, new_cache, score_text
 from tests.conftest import make_tiny
 
 load_plugins()
@@ -31,8 +31,8 @@ def lm():
 def make_tiny_with_head(head_dim):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from backend.engine import ATTN_IMPLEMENTATION
-    from backend.models import LoadedModel
+    from backend.engine.attention import ATTN_IMPLEMENTATION
+    from backend.engine.models import LoadedModel
     from tests.conftest import TinyTokenizer
 
     torch.manual_seed(0)
@@ -77,7 +77,7 @@ def test_spec_parses_and_prints_back(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_budget_at_least_the_length_is_full(lm, ids, name, mode):
     policy = POLICIES[name].for_budget(64)  # > T + new tokens
-    (trace,), full = run(lm, [name], [policy], ids, mode=mode, max_new_tokens=6, record_layers=())
+    (trace,), full = compute_traces(lm, [name], [policy], ids, mode=mode, max_new_tokens=6, record_layers=())
     np.testing.assert_allclose(trace.logprobs, full.logprobs, atol=1e-9)
     assert reads(trace).all(axis=(0, 1))[np.tril_indices(len(trace.tokens))].all()
 
@@ -85,7 +85,7 @@ def test_budget_at_least_the_length_is_full(lm, ids, name, mode):
 @pytest.mark.parametrize("name", NAMES)
 def test_what_each_query_reads_stays_within_the_budget(lm, ids, name):
     policy = small(name)
-    (trace,), _ = run(lm, [name], [policy], ids, record_layers=())
+    (trace,), _ = compute_traces(lm, [name], [policy], ids, record_layers=())
     counts = reads(trace)[getattr(policy, "dense_layers", 0):].sum(-1)  # [L, H, T], past Quest's dense layers
     if policy.kind == "full":
         return

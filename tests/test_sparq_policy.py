@@ -7,7 +7,7 @@ import torch
 
 from backend.policies import SparQ, parse_spec
 from backend.policies.base import Block
-from backend.runner import run, score_text
+from backend.engine.runner import compute_traces, score_text
 from kernels.sparq import sparq_attention_reference, sparq_attention_triton, triton_enabled
 from tests.conftest import make_tiny
 
@@ -51,7 +51,7 @@ def test_attend_block_matches_a_straightforward_app_b():
 
 
 def test_budget_at_least_length_equals_full(tiny, text_ids):
-    (trace,), full = run(tiny, ["sparq:budget=40"], [SparQ(budget=40, r=2)], text_ids, record_layers=())
+    (trace,), full = compute_traces(tiny, ["sparq:budget=40"], [SparQ(budget=40, r=2)], text_ids, record_layers=())
     np.testing.assert_array_equal(trace.logprobs, full.logprobs)
     assert (trace.stats["alpha"] == 1).all()
 
@@ -65,7 +65,7 @@ def test_prompt_path_equals_decode_loop(tiny, text_ids):
 
 
 def test_records_alpha_agreement_and_transfer(tiny, text_ids):
-    (trace,), _ = run(tiny, ["sparq:budget=8,r=4"], [parse_spec("sparq:budget=8,r=4")], text_ids, record_layers=())
+    (trace,), _ = compute_traces(tiny, ["sparq:budget=8,r=4"], [parse_spec("sparq:budget=8,r=4")], text_ids, record_layers=())
     n = len(text_ids)
     assert trace.stats["alpha"].shape == (2, n, 6) and trace.stats["topk_agreement"].shape == (2, n, 2)
     assert ((trace.stats["alpha"] > 0) & (trace.stats["alpha"] <= 1 + 1e-9)).all()
@@ -77,7 +77,7 @@ def test_records_alpha_agreement_and_transfer(tiny, text_ids):
 
 @pytest.mark.parametrize("r", [1, 4, 8])
 def test_top_k_agreement_is_perfect_with_every_component(tiny, text_ids, r):
-    (trace,), _ = run(tiny, ["sparq"], [SparQ(budget=8, r=r)], text_ids, record_layers=())
+    (trace,), _ = compute_traces(tiny, ["sparq"], [SparQ(budget=8, r=r)], text_ids, record_layers=())
     agreement = trace.stats["topk_agreement"][:, 8:].mean()
     assert 0 <= agreement <= 1
     if r == 8:  # r = d: the approximate scores rank like the exact ones (temperature aside)
@@ -97,10 +97,10 @@ def test_kernel_path_equals_reference_path(monkeypatch, text_ids):
     through the Triton interpreter on a float32 model: same reads, same log-probs as the CPU's block path."""
     model = make_tiny(dtype=torch.float32)
     policy = SparQ(budget=6, r=3)
-    (reference,), _ = run(model, ["sparq"], [policy], text_ids, record_layers=(1,))
+    (reference,), _ = compute_traces(model, ["sparq"], [policy], text_ids, record_layers=(1,))
     monkeypatch.setattr(SparQ, "attend_block",
                         lambda self, state, block: (state, self.attend_rows(block, sparq_attention_triton)))
-    (kernel,), _ = run(model, ["sparq"], [policy], text_ids, record_layers=(1,))
+    (kernel,), _ = compute_traces(model, ["sparq"], [policy], text_ids, record_layers=(1,))
     for layer in range(2):
         np.testing.assert_array_equal(kernel.reads(layer), reference.reads(layer))
     np.testing.assert_allclose(kernel.logprobs, reference.logprobs, atol=1e-5)

@@ -1,4 +1,4 @@
-"""Tests for backend/store.py (the on-disk trace store)."""
+"""Tests for backend/traces/store.py (the on-disk trace store)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import diskcache
 import numpy as np
 import pytest
 
-from backend import store as store_mod
-from backend.store import TraceStore, get_or_compute, run_key
+from backend.traces import store as store_mod
+from backend.traces.store import TraceStore, get_or_compute, run_key
 
 SMALL = 1_000  # stored inside SQLite by diskcache (below its 32 KB file threshold)
 LARGE = 200_000  # stored in a .val file
@@ -295,7 +295,7 @@ def test_corrupt_value_is_a_miss_then_recomputed(tmp_path, caplog, size, corrupt
         calls.append(1)
         return data
 
-    with caplog.at_level(logging.WARNING, logger="backend.store"):
+    with caplog.at_level(logging.WARNING, logger="backend.traces.store"):
         with TraceStore(tmp_path) as st:
             assert st.get("k") is None
             assert "k" not in st  # the damaged entry was deleted
@@ -569,7 +569,7 @@ def test_concurrent_writers_leave_one_good_entry(tmp_path, caplog):
     try:
         for p in procs:
             p.start()
-        with caplog.at_level(logging.WARNING, logger="backend.store"):
+        with caplog.at_level(logging.WARNING, logger="backend.traces.store"):
             with TraceStore(directory, size_limit=2**28) as st:
                 barrier.wait(timeout=60)
                 while any(p.is_alive() for p in procs):

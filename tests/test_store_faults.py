@@ -1,4 +1,4 @@
-"""Tests for backend/store.py when the disk or the database misbehaves: the
+"""Tests for backend/traces/store.py when the disk or the database misbehaves: the
 store is a cache and must never take the app or the CLI down."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import diskcache
 import numpy as np
 import pytest
 
-from backend import store as store_mod
-from backend.store import TraceStore, get_or_compute
+from backend.traces import store as store_mod
+from backend.traces.store import TraceStore, get_or_compute
 
 LIMIT = 1 * 2**20
 LARGE = 150_000  # above diskcache's disk_min_file_size: stored in a .val file
@@ -55,7 +55,7 @@ def warnings(caplog) -> list[str]:
     return [
         r.getMessage()
         for r in caplog.records
-        if r.name == "backend.store" and r.levelno >= logging.WARNING
+        if r.name == "backend.traces.store" and r.levelno >= logging.WARNING
     ]
 
 
@@ -133,7 +133,7 @@ def test_damaged_database_is_set_aside_and_rebuilt(tmp_path, caplog, how):
     damage_db(directory, how)
     damaged = (directory / "cache.db").read_bytes()
 
-    with caplog.at_level(logging.WARNING, logger="backend.store"):
+    with caplog.at_level(logging.WARNING, logger="backend.traces.store"):
         st = TraceStore(directory, size_limit=LIMIT)
     (log_line,) = warnings(caplog)
     (aside,) = set_aside(directory)
@@ -153,7 +153,7 @@ def test_database_cut_to_zero_bytes_opens_empty(tmp_path, caplog):
     with TraceStore(directory, size_limit=LIMIT) as st:
         fill(st, 3, SMALL)
     damage_db(directory, "zero")  # an empty file is a valid, empty SQLite database
-    with caplog.at_level(logging.WARNING, logger="backend.store"):
+    with caplog.at_level(logging.WARNING, logger="backend.traces.store"):
         with TraceStore(directory, size_limit=LIMIT) as st:
             assert st.get("k0") is None
             assert_works(st)
@@ -167,7 +167,7 @@ def test_store_file_in_place_of_the_directory_is_set_aside(tmp_path, caplog, con
     # opened as a database (or touched) by mistake.
     path = tmp_path / "store"
     path.write_bytes(content)
-    with caplog.at_level(logging.WARNING, logger="backend.store"):
+    with caplog.at_level(logging.WARNING, logger="backend.traces.store"):
         st = TraceStore(path, size_limit=LIMIT)
     (log_line,) = warnings(caplog)
     (aside,) = set_aside(path)
@@ -182,7 +182,7 @@ def test_other_file_at_the_store_path_is_left_alone(tmp_path, caplog):
     # Anything else there is not ours to move (the path may be set wrong).
     path = tmp_path / "notes.txt"
     path.write_text("a user's file")
-    with caplog.at_level(logging.WARNING, logger="backend.store"):
+    with caplog.at_level(logging.WARNING, logger="backend.traces.store"):
         st = TraceStore(path, size_limit=LIMIT)
     (log_line,) = warnings(caplog)
     assert "uncached" in log_line and str(path) in log_line
@@ -197,7 +197,7 @@ def test_damaged_database_among_other_files_is_left_alone(tmp_path, caplog):
     directory.mkdir()
     (directory / "cache.db").write_bytes(os.urandom(8192))
     (directory / "thesis.tex").write_text("not a cache")
-    with caplog.at_level(logging.WARNING, logger="backend.store"):
+    with caplog.at_level(logging.WARNING, logger="backend.traces.store"):
         st = TraceStore(directory, size_limit=LIMIT)
     assert len(warnings(caplog)) == 1
     assert sorted(os.listdir(directory)) == ["cache.db", "thesis.tex"]
@@ -227,7 +227,7 @@ def test_unwritable_store_runs_uncached(tmp_path, caplog, monkeypatch, error):
         raise UNWRITABLE[error]
 
     monkeypatch.setattr(diskcache.Cache, "__init__", refuse)
-    with caplog.at_level(logging.WARNING, logger="backend.store"):
+    with caplog.at_level(logging.WARNING, logger="backend.traces.store"):
         st = TraceStore(directory, size_limit=LIMIT)
     (log_line,) = warnings(caplog)
     assert "uncached" in log_line
@@ -245,7 +245,7 @@ def test_unopenable_database_runs_uncached(tmp_path, caplog, monkeypatch):
         raise sqlite3.OperationalError("attempt to write a readonly database")
 
     monkeypatch.setattr(sqlite3, "connect", refuse)
-    with caplog.at_level(logging.WARNING, logger="backend.store"):
+    with caplog.at_level(logging.WARNING, logger="backend.traces.store"):
         st = TraceStore(tmp_path / "store", size_limit=LIMIT)
     assert len(warnings(caplog)) == 1
     assert_uncached(st)
@@ -261,7 +261,7 @@ def test_damaged_store_that_cannot_be_moved_runs_uncached(tmp_path, caplog, monk
         raise OSError(errno.EACCES, "Permission denied")
 
     monkeypatch.setattr(os, "rename", refuse)
-    with caplog.at_level(logging.WARNING, logger="backend.store"):
+    with caplog.at_level(logging.WARNING, logger="backend.traces.store"):
         st = TraceStore(directory, size_limit=LIMIT)
     assert len(warnings(caplog)) == 1
     assert_uncached(st)
@@ -275,7 +275,7 @@ def test_real_unusable_locations_run_uncached(tmp_path, caplog, where):
     if where == "under /proc" and not os.path.isdir("/proc/self"):
         pytest.skip("no /proc here")
     path = "/proc/kvlens-test-store" if where == "under /proc" else blocker / "store"
-    with caplog.at_level(logging.WARNING, logger="backend.store"):
+    with caplog.at_level(logging.WARNING, logger="backend.traces.store"):
         st = TraceStore(path, size_limit=LIMIT)
     assert len(warnings(caplog)) == 1
     assert_uncached(st)
@@ -289,7 +289,7 @@ def test_real_unwritable_directory_runs_uncached(tmp_path, caplog):
     directory.mkdir()
     directory.chmod(0o500)
     try:
-        with caplog.at_level(logging.WARNING, logger="backend.store"):
+        with caplog.at_level(logging.WARNING, logger="backend.traces.store"):
             st = TraceStore(directory, size_limit=LIMIT)
         assert len(warnings(caplog)) == 1
         assert_uncached(st)
@@ -322,7 +322,7 @@ def test_damage_while_open_is_survived(tmp_path, caplog, how, fresh_connection):
     if fresh_connection:
         st.close()  # as a new thread would: a fresh connection reads the damaged file
 
-    with caplog.at_level(logging.WARNING, logger="backend.store"):
+    with caplog.at_level(logging.WARNING, logger="backend.traces.store"):
         for _ in range(2):
             for key, data in values.items():  # each a hit or a miss, never an error
                 assert st.get(key) in (None, data)
@@ -351,7 +351,7 @@ def test_second_store_does_not_set_aside_the_rebuilt_one(tmp_path, caplog):
     first.close()
     second.close()
     damage_db(directory, "garbage")
-    with caplog.at_level(logging.WARNING, logger="backend.store"):
+    with caplog.at_level(logging.WARNING, logger="backend.traces.store"):
         assert first.get("k0") is None
         first.put("shared", b"from the first")
         assert second.get("shared") == b"from the first"
@@ -369,7 +369,7 @@ def test_damage_found_by_another_thread(tmp_path, caplog):
     fill(st, 2)
     damage_db(directory, "garbage")
     found = []
-    with caplog.at_level(logging.WARNING, logger="backend.store"):
+    with caplog.at_level(logging.WARNING, logger="backend.traces.store"):
         worker = threading.Thread(target=lambda: found.append(st.get("k0")))
         worker.start()
         worker.join()
@@ -384,7 +384,7 @@ def test_damage_found_by_another_thread(tmp_path, caplog):
 TRUNCATE_WHILE_OPEN = """
 import os, sys
 sys.path.insert(0, sys.argv[1])
-from backend.store import TraceStore
+from backend.traces.store import TraceStore
 for cut in ("zero", "half"):
     st = TraceStore(os.path.join(sys.argv[2], cut), size_limit=2**24)
     for i in range(40):
@@ -451,7 +451,7 @@ def test_full_disk_put_is_not_cached(tmp_path, caplog, monkeypatch, failure, siz
     owner, name, replacement = FULL_DISK[failure]
     monkeypatch.setattr(owner, name, replacement)
 
-    with caplog.at_level(logging.WARNING, logger="backend.store"):
+    with caplog.at_level(logging.WARNING, logger="backend.traces.store"):
         st.put("k0" if "update" in failure else "new", payload(size, seed=7))  # returns normally
     (log_line,) = warnings(caplog)
     assert "not cached" in log_line
@@ -482,7 +482,7 @@ def test_read_only_database_still_serves_reads(tmp_path, caplog, monkeypatch):
     monkeypatch.setattr(sqlite3, "connect", _read_only_connect(sqlite3.connect))
     st.close()  # reconnects read-only
 
-    with caplog.at_level(logging.WARNING, logger="backend.store"):
+    with caplog.at_level(logging.WARNING, logger="backend.traces.store"):
         for key, data in values.items():
             assert st.get(key) == data
         assert warnings(caplog) == []
@@ -551,7 +551,7 @@ def test_real_full_disk(tmpfs, caplog):
     directory = os.path.join(point, "store")
     st = TraceStore(directory, size_limit=8 * LIMIT)  # larger than the disk
     stored = {}
-    with caplog.at_level(logging.WARNING, logger="backend.store"):
+    with caplog.at_level(logging.WARNING, logger="backend.traces.store"):
         for i in range(12):
             data = payload(100_000, seed=i)
             st.put(f"k{i}", data)  # never raises
@@ -578,7 +578,7 @@ def test_real_read_only_file_system(tmpfs, caplog):
     result = subprocess.run(["mount", "-o", "remount,ro", point], capture_output=True, text=True)
     if result.returncode != 0:
         pytest.skip(f"cannot remount read-only: {result.stderr.strip()}")
-    with caplog.at_level(logging.WARNING, logger="backend.store"):
+    with caplog.at_level(logging.WARNING, logger="backend.traces.store"):
         st = TraceStore(directory, size_limit=LIMIT)
     assert len(warnings(caplog)) == 1
     assert_uncached(st)
@@ -598,7 +598,7 @@ def test_orphaned_value_files_are_reclaimed(tmp_path, caplog):
     assert len(orphans) == 5
     damage_db(directory, "zero")  # every row gone, every file orphaned
     age(orphans)
-    with caplog.at_level(logging.WARNING, logger="backend.store"):
+    with caplog.at_level(logging.WARNING, logger="backend.traces.store"):
         st = TraceStore(directory, size_limit=LIMIT)
     (log_line,) = warnings(caplog)
     assert "removed 5 value files" in log_line

@@ -6,13 +6,18 @@ import pandas as pd
 import pytest
 import torch
 
-from backend import metrics, session, sweep as sweep_module
+from backend.engine import models
+from backend.analysis import metrics
+
+from backend import api
+
+from backend.experiments import sweep as sweep_module
 from backend.cli import CliError, build_parser
-from backend.models import DEFAULT_MODEL
+from backend.engine.models import DEFAULT_MODEL
 from backend.policies import SpecError, parse_spec
-from backend.runner import run
-from backend.session import RequestError
-from backend.sweep import budget_jobs, budget_spec, parse_budgets, split_policies, sweep, write_tables
+from backend.engine.runner import compute_traces
+from backend.api import RequestError
+from backend.experiments.sweep import budget_jobs, budget_spec, parse_budgets, split_policies, sweep, write_tables
 from tests.conftest import TinyTokenizer, make_tiny
 from viz.sweep import sweep_figure
 
@@ -55,7 +60,7 @@ def test_sweep_has_a_row_per_policy_and_budget_and_fulls_topline(lm, table):
                                       "tova:budget=6", "tova:budget=12", "tova:budget=64", "full"]
     full = table[table["policy"] == "full"].iloc[0]
     assert pd.isna(full["budget"]) and full["kl_to_full"] == 0 and full["top1_agreement"] == 1
-    _, reference = run(lm, ["full"], [parse_spec("full")], IDS, record_layers=())
+    _, reference = compute_traces(lm, ["full"], [parse_spec("full")], IDS, record_layers=())
     assert full["ppl"] == pytest.approx(metrics.perplexity(reference))
     # A budget of at least the text length drops nothing: every policy is Full there.
     at_64 = table[table["budget"] == 64]
@@ -65,7 +70,7 @@ def test_sweep_has_a_row_per_policy_and_budget_and_fulls_topline(lm, table):
 
 
 def test_sweep_rows_equal_running_each_policy_alone(lm, table):
-    traces, _ = run(lm, ["tova:budget=6"], [parse_spec("tova:budget=6")], IDS, record_layers=())
+    traces, _ = compute_traces(lm, ["tova:budget=6"], [parse_spec("tova:budget=6")], IDS, record_layers=())
     row = table[table["spec"] == "tova:budget=6"].iloc[0]
     assert row["ppl"] == pytest.approx(metrics.perplexity(traces[0]), rel=1e-9)
 
@@ -143,7 +148,7 @@ class CharTokenizer(TinyTokenizer):
 def test_sweep_command_writes_the_files(text_file, tmp_path, monkeypatch, capsys):
     tiny = make_tiny()
     tiny.tokenizer = CharTokenizer()
-    monkeypatch.setitem(session._models, DEFAULT_MODEL, tiny)
+    monkeypatch.setitem(models.LOADED, DEFAULT_MODEL, tiny)
     ns = parse("--text", str(text_file), "--out", str(tmp_path / "o"), "--policies", "window,tova:heads=head",
                "--budgets", "8,16", "--max-tokens", "30")
     assert ns.func(ns) == 0
@@ -158,13 +163,13 @@ def test_sweep_command_writes_the_files(text_file, tmp_path, monkeypatch, capsys
 
 def test_sweep_stores_every_budget_so_the_app_replays(tmp_path):
     from backend.policies import parse_spec
-    from backend.service import run_policies
-    from backend.store import TraceStore
+    from backend.runs import replay_or_compute
+    from backend.traces.store import TraceStore
 
     lm = make_tiny()
     ids = list(range(3, 40))
     store = TraceStore(tmp_path / "store")
     sweep_module.sweep(lm, ids, budget_jobs(["tova", "window"], [4, 8]), store=store)
     specs = ["tova:budget=4", "tova:budget=8", "window:budget=4", "window:budget=8"]
-    result = run_policies(lm, specs, [parse_spec(s) for s in specs], ids, "prompt", store=store, record_layers=())
+    result = replay_or_compute(lm, specs, [parse_spec(s) for s in specs], ids, "prompt", store=store, record_layers=())
     assert result.replayed == [True] * 4

@@ -1,14 +1,14 @@
-"""backend/tsne.py (t-SNE of keys before/after RoPE) and viz/tsne.py (its figure), on real tiny-model keys."""
+"""backend/analysis/tsne.py (t-SNE of keys before/after RoPE) and viz/tsne.py (its figure), on real tiny-model keys."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from backend import metrics
+from backend.analysis import metrics
 from backend.policies import parse_spec
-from backend.runner import run
-from backend.tsne import clip_perplexity, embed, embed_keys
+from backend.engine.runner import compute_traces
+from backend.analysis.tsne import clip_perplexity, embed, embed_keys
 from tests.conftest import make_tiny
 from viz import tsne_figure
 
@@ -17,7 +17,7 @@ from viz import tsne_figure
 def keys():
     lm = make_tiny()
     ids = torch.randint(0, 101, (40,), generator=torch.Generator().manual_seed(1)).tolist()
-    (trace,), _ = run(lm, ["tova:budget=8"], [parse_spec("tova:budget=8")], ids, record_layers=(0, 1))
+    (trace,), _ = compute_traces(lm, ["tova:budget=8"], [parse_spec("tova:budget=8")], ids, record_layers=(0, 1))
     samples = metrics.key_samples(trace, 1, 0)  # recorded layer 1, KV head 0
     return samples.before_rope.astype(np.float64), samples.after_rope.astype(np.float64), trace
 

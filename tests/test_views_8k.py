@@ -10,7 +10,7 @@ import numpy as np
 import plotly.graph_objects as go
 import pytest
 
-from backend import reads
+from backend.analysis import reads
 from benchmarks.views_8k import payload_bytes, synthetic_run, views
 from viz import panels
 from viz.heatmap import DEFAULT_DECADES, NOT_READ_GAP
@@ -32,8 +32,8 @@ def run():
 @pytest.fixture(autouse=True)
 def quick_tsne(monkeypatch):
     """The embedding itself (seconds of scikit-learn) is not what these tests measure."""
-    import backend.tsne
-    monkeypatch.setattr(backend.tsne, "embed_keys", lambda before, after, **kw: (before[:, :2], after[:, :2]))
+    import backend.analysis.tsne
+    monkeypatch.setattr(backend.analysis.tsne, "embed_keys", lambda before, after, **kw: (before[:, :2], after[:, :2]))
 
 
 @pytest.mark.parametrize("name", [name for name in views(N) if not name.startswith("export")])

@@ -10,9 +10,9 @@ import plotly.graph_objects as go
 import pytest
 import torch
 
-from backend import metrics
+from backend.analysis import metrics
 from backend.policies import parse_spec
-from backend.runner import run
+from backend.engine.runner import compute_traces
 from tests.conftest import make_tiny
 from viz import (continuations_html, divergence_figure, first_token_retention_figure,
                  heatmap_values, kept_tokens_html, lifetime_by_position_figure, mask_heatmap, mask_heatmaps,
@@ -34,14 +34,14 @@ def lm():
 @pytest.fixture(scope="module")
 def prompt_run(lm):
     ids = torch.randint(0, 101, (40,), generator=torch.Generator().manual_seed(1)).tolist()
-    traces, full = run(lm, SPECS, [parse_spec(s) for s in SPECS], ids, mode="prompt", record_layers=(0, 1))
+    traces, full = compute_traces(lm, SPECS, [parse_spec(s) for s in SPECS], ids, mode="prompt", record_layers=(0, 1))
     return {t.spec: t for t in traces}, full
 
 
 @pytest.fixture(scope="module")
 def generate_run(lm):
     ids = torch.randint(0, 101, (20,), generator=torch.Generator().manual_seed(2)).tolist()
-    traces, full = run(lm, SPECS, [parse_spec(s) for s in SPECS], ids, mode="generate", max_new_tokens=12,
+    traces, full = compute_traces(lm, SPECS, [parse_spec(s) for s in SPECS], ids, mode="generate", max_new_tokens=12,
                        record_layers=(0, 1))
     return traces, full
 
@@ -164,7 +164,7 @@ def test_panels_refuse_a_long_text_that_was_not_binned():
 
 
 def test_binned_cells_show_shares_labels_and_the_diagonal_by_hand():
-    """T = 5 in cells of 2 (backend.reads bins them; tests/test_reads.py works the numbers by hand): a cell
+    """T = 5 in cells of 2 (backend.analysis.reads bins them; tests/test_reads.py works the numbers by hand): a cell
     wholly above the diagonal is blank, labels name each cell's positions and tokens."""
     shares = np.array([[1, 0, 0], [.5, 1, 0], [0, 1, 1]], np.float32)
     fig = mask_heatmap(shares, list("abcde"), "m", size=2)

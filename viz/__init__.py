@@ -5,7 +5,7 @@ No Gradio here; the app wires these to its components. Modules:
 * ``heatmap``: step x position read masks and attention weights (TOVA Fig. 7 / App. E, A2SF Fig. 4)
 * ``highlight``: the text with cached tokens highlighted; continuations side by side (HTML)
 * ``curves``: A2S vs A2SF accumulated scores (A2SF Fig. 1 and Fig. 6)
-* ``tsne``: keys before/after RoPE (ReAttention Fig. 8-9); the embedding itself is ``backend.tsne``
+* ``tsne``: keys before/after RoPE (ReAttention Fig. 8-9); the embedding itself is ``backend.analysis.tsne``
 * ``divergence``: per-step KL and top-1 agreement with Full, the summary table
 * ``retention``: first-token retention, lifetime by position (TOVA Fig. 8), non-recent share, POS table
 * ``colors``: ``policy_colors`` (one colour per policy everywhere); ``style``: shared layout

@@ -10,7 +10,7 @@ tokens win.
 generation steps, A2S above and A2SF below; with keep masks, a line stops where its token is
 evicted (an x marks the step).
 
-Inputs are plain arrays (``backend.metrics.score_curves`` computes them): for the snapshot, every
+Inputs are plain arrays (``backend.analysis.metrics.score_curves`` computes them): for the snapshot, every
 token's score at the step and whether it is kept ([step + 1] each); for the curves, one row per
 followed token over all the steps ([m, T]). Nothing here is [T, T]: at 8k tokens that would be 512 MB.
 """

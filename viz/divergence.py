@@ -117,7 +117,7 @@ def summary_table(rows: Sequence[Mapping], formatted: bool = True) -> pd.DataFra
     """One row per policy: Policy, Perplexity, Mean KL to Full (nats), Top-1 agreement, Similarity to oracle.
 
     ``rows``: mappings with ``policy`` and any of ``ppl``, ``mean_kl`` (or ``kl_to_full`` as
-    ``backend.metrics.summary_row`` names it), ``top1_agreement``, ``oracle_similarity`` (a share in
+    ``backend.analysis.metrics.summary_row`` names it), ``top1_agreement``, ``oracle_similarity`` (a share in
     [0, 1]). Missing values show as an em dash. ``formatted=False`` keeps numbers (NaN for missing)
     for sorting; ``formatted=True`` gives strings: ppl 2 decimals, KL 4, shares as percentages.
     """

@@ -19,7 +19,7 @@ for all), as in TOVA Fig. 7 / App. E (which tokens TOVA keeps along a text) and 
 category axes labelled ``"j token"``, so hover shows step, position and token text without per-cell
 strings.
 
-Long texts come binned (``backend/reads.py``): a cell of ``size`` x ``size`` (steps x positions) shows
+Long texts come binned (``backend/analysis/reads.py``): a cell of ``size`` x ``size`` (steps x positions) shows
 the share of its pairs ``(t, j <= t)`` that were read, and with attention the weight its queries put on
 its tokens (summed over the cell's tokens, averaged over its queries). A zoom shows a window of steps
 and positions at full resolution (``first_step`` / ``first_pos`` say where it starts). A panel holds at
@@ -50,7 +50,7 @@ def _check_cells(name: str, a: np.ndarray) -> None:
     if a.ndim != 2:
         raise ValueError(f"{name} must be [steps, positions] for one layer/head (or an aggregate), got shape {a.shape}")
     if max(a.shape) > MAX_CELLS:
-        raise ValueError(f"{name} has {a.shape} cells; bin or window the text first (backend/reads.py), "
+        raise ValueError(f"{name} has {a.shape} cells; bin or window the text first (backend/analysis/reads.py), "
                          f"at most {MAX_CELLS} per axis")
 
 

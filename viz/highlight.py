@@ -166,7 +166,7 @@ def continuations_html(rows: Sequence[Mapping], colors: Mapping[str, str] | None
 
     ``rows``: one mapping per policy with ``policy`` (name), ``tokens`` (continuation token texts)
     and ``diverge`` (index of the first token that differs from Full's continuation, or None when
-    it never does; ``backend.metrics.first_divergence`` computes it from the traces). Tokens before ``diverge`` are
+    it never does; ``backend.analysis.metrics.first_divergence`` computes it from the traces). Tokens before ``diverge`` are
     plain, the token at ``diverge`` has class ``kvl-diverge`` (red outline), later ones are tinted.
     """
     names = [str(r["policy"]) for r in rows]

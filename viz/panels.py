@@ -1,8 +1,8 @@
-"""The app's views of one run: traces -> metrics (backend.metrics, pure) -> figures (viz). No Gradio.
+"""The app's views of one run: traces -> metrics (backend.analysis.metrics, pure) -> figures (viz). No Gradio.
 
-Each function takes a ``backend.session.Run`` and the view's selectors and returns what one
+Each function takes a ``backend.api.Run`` and the view's selectors and returns what one
 component of the page shows. Layer and head selectors are strings: ``"all"`` or an index. Nothing
-here builds a [T, T] array: at 8k tokens masks are binned or windowed (``backend/reads.py``), score
+here builds a [T, T] array: at 8k tokens masks are binned or windowed (``backend/analysis/reads.py``), score
 curves follow a few tokens, and the text view shows a window around the step.
 """
 from __future__ import annotations
@@ -18,9 +18,9 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from backend import metrics, pos, reads
+from backend.analysis import metrics, pos, reads
 from backend.policies import policy_of
-from backend.trace import Trace
+from backend.traces.trace import Trace
 
 from .colors import policy_colors
 from .curves import score_curves_figure, score_over_steps_figure
@@ -235,7 +235,7 @@ def score_curves(run, layer: str, head: str, alpha: float, step: int) -> tuple[g
 
 
 def tsne(run, policy: str, layer: str, head: str) -> go.Figure:
-    from backend.tsne import embed_keys  # scikit-learn is imported only when someone asks
+    from backend.analysis.tsne import embed_keys  # scikit-learn is imported only when someone asks
 
     trace = next((t for t in [*run.traces, run.full] if t.meta["policy"] == policy), None)
     if trace is None:
@@ -355,5 +355,5 @@ def share_markdown(run) -> str:
 
 
 def sweep_figure(table: pd.DataFrame) -> go.Figure:
-    """Perplexity against budget from a sweep's table (backend.sweep): a line per policy, Full as the topline."""
+    """Perplexity against budget from a sweep's table (backend.experiments.sweep): a line per policy, Full as the topline."""
     return sweep_plot(table)

@@ -10,7 +10,7 @@
 * ``pos_table`` / ``pos_table_html``: a part-of-speech table (rows = tags, columns = policies)
   sorted and formatted. TOVA Sec. 5.2 / Table 2 (which word classes survive longest).
 
-The numbers come from the caller (backend/metrics.py); these functions only draw them.
+The numbers come from the caller (backend/analysis/metrics.py); these functions only draw them.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ What the viewer sees: two scatter panels, "before RoPE" and "after RoPE", one po
 token. Colour = token position (one shared colour bar, so a smooth gradient across a panel means the
 keys are organised by position); filled circles = tokens the policy keeps, thin crosses (same colours) =
 tokens it evicted. Hover shows position, token text and kept/evicted. The coordinates come from
-``backend.tsne.embed_keys``.
+``backend.analysis.tsne.embed_keys``.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def tsne_figure(coords_before: np.ndarray, coords_after: np.ndarray, kept: np.nd
                 height: int = 500) -> go.Figure:
     """Two panels (before / after RoPE) of 2-D key coordinates, colour = position, kept vs evicted marked.
 
-    ``coords_*``: [T, 2] from ``backend.tsne.embed_keys``. ``kept``: bool [T] (e.g. what the last
+    ``coords_*``: [T, 2] from ``backend.analysis.tsne.embed_keys``. ``kept``: bool [T] (e.g. what the last
     query read) or None (all shown as kept). ``token_texts``: text of each point; ``positions``:
     its position in the text (default 0..T-1). Traces per panel: ``kept`` then ``evicted``.
     """

@@ -13,7 +13,7 @@ from .registry import register
 class KVzip(CompressionPolicy):
     """Keep the tokens the model attends to most while it re-reads its context after a repeat prompt.
 
-    A second pass (``backend/reconstruction.py``, run by the runner): the model reads "Repeat the previous
+    A second pass (``backend/engine/reconstruction.py``, run by the runner): the model reads "Repeat the previous
     context exactly." + its chat template's assistant turn + the context again, teacher-forced, over the
     row's cache. A token's score is the highest attention any query of that pass, from any query head of
     the KV head's group, gives it (the authors' ``amax`` over group and queries); per KV head the ``budget``

@@ -2,7 +2,7 @@
 
 An **interval** ``(pos, start, end)`` says token ``pos`` was read by queries ``start .. end - 1``. An
 eviction trace gives one per token (from its arrival to its eviction step, or ``T``), Full one per token
-up to ``T``, a selection trace its spans (``backend/spans.py``). Counting what each query read,
+up to ``T``, a selection trace its spans (``backend/traces/spans.py``). Counting what each query read,
 intersecting two traces' reads and binning the step x position mask for a heatmap are then sums over
 intervals, never a [T, T] mask (at 8k tokens that is 67 M cells per layer and KV head).
 """
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .trace import Trace
+from ..traces.trace import Trace
 
 MAX_BINS = 256  # cells per axis of a binned heatmap: 256 x 256 float32 is ~350 kB of plotly JSON per panel
 

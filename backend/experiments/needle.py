@@ -24,11 +24,11 @@ from functools import lru_cache
 
 import pandas as pd
 
-from .models import LoadedModel
-from .policies import parse_spec
-from .service import ENGINE_VERSION, run_policies
-from .store import TraceStore
-from .texts import corpus_files, corpus_text
+from ..engine.models import LoadedModel
+from ..policies import parse_spec
+from ..runs import ENGINE_VERSION, replay_or_compute
+from ..traces.store import TraceStore
+from ..texts import corpus_files, corpus_text
 
 NEEDLE = "The secret number is {number}."
 QUESTION = "What is the secret number mentioned in the text above? Answer with the number only."
@@ -96,7 +96,7 @@ def run_cell(lm: LoadedModel, cell: Cell, specs: Sequence[str], store: TraceStor
     _, ids = haystack(lm, cell, new_tokens)
     policies = [parse_spec(spec) for spec in specs]
     asked = [(spec, policy) for spec, policy in zip(specs, policies) if policy.name != "full"]
-    result = run_policies(lm, [s for s, _ in asked], [p for _, p in asked], ids, "generate", new_tokens, store,
+    result = replay_or_compute(lm, [s for s, _ in asked], [p for _, p in asked], ids, "generate", new_tokens, store,
                           record_layers=())
     by_spec = dict(zip([s for s, _ in asked], result.traces))
     rows = []
@@ -120,7 +120,7 @@ def cell_dict(cell: Cell) -> dict:
 
 def needle_jobs(model: str, specs: Sequence[str], lengths: Sequence[int], depths: Sequence[float],
                 seeds: Sequence[int] = (0,), new_tokens: int = NEW_TOKENS) -> list[dict]:
-    """The grid's jobs (``backend.grid``), one per cell, every spec a row of it: what ``python -m backend
+    """The grid's jobs (``backend.experiments.grid``), one per cell, every spec a row of it: what ``python -m backend
     needle`` and the app's grid both run, so equal grids share their checkpoint keys and store entries.
     SpecError for a spec that does not parse."""
     versions = {spec: type(parse_spec(spec)).version for spec in specs}

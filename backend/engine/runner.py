@@ -19,12 +19,12 @@ import torch
 from transformers.models.llama.modeling_llama import rotate_half
 
 from .allocator import give_back
-from .engine import PolicyCache
+from .attention import PolicyCache
 from .models import LoadedModel
-from .policies import Full, Policy
+from ..policies import Full, Policy
 from .reconstruction import cuts, reread
-from .recorded import choose_top_k, key_positions
-from .trace import FORMAT_VERSION, Trace
+from ..traces.recorded import choose_top_k, key_positions
+from ..traces.trace import FORMAT_VERSION, Trace
 
 DEFAULT_CHUNK = 256
 REACH = 4  # a prompt block may grow to this many chunks (or budgets) to end where every row may cut
@@ -277,7 +277,7 @@ def _masks(cache: PolicyCache, row: int, policy: Policy, length: int) -> dict[st
     return {}
 
 
-def run(lm: LoadedModel, specs: Sequence[str], policies: Sequence[Policy], ids: Sequence[int], mode: str = "prompt",
+def compute_traces(lm: LoadedModel, specs: Sequence[str], policies: Sequence[Policy], ids: Sequence[int], mode: str = "prompt",
         max_new_tokens: int = 64, chunk: int = DEFAULT_CHUNK, progress: Progress | None = None,
         record_layers: Sequence[int] | None = None) -> tuple[list[Trace], Trace]:
     """Run every policy on ``ids`` (the text, or the prompt in generate mode).

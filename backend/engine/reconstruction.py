@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from .engine import PolicyCache
+from .attention import PolicyCache
 from .models import LoadedModel
 
 QUERY_BLOCK = 256  # pass queries per attention matmul: bounds the [H, G, block, keys] scores

@@ -36,7 +36,7 @@ def job_key(job: dict) -> str:
 
 
 class Worker:
-    """Runs grid jobs in one process, each model loaded once (``session.get_model`` caches it)."""
+    """Runs grid jobs in one process, each model loaded once (``models.shared_model`` caches it)."""
 
     def __init__(self, no_cache: bool = False, threads: int | None = None):
         import torch
@@ -45,7 +45,7 @@ class Worker:
             torch.set_num_threads(threads)
         self.store = None
         if not no_cache:
-            from .store import TraceStore
+            from ..traces.store import TraceStore
 
             store = TraceStore()
             self.store = store if store.available else None
@@ -53,9 +53,9 @@ class Worker:
     def _model(self, name: str):
         import torch
 
-        from .session import get_model
+        from ..engine.models import shared_model
 
-        lm = get_model(name)
+        lm = shared_model(name)
         if torch.cuda.is_available() and lm.model.device.type != "cuda":
             lm.model.to("cuda")  # Ray gave this actor (a share of) a GPU
         return lm

@@ -19,8 +19,8 @@ import numpy as np
 import pandas as pd
 
 from .metrics import lifetimes
-from .texts import NLTK_DATA as SHIPPED_NLTK_DATA
-from .trace import Trace
+from ..texts import NLTK_DATA as SHIPPED_NLTK_DATA
+from ..traces.trace import Trace
 
 TAGGER = "averaged_perceptron_tagger_eng"
 NEWLINE_TAG = "\n"

@@ -38,10 +38,10 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from kernels import eviction_walk, eviction_walk_triton
 
 from .cache_layer import GrowingLayer
-from .policies import Policy
-from .policies.base import AttendingPolicy, Block, CacheView, RunningScore
-from .recorded import TopAttention
-from .spans import ReadSpans, SpanRecorder
+from ..policies import Policy
+from ..policies.base import AttendingPolicy, Block, CacheView, RunningScore
+from ..traces.recorded import TopAttention
+from ..traces.spans import ReadSpans, SpanRecorder
 
 ATTN_IMPLEMENTATION = "kvlens"
 COMPILED_WALK = True  # False: every eviction policy walks in numpy (the reference; tests compare the two)
@@ -402,7 +402,7 @@ class RowLayerState:
 
     def compress_now(self, t: int, key: torch.Tensor, value: torch.Tensor, n_prompt: int | None) -> None:
         """Compress after query t, between forward calls: a compression policy whose scores come from a side
-        pass (KVzip's reconstruction, backend/reconstruction.py) keeps ``policy.keep`` of what is cached, by
+        pass (KVzip's reconstruction, backend/engine/reconstruction.py) keeps ``policy.keep`` of what is cached, by
         position, as ``_compress`` does. key/value [H, >= t+1, d]: this row's keys and values."""
         held = self.alive[:, : t + 1]
         view = CacheView(t=t, n_prompt=n_prompt, layer=self.layer, n_layers=self.n_layers,
@@ -511,7 +511,7 @@ class PolicyCache(DynamicCache):
         that select with them, the recorded layers' keys for the trace)."""
         return PreRopeCapture(model, self)
 
-    # --- side passes (KVzip's reconstruction, backend/reconstruction.py) ---------------------------------
+    # --- side passes (KVzip's reconstruction, backend/engine/reconstruction.py) ---------------------------------
     # Replaced, never changed in place, so a fork keeps its own: the tokens fed so far [B, T] (kept when a row
     # re-reads its context), and per row the tokens it fed through the model outside the text.
     fed: "torch.Tensor | None" = None

@@ -1,6 +1,7 @@
 """A trace: what one policy did on one text, as arrays plus JSON metadata (docs/trace-format.md)."""
 from __future__ import annotations
 
+import copy
 import io
 import json
 import re
@@ -51,6 +52,12 @@ class Trace:
     @property
     def spec(self) -> str:
         return self.meta["spec"]
+
+    def with_spec(self, spec: str) -> "Trace":
+        """The same arrays under the spec a request named them by (one stored trace answers every spelling)."""
+        twin = copy.copy(self)
+        twin.meta = {**self.meta, "spec": spec}
+        return twin
 
     @property
     def selected(self) -> np.ndarray | None:

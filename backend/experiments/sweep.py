@@ -1,8 +1,8 @@
 """Perplexity vs budget: every policy at every budget on one text (TOVA Sec. 5.1, Fig. 3 and Table 2).
 
-Each (policy, budget) pair is one row of the runner's batched forward (``runner.run``; by default prompt
+Each (policy, budget) pair is one row of the runner's batched forward (``runner.compute_traces``; by default prompt
 mode, nothing recorded); as many pairs as ``max_rows`` allows share one call, and Full (row 0 of every
-call) gives the topline. Computation only: requests come through ``session.py`` (limits, validation),
+call) gives the topline. Computation only: requests come through ``api.py`` (limits, validation),
 and ``python -m backend sweep`` (cli.py) writes the table and its figure.
 """
 from __future__ import annotations
@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from . import metrics
-from .policies import SpecError, parse_spec
-from .runner import Progress
-from .service import run_policies
-from .store import TraceStore
+from ..analysis import metrics
+from ..policies import SpecError, parse_spec
+from ..engine.runner import Progress
+from ..runs import replay_or_compute
+from ..traces.store import TraceStore
 
 DEFAULT_POLICIES = "window,sinks,h2o,tova"
 DEFAULT_BUDGETS = "16,32,64,128"
@@ -95,7 +95,7 @@ def sweep(lm, text_ids: Sequence[int], jobs: Sequence[tuple[str, int, str]], pro
             if progress:
                 progress(min(1.0, (done + frac * width) / total), f"sweep {number + 1}/{len(batches)}: {what}")
 
-        result = run_policies(lm, [jobs[i][2] for i in batch], [policies[i] for i in batch], ids, mode,
+        result = replay_or_compute(lm, [jobs[i][2] for i in batch], [policies[i] for i in batch], ids, mode,
                               max_new_tokens, store=store, progress=report, record_layers=record_layers)
         traces, full = result.traces, result.full
         if full_row is None:

@@ -64,11 +64,11 @@ from typing import Callable
 import diskcache
 from diskcache.core import MODE_BINARY, MODE_RAW, UNKNOWN
 
-__all__ = ["FORMAT_VERSION", "run_key", "TraceStore", "get_or_compute"]
+__all__ = ["FORMAT_VERSION", "run_key", "TraceStore", "get_or_compute", "load_trace"]
 
 log = logging.getLogger(__name__)
 
-from .trace import FORMAT_VERSION  # noqa: E402  one version for traces and store entries
+from .trace import FORMAT_VERSION, Trace  # noqa: E402  one version for traces and store entries
 """Trace-format version. It goes into every key and every stored header, so
 bumping it turns every older entry into a miss."""
 
@@ -719,3 +719,15 @@ def get_or_compute(store: TraceStore, key: str, compute: Callable[[], bytes]) ->
     except (OSError, sqlite3.Error, diskcache.Timeout) as exc:  # from a stand-in store; TraceStore.put doesn't
         log.warning("kvlens store: could not store %s: %s", key, exc)
     return data, False
+
+
+def load_trace(store: TraceStore | None, key: str) -> Trace | None:
+    """The trace stored under ``key``; None when there is no store, no such entry, or it cannot be read
+    despite a good checksum (the caller then computes it again)."""
+    data = store.get(key) if store is not None and isinstance(key, str) else None
+    if data is None:
+        return None
+    try:
+        return Trace.from_bytes(data)
+    except (ValueError, KeyError, OSError):
+        return None

@@ -1,0 +1,71 @@
+"""The step between a request and the engine: each policy's trace from the store when it holds one, else
+computed, the missing policies together in one batched run (``engine.runner.compute_traces``), and stored.
+
+Each trace is stored under a key of everything that determines it (model and weights, token ids, policy and
+parameters, mode, generation settings, recorded layers, engine and policy versions), so the same request
+replays whoever makes it, and changed code never replays a stale trace.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .engine.models import LoadedModel
+from .engine.runner import DEFAULT_CHUNK, Progress, compute_traces, default_record_layers
+from .policies import Full, Policy
+from .traces.store import TraceStore, load_trace, run_key
+from .traces.trace import Trace
+
+# Bump when the engine's decisions or outputs change for every policy (a policy's own changes bump its
+# ``version``): either puts the old traces out of reach.
+ENGINE_VERSION = 3
+
+
+@dataclass
+class Run:
+    """One request's traces: one per asked policy, in order, and Full's, the reference every metric reads.
+
+    ``run_id`` (the share link's id) and ``request`` are set by the front door (``backend.api``)."""
+
+    traces: list[Trace]
+    full: Trace
+    keys: list[str]  # per policy: its store key
+    full_key: str
+    replayed: list[bool]  # per policy: read back from the store rather than computed
+    run_id: str = ""
+    request: object = None
+    tokens: int = field(default=0)  # the text's length in tokens (the prompt's in generate mode)
+
+
+def trace_key(lm: LoadedModel, ids: Sequence[int], policy: Policy, mode: str, max_new_tokens: int,
+              record_layers: Sequence[int]) -> str:
+    # "scoring": Full's continuation is scored from the generation's own prompt state (engine/runner.py).
+    generation = {"max_new_tokens": max_new_tokens, "greedy": True, "scoring": "forked"} if mode == "generate" else {}
+    return run_key(model=lm.name, model_fingerprint=lm.fingerprint, token_ids=[int(i) for i in ids],
+                   policy=policy.name, params=policy.params(), mode=mode, generation=generation,
+                   record_layers=[int(layer) for layer in record_layers], engine_version=ENGINE_VERSION,
+                   policy_version=type(policy).version)
+
+
+def replay_or_compute(lm: LoadedModel, specs: Sequence[str], policies: Sequence[Policy], ids: Sequence[int],
+                      mode: str = "prompt", max_new_tokens: int = 64, store: TraceStore | None = None,
+                      record_layers: Sequence[int] | None = None, chunk: int = DEFAULT_CHUNK,
+                      progress: Progress | None = None) -> Run:
+    """Traces for ``specs`` (parsed as ``policies``) on ``ids``; ``store=None`` always computes."""
+    record = default_record_layers(lm) if record_layers is None else tuple(record_layers)
+    keys = [trace_key(lm, ids, p, mode, max_new_tokens, record) for p in policies]
+    full_key = trace_key(lm, ids, Full(), mode, max_new_tokens, record)
+    found = {key: load_trace(store, key) for key in {*keys, full_key}}
+    missing = [i for i, key in enumerate(keys) if found[key] is None]
+    if missing or found[full_key] is None:
+        new, full = compute_traces(lm, [specs[i] for i in missing], [policies[i] for i in missing], ids, mode,
+                                   max_new_tokens, chunk, progress, record)
+        for i, trace in zip(missing, new):
+            found[keys[i]] = trace
+        found[full_key] = full
+        if store is not None:
+            for key in {keys[i] for i in missing} | {full_key}:
+                store.put(key, found[key].to_bytes())
+    traces = [found[key].with_spec(spec) for spec, key in zip(specs, keys)]
+    return Run(traces=traces, full=found[full_key], keys=keys, full_key=full_key,
+               replayed=[i not in missing for i in range(len(specs))], tokens=len(ids))
