@@ -1,5 +1,9 @@
-"""The data flows one way: backend never imports the app, viz or Gradio, and backend modules import each
-other without cycles (function-level imports included), so every front end sits on top of one backend."""
+"""The data flows one way: backend never imports the app, viz or Gradio; its packages import only the layers
+below them (function-level imports included), without cycles, so every front end sits on top of one backend.
+
+The layers, lowest first: policies and traces (the data), the engine (computes traces), runs (replays or
+computes), analysis (reads traces, never the engine), experiments (grids of runs), and the front door with
+the command line on top."""
 import ast
 from pathlib import Path
 
@@ -51,3 +55,41 @@ def test_backend_modules_import_each_other_without_cycles():
     for module in graph:
         if module not in state:
             visit(module, [])
+
+
+# What each package of backend may import from backend (besides itself).
+MAY_IMPORT = {
+    "policies": set(),
+    "traces": set(),
+    "engine": {"policies", "traces"},
+    "analysis": {"policies", "traces", "texts"},
+    "experiments": {"policies", "traces", "engine", "analysis", "runs", "texts", "limits"},
+}
+
+
+def _part(module: str) -> str | None:
+    """backend.engine.runner -> engine; backend.api -> api; backend -> None."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "backend" and len(parts) > 1 else None
+
+
+def test_each_package_imports_only_the_layers_below_it():
+    for module, imports in backend_imports().items():
+        own = _part(module)
+        if own not in MAY_IMPORT:
+            continue
+        used = {_part(name) for name in imports if name.split(".")[0] == "backend"} - {own, None}
+        assert used <= MAY_IMPORT[own], f"{module} imports {sorted(used - MAY_IMPORT[own])}"
+
+
+def test_analysis_never_imports_the_engine_or_torch_models():
+    for module, imports in backend_imports().items():
+        if _part(module) == "analysis":
+            assert not any(name.startswith(("backend.engine", "backend.runs", "transformers")) for name in imports), module
+
+
+def test_backend_keeps_a_handful_of_top_level_modules():
+    modules = sorted(p.stem for p in (ROOT / "backend").glob("*.py") if p.stem not in ("__init__", "__main__"))
+    packages = sorted(p.name for p in (ROOT / "backend").iterdir() if (p / "__init__.py").exists())
+    assert len(modules) <= 8, modules
+    assert set(packages) == {*MAY_IMPORT}, packages
