@@ -299,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p, many_models=True)
     p.set_defaults(func=cmd_sweep)
     p = sub.add_parser(
-        "needle", help="needle-in-a-haystack grid: context length x needle depth, every policy (issue 14)",
+        "needle", help="needle-in-a-haystack grid: context length x needle depth, every policy",
         description="Hide a random 5-7 digit number at each depth of a haystack of the shipped public-domain "
                     "texts at each length, ask for it, and check the greedy answer under every policy. Writes "
                     "grid.csv, grid.html and cells.jsonl (finished cells: a re-run skips them).")

@@ -6,7 +6,7 @@ prompt near the app's 1024-token limit (the first ~1000 tokens of an inaugural a
 Cold runs vary by about a second on the 2-core machine; ``--repeat`` reports the best and the worst of
 several (the store is emptied before each).
 
-Goals (issue 5): cold < 20 s on the 2-core machine for the examples; replay < 0.3 s plus rendering.
+Goals: cold < 20 s on the 2-core machine for the examples; replay < 0.3 s plus rendering.
 """
 import argparse
 import os

@@ -2,7 +2,7 @@
 
     python -m benchmarks.decode_ratio [--new 64] [--budget 64]
 
-Goal (issue 3): <= 1.2x for eviction policies.
+Goal: <= 1.2x for eviction policies.
 """
 import argparse
 

@@ -1,4 +1,4 @@
-"""Which policies answer the shipped needle example (issue 13): every registered policy at each budget.
+"""Which policies answer the shipped needle example: every registered policy at each budget.
 
     python -m benchmarks.needle_example [--budgets 24,40,64] [--policies all] [--new-tokens 24]
 

@@ -2,7 +2,7 @@
 
     python -m benchmarks.prompt_ratio [--tokens 512] [--budget 64]
 
-Goal (issue 3): <= 3x for a 512-token text at budget 64.
+Goal: <= 3x for a 512-token text at budget 64.
 """
 import argparse
 

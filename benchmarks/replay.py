@@ -2,7 +2,7 @@
 
     python -m benchmarks.replay
 
-Goal (issue 4): a replay (store get + trace decode + summary metrics) < 0.3 s.
+Goal: a replay (store get + trace decode + summary metrics) < 0.3 s.
 """
 import statistics
 import tempfile

@@ -1,4 +1,4 @@
-"""Peak memory of one policy's row (issue 12): Full alone, then Full plus each policy, on a needle haystack,
+"""Peak memory of one policy's row: Full alone, then Full plus each policy, on a needle haystack,
 each in its own child process so its peak RSS is its own.
 
     python -m benchmarks.row_memory [--length 2048] [--specs sparq:budget=256,reattention:budget=256]

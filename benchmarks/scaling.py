@@ -1,4 +1,4 @@
-"""How a run scales with the text (issue 12): several eviction policies plus Full in one prompt-mode run,
+"""How a run scales with the text: several eviction policies plus Full in one prompt-mode run,
 at each length, against one plain SDPA forward of the same text measured in the same process.
 
     python -m benchmarks.scaling [--lengths 1024,2048,4096,8192] [--policies sinks,h2o,tova,a2sf] [--budget 256]
@@ -6,7 +6,7 @@ at each length, against one plain SDPA forward of the same text measured in the 
 
 Each length runs in its own child process, so its peak RSS is its own. Reported per length: the run's wall
 time, the plain forward's, their ratio (and per row), the child's peak RSS and the bytes of the traces as
-stored. The text is the shipped inaugural addresses, concatenated. Issue 12's goals at 8k: the whole run
+stored. The text is the shipped inaugural addresses, concatenated. Goals at 8k: the whole run
 at most 5x one plain forward, peak RSS at most 6 GB.
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _recorded_bytes(trace) -> int:
 
 
 def _bare_bytes(trace) -> int:
-    """Bytes of a trace as stored, without its recorded data (issue 12's per-trace goal)."""
+    """Bytes of a trace as stored, without its recorded data (the per-trace goal)."""
     bare = copy.copy(trace)
     bare.attention = bare.keys = bare.key_positions = None
     return len(bare.to_bytes())

@@ -2,7 +2,7 @@
 
     python -m benchmarks.views_8k [--tokens 8192]
 
-Goal (issue 12, "Views at 8k"): each view renders in at most 2 s and at most 5 MB of plotly JSON (or
+Goal: each view renders in at most 2 s and at most 5 MB of plotly JSON (or
 HTML) for 30 layers x 3 KV heads, Full + sinks, h2o, tova, a2sf at budget 256 + an oracle selection.
 The traces are synthetic but shaped like real ones: eviction steps from a cache of ``budget`` slots
 that drops one token per step, oracle spans from a top-``budget`` set that swaps a few tokens per step,

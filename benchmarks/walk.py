@@ -1,4 +1,4 @@
-"""The eviction walk alone (issue 12): one layer of one row, random queries and keys, no model.
+"""The eviction walk alone: one layer of one row, random queries and keys, no model.
 
     python -m benchmarks.walk [--policies sinks,h2o,tova,a2sf] [--budget 256] [--tokens 2048] [--chunk 256]
 

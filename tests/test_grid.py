@@ -1,4 +1,4 @@
-"""Needle grids and sweeps as grids of jobs (issue 14): the haystack, the checkpoint, and the same table
+"""Needle grids and sweeps as grids of jobs: the haystack, the checkpoint, and the same table
 serially and on a real local Ray (``ray.init(num_cpus=2)``) with the default model."""
 import json
 

@@ -1,4 +1,4 @@
-"""Issue 12: what makes long texts affordable. Eviction rows only ever score the tokens they hold plus the
+"""What makes long texts affordable: Eviction rows only ever score the tokens they hold plus the
 block; selection reads are stored as spans; recorded attention as top-k rows; ReAttention cuts prompts its
 own way without forcing the other rows into one block."""
 import numpy as np

@@ -304,7 +304,7 @@ def test_real_unwritable_directory_runs_uncached(tmp_path, caplog):
 DAMAGE_WHILE_OPEN = [
     *[(how, True) for how in ("garbage", "half", "zero", "delete", "replace")],
     # Truncation under an open connection runs in a subprocess (see
-    # test_truncated_database_does_not_kill_the_process): it used to kill the process.
+    # test_truncated_database_does_not_kill_the_process): a crash there would end the test run.
     *[(how, False) for how in ("garbage", "delete", "replace")],
 ]
 

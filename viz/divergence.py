@@ -33,7 +33,7 @@ _ALIASES = {
 MISSING = "—"
 
 
-# Shown with the divergence view when StreamingLLM runs (the lesson of issue 13: positions in the cache vs the text).
+# Shown with the divergence view when StreamingLLM runs (positions in the cache vs the text).
 REROTATION_NOTE = (
     "<p><b>StreamingLLM re-rotates; sinks does not.</b> <code>streamingllm</code> and <code>sinks</code> read the "
     "same tokens: the first few (attention sinks) and the latest ones. <code>sinks</code> keeps every key at its "

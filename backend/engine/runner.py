@@ -4,7 +4,7 @@ Row 0 is always Full (the reference for KL and top-1 agreement); the requested p
 Two modes (docs/trace-format.md):
 
 * ``prompt``: teacher-forced. The whole text goes through the model in chunks of ``chunk`` tokens;
-  inside each chunk the policy still decides token by token (engine.py), so the result equals
+  inside each chunk the policy still decides token by token (attention.py), so the result equals
   feeding the text one token at a time, but the heavy matmuls run once per chunk and layer.
 * ``generate``: every row greedily continues the prompt under its own policy (the prompt itself is
   processed the same way as above). Then every policy is scored teacher-forced on prompt + Full's
@@ -75,7 +75,7 @@ def block_ends(chunk: int, n: int, rows: Sequence[Policy]) -> list[int]:
 
     Two ReAttention rows whose chunk grids never meet (e.g. budgets 64 and 72 in one sweep) have no common
     place: the block then ends at the reach, past both rows' first global + local tokens, and their later
-    chunks are cut there, as any block end cut them before, rather than growing the block to the whole
+    chunks are cut there, as any block end cuts them, rather than growing the block to the whole
     prompt (O(T^2) memory for every other row)."""
     cutting = [p for p in rows if hasattr(p, "may_cut")]
 

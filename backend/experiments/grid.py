@@ -3,7 +3,7 @@
 A grid is a list of jobs, each a plain JSON-able dict naming its kind ("needle" or "sweep"), its model and
 its payload. A ``Worker`` loads each model once and runs jobs; it returns plain rows (dicts).
 
-* ``address=None``: one in-process worker runs the jobs in order (the default, as before).
+* ``address=None``: one in-process worker runs the jobs in order (the default).
 * ``address="local"``: start Ray on this machine (``ray.init(num_cpus=workers)``), one actor per CPU.
 * ``address="ray://host:10001"`` or ``"host:6379"``: join a running Ray cluster (``ray start``, KubeRay).
 

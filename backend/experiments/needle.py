@@ -1,4 +1,4 @@
-"""Needle in a haystack (issue 14): one cell per (context length, needle depth), every policy in one run.
+"""Needle in a haystack: one cell per (context length, needle depth), every policy in one run.
 
 The haystack, for a cell (length L, depth d, seed s), deterministic from (L, d, s) alone:
 

@@ -64,7 +64,7 @@ class StreamingLLM(AttendingPolicy):
         the window's scores are the model's own (keys and queries at their positions in the text); only the
         sinks, which stay at 0..sinks-1 while the query sits at its place in the cache, ``t - slid``, take a
         query rotated there. A block then costs O(n x (n + budget)), not a rotation of ``budget`` keys per
-        query; tests/test_policies_issue13_selection.py holds it equal to rotating each query's cache."""
+        query; tests/test_quest_streamingllm.py holds it equal to rotating each query's cache."""
         n_q_heads, n, dim = block.q.shape
         n_kv_heads, total, _ = block.k.shape
         group = n_q_heads // n_kv_heads

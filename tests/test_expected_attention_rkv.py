@@ -1,4 +1,4 @@
-"""Issue 13's compression policies on hand-worked numbers: Expected Attention (a Gaussian of future queries
+"""Compression policies on hand-worked numbers: Expected Attention (a Gaussian of future queries
 under the averaged RoPE rotation, times the value norm) and R-KV (importance minus key redundancy, when the
 decoding buffer fills); and the engine's plumbing they read (the window's queries and the model's RoPE)."""
 import math

@@ -1,4 +1,4 @@
-"""Quest and StreamingLLM with re-rotation (issue 13) on small blocks worked out by hand."""
+"""Quest and StreamingLLM with re-rotation on small blocks worked out by hand."""
 import numpy as np
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Random (the leaderboards' baseline) and KVzip (context reconstruction) on hand-worked numbers (issue 13).
+"""Random (the leaderboards' baseline) and KVzip (context reconstruction) on hand-worked numbers.
 
 The invariants every policy shares (budget >= length is Full, prompt path = decoding, forks) are in
 tests/test_registry.py; these are the rules that define the two policies.

@@ -1,4 +1,4 @@
-"""Scissorhands and Keyformer (issue 13) on small attention rows worked out by hand."""
+"""Scissorhands and Keyformer on small attention rows worked out by hand."""
 import numpy as np
 import pytest
 
