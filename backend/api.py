@@ -114,8 +114,12 @@ def _check_text(request, limits: Limits) -> None:
             or not 1 <= new <= limits.new_tokens:
         raise RequestError(f"Max new tokens must be a whole number from 1 to {limits.new_tokens}.")
     request.max_new_tokens = int(new)
-    if request.model not in ALLOWED_MODELS:
-        raise RequestError(f"unknown model {str(request.model)[:80]!r}; allowed: {', '.join(ALLOWED_MODELS)}")
+    _check_model_name(request.model)
+
+
+def _check_model_name(model) -> None:
+    if model not in ALLOWED_MODELS:
+        raise RequestError(f"unknown model {str(model)[:80]!r}; allowed: {', '.join(ALLOWED_MODELS)}")
 
 
 def _parse(specs: list[str]) -> list[Policy]:
@@ -129,22 +133,28 @@ def _parse(specs: list[str]) -> list[Policy]:
     return policies
 
 
-def check_run(request: RunRequest, limits: Limits = LIMITS) -> list[Policy]:
-    """The parsed policies of a run request, or RequestError; cheap (never loads the model)."""
-    _check_text(request, limits)
-    if not isinstance(request.specs, list) or not all(isinstance(s, str) for s in request.specs):
+def _check_specs(specs, limits: Limits) -> tuple[list[str], list[Policy]]:
+    """The stripped specs and their policies: a list of strings, at most ``limits.policies``, each once."""
+    if not isinstance(specs, (list, tuple)) or not all(isinstance(s, str) for s in specs):
         raise RequestError("Policies must be a list of specs such as tova:budget=64.")
-    request.specs = [s.strip() for s in request.specs if s.strip()]
-    if not request.specs:
+    specs = [s.strip() for s in specs if s.strip()]
+    if not specs:
         raise RequestError("Pick at least one policy.")
-    if len(request.specs) > limits.policies:
-        raise RequestError(f"At most {limits.policies} policies side by side, got {len(request.specs)}.")
-    policies = _parse(request.specs)
+    if len(specs) > limits.policies:
+        raise RequestError(f"At most {limits.policies} policies side by side, got {len(specs)}.")
+    policies = _parse(specs)
     seen: dict[Policy, str] = {}
-    for spec, policy in zip(request.specs, policies):
+    for spec, policy in zip(specs, policies):
         if policy in seen:  # equal parameters: one trace, so one column of the summary
             raise RequestError(f"Policy {spec!r} is the same as {seen[policy]!r}; list each policy once.")
         seen[policy] = spec
+    return specs, policies
+
+
+def check_run(request: RunRequest, limits: Limits = LIMITS) -> list[Policy]:
+    """The parsed policies of a run request, or RequestError; cheap (never loads the model)."""
+    _check_text(request, limits)
+    request.specs, policies = _check_specs(request.specs, limits)
     return policies
 
 
@@ -184,15 +194,21 @@ def _check_cost(lm: LoadedModel, policies: list[Policy], ids: list[int], request
     if length > lm.context:
         raise RequestError(f"The text and the new tokens come to {length} tokens; the model reads at most "
                            f"{lm.context}.")
-    cost = sum(row_cost(p, length) for p in policies)
+    _check_row_tokens(policies, length, limit, what, "use fewer policies, fewer new tokens or a shorter text")
+
+
+def _check_row_tokens(policies: Sequence[Policy], length: int, limit: int, what: str, advice: str) -> None:
+    """What ``policies`` cost at ``length`` tokens (``limits.row_cost``) against ``limit``. Full is free: it is
+    the reference row every run computes anyway."""
+    rows = [p for p in policies if p.kind != "full"]
+    cost = sum(row_cost(p, length) for p in rows)
     if cost > limit:
-        quadratic = [p for p in policies if p.reads_every_key]
+        quadratic = [p for p in rows if p.reads_every_key]
         why = (f" ({', '.join(dict.fromkeys(p.name for p in quadratic))} read every key for every query: at "
                f"{length} tokens each counts {row_cost(quadratic[0], length) // length}x)"
                if quadratic and row_cost(quadratic[0], length) > length else "")
-        raise RequestError(f"{what}: {len(policies)} policies x {length} tokens come to {cost:,} row-tokens, more "
-                           f"than the {limit:,} row-tokens one request may use here{why}; use fewer policies, fewer "
-                           f"new tokens or a shorter text.")
+        raise RequestError(f"{what}: {len(rows)} policies x {length} tokens come to {cost:,} row-tokens, more "
+                           f"than the {limit:,} row-tokens one request may use here{why}; {advice}.")
 
 
 def release_memory() -> None:
@@ -311,16 +327,12 @@ def check_needle(specs: Sequence[str], lengths: Sequence, model: str, limits: Li
                                f"allowed here.")
         if value not in chosen:
             chosen.append(value)
-    request = RunRequest(prompt="needle", specs=["full", *specs], mode="generate", max_new_tokens=NEW_TOKENS,
-                         model=model)
-    policies = check_run(request, limits)  # spec syntax, duplicates, the model's allow-list, Unicode
+    specs, policies = _check_specs(["full", *specs], limits)
+    _check_model_name(model)
     for length in chosen:
-        cost = sum(row_cost(p, length) for p in policies if p.name != "full")
-        if cost > limits.row_tokens:
-            raise RequestError(f"{len(specs)} policies x {length} tokens come to {cost:,} row-tokens, more than "
-                               f"the {limits.row_tokens:,} one run may use here; pick fewer policies or a shorter "
-                               f"length.")
-    return needle_jobs(model, request.specs, chosen, NEEDLE_DEPTHS, (NEEDLE_SEED,), NEW_TOKENS)
+        _check_row_tokens(policies, length, limits.row_tokens, f"A {length}-token cell",
+                          "pick fewer policies or a shorter length")
+    return needle_jobs(model, specs, chosen, NEEDLE_DEPTHS, (NEEDLE_SEED,), NEW_TOKENS)
 
 
 def needle_grid(jobs: list[dict], progress: Callable[[float, str], None] | None = None,
