@@ -21,6 +21,7 @@ import gradio as gr
 from starlette.middleware import Middleware
 
 from backend.experiments import shipped
+from backend.experiments.sweep import SWEEP_BUDGETS
 
 from backend import api
 from backend.policies import POLICIES, load_plugins
@@ -44,7 +45,7 @@ EXPORTS = Path(tempfile.gettempdir()) / f"kvlens-exports-{os.getpid()}"
 EXPORT_TTL_S = 600  # Gradio serves an export from its own cache; our copy goes once it has been handed over
 MAX_BODY = 4 * LIMITS.text_chars + 64 * 1024  # the longest allowed prompt as UTF-8, plus the other inputs
 NOTES = {name: (ROOT / "assets" / "notes" / f"{name}.md").read_text() for name in
-         ("masks", "kept", "curves", "tsne", "divergence", "retention", "sweep", "long_context")}
+         ("intro", "masks", "kept", "curves", "tsne", "divergence", "retention", "sweep", "long_context")}
 NEEDLE_DEFAULT_POLICIES = ["sinks", "tova", "reattention"]
 NEEDLE_DEFAULT_BUDGET = 64
 
@@ -122,7 +123,7 @@ def run_request(prompt, mode, max_new, names, budget, sinks, alpha, heads, custo
 def sweep_request(prompt, mode, max_new, names, sinks, alpha, heads, model):
     """Every checked policy at every sweep budget, recorded like a run so the budget slider replays."""
     try:
-        jobs = [(spec.partition(":")[0], budget, spec) for budget in panels.SWEEP_BUDGETS
+        jobs = [(spec.partition(":")[0], budget, spec) for budget in SWEEP_BUDGETS
                 for spec in specs_from_controls(names, budget, sinks, alpha, heads, "") if spec != "full"]
     except (TypeError, ValueError):
         raise RequestError("The policy controls are out of range.") from None
@@ -293,7 +294,7 @@ def on_load(request: gr.Request):
 def build() -> gr.Blocks:
     # Gradio's own copies of exported zips are deleted within 20 minutes of their making.
     with gr.Blocks(title="KV Lens", delete_cache=(EXPORT_TTL_S, EXPORT_TTL_S)) as demo:
-        gr.Markdown(panels.INTRO)
+        gr.Markdown(NOTES["intro"])
         run_id = gr.State(None)
         with gr.Row():
             with gr.Column(scale=1, min_width=320):
