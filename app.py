@@ -1,4 +1,5 @@
-"""KV Lens web app: Gradio wiring only. Runs go through backend.api; figures come from viz.panels.
+"""KV Lens web app: Gradio wiring only. Runs go through backend.api; figures come from viz.panels, which
+holds no state: the app keeps the runs it shows and their slow views' results (``RECENT_RUNS``).
 
 A public Space must survive its visitors: requests are checked before they queue for the model
 (``validator=``, outside the model slot), one visitor holds at most one model job (backend.guard),
@@ -15,17 +16,24 @@ import shutil
 import tempfile
 import threading
 import time
+from collections import OrderedDict
+from collections.abc import Callable
+from functools import cached_property
 from pathlib import Path
 
 import gradio as gr
+import numpy as np
+import pandas as pd
 from starlette.middleware import Middleware
 
 from backend.experiments import shipped
+from backend.experiments.sweep import SWEEP_BUDGETS
 
 from backend import api
 from backend.policies import POLICIES, load_plugins
 from backend.guard import Admission, RequestGuard
 from backend.api import LIMITS, RequestError
+from backend.runs import Run
 from backend.traces.store import TraceStore
 from viz import panels
 from viz.needle import found_rates, needle_figure, needle_table_html
@@ -44,9 +52,65 @@ EXPORTS = Path(tempfile.gettempdir()) / f"kvlens-exports-{os.getpid()}"
 EXPORT_TTL_S = 600  # Gradio serves an export from its own cache; our copy goes once it has been handed over
 MAX_BODY = 4 * LIMITS.text_chars + 64 * 1024  # the longest allowed prompt as UTF-8, plus the other inputs
 NOTES = {name: (ROOT / "assets" / "notes" / f"{name}.md").read_text() for name in
-         ("masks", "kept", "curves", "tsne", "divergence", "retention", "sweep", "long_context")}
+         ("intro", "masks", "kept", "curves", "tsne", "divergence", "retention", "sweep", "long_context")}
 NEEDLE_DEFAULT_POLICIES = ["sinks", "tova", "reattention"]
 NEEDLE_DEFAULT_BUDGET = 64
+
+
+@dataclasses.dataclass(eq=False)
+class ShownRun:
+    """A run the page shows, and the results of its views too slow to compute twice."""
+
+    run: Run
+    # TsneKeys.memo_key -> the keys before and after RoPE in 2-D
+    embeddings: dict[tuple[str, int, int], tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=dict)
+
+    @cached_property
+    def non_recent_shares(self) -> dict[str, np.ndarray]:
+        """Shown by both the summary table and the retention view."""
+        return panels.non_recent_shares(self.run)
+
+    @cached_property
+    def pos_lifetimes(self) -> pd.DataFrame:
+        """Tagging 8k tokens takes seconds; the retention view asks again on every revisit."""
+        return panels.pos_lifetime_table(self.run)
+
+    def tsne_embedding(self, keys: panels.TsneKeys) -> tuple[np.ndarray, np.ndarray]:
+        """About 2 s at 512 keys: asking again for the same policy, layer and head is instant."""
+        if keys.memo_key not in self.embeddings:
+            self.embeddings[keys.memo_key] = panels.tsne_embedding(keys)
+        return self.embeddings[keys.memo_key]
+
+
+class RecentRuns:
+    """The few runs shown last, by run id; the store holds them all and replays an older one in milliseconds."""
+
+    def __init__(self, keep: int):
+        self.keep = keep
+        self._shown: OrderedDict[str, ShownRun] = OrderedDict()
+        self._lock = threading.Lock()  # page loads (unqueued) and views may remember runs at the same time
+
+    def remember(self, run: Run) -> ShownRun:
+        shown_run = ShownRun(run)
+        with self._lock:
+            self._shown[run.run_id] = shown_run
+            self._shown.move_to_end(run.run_id)
+            while len(self._shown) > self.keep:
+                self._shown.popitem(last=False)
+        return shown_run
+
+    def get(self, run_id: str, load: Callable[[], Run]) -> ShownRun:
+        """The run shown under ``run_id``, ``load``ed and remembered when it is not among the recent ones."""
+        with self._lock:
+            shown_run = self._shown.get(run_id)
+        return self.remember(load()) if shown_run is None else shown_run
+
+    def clear(self) -> None:
+        with self._lock:
+            self._shown.clear()
+
+
+RECENT_RUNS = RecentRuns(keep=4)  # a run at the limits holds ~100 MB of traces
 
 
 def specs_from_controls(names, budget, sinks, alpha, heads, custom):
@@ -77,9 +141,9 @@ def shown(err: Exception) -> gr.Error:
     return gr.Error(html.escape(str(err)), print_exception=False)
 
 
-def load_run(run_id):
+def load_run(run_id) -> ShownRun:
     try:
-        return panels.cached_run(run_id, lambda: api.reopen(run_id, STORE))
+        return RECENT_RUNS.get(run_id, lambda: api.reopen(run_id, STORE))
     except RequestError as err:  # e.g. the run was evicted from the store since
         raise shown(err) from None
 
@@ -88,15 +152,17 @@ def render_run(run_id):
     """The views that depend on the run alone."""
     if not run_id:
         return [None] * 8
-    run = load_run(run_id)
-    return [panels.summary_table(run), *panels.divergence(run), *panels.retention(run), panels.share_markdown(run)]
+    shown_run = load_run(run_id)
+    run, shares = shown_run.run, shown_run.non_recent_shares
+    return [panels.summary_table(run, shares), *panels.divergence(run),
+            *panels.retention(run, shares, shown_run.pos_lifetimes), panels.share_markdown(run)]
 
 
 def render_heatmap(run_id, layer, head, zoom=False, first_step=0, first_pos=0, size=panels.ZOOM_SIZES[1]):
     """The masks: the whole text (binned when long), or a window of it at one token per cell."""
     if not run_id:
         return None
-    run = load_run(run_id)
+    run = load_run(run_id).run
     return panels.heatmaps(run, layer, head, panels.zoom_window(run, zoom, first_step, first_pos, size))
 
 
@@ -104,7 +170,7 @@ def render_views(run_id, layer, head, step, alpha, zoom=False, first_step=0, fir
     """The views that follow the layer, head and step selectors (t-SNE is computed on demand)."""
     if not run_id:
         return [None] * 4
-    run = load_run(run_id)
+    run = load_run(run_id).run
     step = panels.clamp_step(run, step)
     return [render_heatmap(run_id, layer, head, zoom, first_step, first_pos, size),
             panels.kept_tokens(run, step, layer, head), *panels.score_curves(run, layer, head, alpha, step)]
@@ -122,7 +188,7 @@ def run_request(prompt, mode, max_new, names, budget, sinks, alpha, heads, custo
 def sweep_request(prompt, mode, max_new, names, sinks, alpha, heads, model):
     """Every checked policy at every sweep budget, recorded like a run so the budget slider replays."""
     try:
-        jobs = [(spec.partition(":")[0], budget, spec) for budget in panels.SWEEP_BUDGETS
+        jobs = [(spec.partition(":")[0], budget, spec) for budget in SWEEP_BUDGETS
                 for spec in specs_from_controls(names, budget, sinks, alpha, heads, "") if spec != "full"]
     except (TypeError, ValueError):
         raise RequestError("The policy controls are out of range.") from None
@@ -175,7 +241,7 @@ def on_run(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, mo
         raise shown(err) from None
     finally:
         _leave(request)
-    panels.remember(run)
+    RECENT_RUNS.remember(run)
     steps = len(run.traces[0].tokens)
     replayed = "replayed from the store" if all(run.replayed) else "computed"
     cached = "" if STORE.available else " The trace store is unavailable here, so this run is not cached."
@@ -245,7 +311,9 @@ def on_tsne(run_id, policy, layer, head):
     if not run_id:
         raise gr.Error("Run something first.", print_exception=False)
     try:
-        return panels.tsne(load_run(run_id), policy, layer, head)
+        shown_run = load_run(run_id)
+        keys = panels.tsne_keys(shown_run.run, policy, layer, head)
+        return panels.tsne_map(keys, shown_run.tsne_embedding(keys))
     except ValueError as err:  # e.g. that policy is not part of this run
         raise shown(err) from None
 
@@ -263,9 +331,10 @@ def prune_exports(max_age_s: float = EXPORT_TTL_S) -> None:
 def on_export(run_id, layer, head, step, alpha):
     if not run_id:
         raise gr.Error("Run something first.", print_exception=False)
-    run = load_run(run_id)
+    shown_run = load_run(run_id)
+    run = shown_run.run
     prune_exports()
-    figures = panels.figures_html(run, layer, head, panels.clamp_step(run, step), alpha)
+    figures = panels.figures_html(run, layer, head, panels.clamp_step(run, step), alpha, shown_run.non_recent_shares)
     EXPORTS.mkdir(parents=True, exist_ok=True)
     path = Path(tempfile.mkdtemp(dir=EXPORTS)) / f"kvlens-{run_id[:12]}.zip"
     path.write_bytes(api.export_zip(run, {"figures.html": figures}))
@@ -286,14 +355,14 @@ def on_load(request: gr.Request):
         run = api.reopen(run_id, STORE)
     except RequestError as err:
         return None, f"**{html.escape(str(err))}**"
-    panels.remember(run)
+    RECENT_RUNS.remember(run)
     return run.run_id, "Opened a shared run from the store."
 
 
 def build() -> gr.Blocks:
     # Gradio's own copies of exported zips are deleted within 20 minutes of their making.
     with gr.Blocks(title="KV Lens", delete_cache=(EXPORT_TTL_S, EXPORT_TTL_S)) as demo:
-        gr.Markdown(panels.INTRO)
+        gr.Markdown(NOTES["intro"])
         run_id = gr.State(None)
         with gr.Row():
             with gr.Column(scale=1, min_width=320):

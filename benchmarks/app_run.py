@@ -50,11 +50,11 @@ def main() -> None:
         cold = f"{min(colds):.1f} s" + (f" (worst {max(colds):.1f} s)" if len(colds) > 1 else "")
         replays, renders = [], []
         for _ in range(5):
-            app.panels._runs.clear()
+            app.RECENT_RUNS.clear()
             start = time.perf_counter()
             again = api.reopen(run.run_id, app.STORE)
             replays.append(time.perf_counter() - start)
-            app.panels.remember(again)
+            app.RECENT_RUNS.remember(again)
             start = time.perf_counter()
             app.render_run(run.run_id)
             app.render_views(run.run_id, "all", "all", 10_000, 0.3)

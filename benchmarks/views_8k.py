@@ -139,7 +139,7 @@ def synthetic_run(n: int = 8192, budget: int = BUDGET, seed: int = 0) -> SimpleN
               _trace(n, f"tova:{b}", "eviction", budget, rng, evicted_at=_evictions(n, budget, rng, protect_sinks=1)),
               _trace(n, f"a2sf:{b},alpha=0.1", "eviction", budget, rng, evicted_at=_evictions(n, budget, rng, 4, 16)),
               _trace(n, f"oracle:{b}", "selection", budget, rng, spans=_oracle_spans(n, budget, rng))]
-    return SimpleNamespace(run_id="synthetic-8k", traces=traces, full=full, extra={})
+    return SimpleNamespace(run_id="synthetic-8k", traces=traces, full=full)
 
 
 def views(n: int) -> dict:
@@ -147,6 +147,14 @@ def views(n: int) -> dict:
     from viz import panels
 
     last, middle = n - 1, n // 2
+    embeddings = {}  # as the app keeps them per run: the second t-SNE view reuses the first's embedding
+
+    def tsne(run):
+        keys = panels.tsne_keys(run, "tova", "15", "1")
+        if keys.memo_key not in embeddings:
+            embeddings[keys.memo_key] = panels.tsne_embedding(keys)
+        return panels.tsne_map(keys, embeddings[keys.memo_key])
+
     return {
         "summary table": lambda run: panels.summary_table(run),
         "masks, all layers, all heads (binned)": lambda run: panels.heatmaps(run, "all", "all"),
@@ -160,8 +168,8 @@ def views(n: int) -> dict:
         "A2S vs A2SF (both figures)": lambda run: panels.score_curves(run, "15", "1", 0.3, middle),
         "divergence + continuations": lambda run: panels.divergence(run),
         "retention (3 figures + POS table)": lambda run: panels.retention(run),
-        "t-SNE (first time: embedding)": lambda run: panels.tsne(run, "tova", "15", "1"),
-        "t-SNE (again: cached embedding)": lambda run: panels.tsne(run, "tova", "15", "1"),
+        "t-SNE (first time: embedding)": tsne,
+        "t-SNE (again: cached embedding)": tsne,
         "export figures.html (plotly.js inlined)": lambda run: panels.figures_html(run, "all", "all", middle, 0.3),
     }
 

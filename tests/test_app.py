@@ -70,7 +70,7 @@ def test_deep_link_and_views_render_a_stored_run(tiny_session):
     run = api.run(RunRequest(prompt="one two three four five six seven eight nine ten",
                                      specs=["tova:budget=6", "oracle:budget=6", "sparq:budget=6,r=4"], mode="prompt"),
                           tiny_session)
-    app.panels._runs.clear()
+    app.RECENT_RUNS.clear()
     run_id, status = app.on_load(SimpleNamespace(query_params={"run": run.run_id}))
     assert run_id == run.run_id and "shared run" in status
     summary, divergence, continuations, first_token, non_recent, by_position, pos_table, share = app.render_run(run_id)
@@ -90,6 +90,30 @@ def test_deep_link_and_views_render_a_stored_run(tiny_session):
     with zipfile.ZipFile(app.on_export(run_id, "all", "all", 5, 0.3)) as z:
         figures = z.read("figures.html").decode()
         assert figures.count("plotly-graph-div") >= 7 and "tova:budget=6" in figures
+
+
+def test_a_shown_run_computes_its_slow_views_once(tiny_session, monkeypatch):
+    """The non-recent shares (summary and retention), the POS table and a t-SNE embedding are made once per
+    run the app shows; the export reuses the shares and never tags."""
+    run = api.run(RunRequest(prompt="one two three four five six seven eight nine ten",
+                             specs=["tova:budget=6"], mode="prompt"), tiny_session)
+    calls = []
+
+    def counted(name):
+        real = getattr(app.panels, name)
+        monkeypatch.setattr(app.panels, name, lambda *a: calls.append(name) or real(*a))
+
+    for name in ("non_recent_shares", "pos_lifetime_table", "tsne_embedding"):
+        counted(name)
+    app.RECENT_RUNS.clear()
+    first = app.render_run(run.run_id)
+    again = app.render_run(run.run_id)
+    assert first[0].equals(again[0]) and first[6].equals(again[6])
+    app.on_tsne(run.run_id, "tova", "1", "0")
+    app.on_tsne(run.run_id, "tova", "1", "0")
+    app.on_tsne(run.run_id, "tova", "0", "0")  # another layer: its own embedding
+    app.on_export(run.run_id, "all", "all", 5, 0.3)
+    assert sorted(calls) == ["non_recent_shares", "pos_lifetime_table", "tsne_embedding", "tsne_embedding"]
 
 
 def test_zoom_controls_become_a_window_inside_the_text():

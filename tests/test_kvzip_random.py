@@ -144,7 +144,7 @@ def test_kvzip_rereads_each_token_once_and_the_summary_shows_the_extra_pass(tiny
     assert traces[0].meta["extra_pass_tokens"] == expected
     assert "extra_pass_tokens" not in traces[1].meta
     assert sorted(set(np.unique(traces[0].evicted_at)) - {-1}) == [12, 16, 20, 24, 28, 32, 36, 40]
-    table = viz.panels.summary_table(SimpleNamespace(traces=traces, full=full, extra={}))
+    table = viz.panels.summary_table(SimpleNamespace(traces=traces, full=full))
     assert list(table["Extra pass"]) == [f"{expected:,} tokens ({expected / 40:.1f}x the text)", "—"]
     assert table["Decides"][0] == "every 4 tokens, after a reconstruction pass"
 

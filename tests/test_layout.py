@@ -93,3 +93,57 @@ def test_backend_keeps_a_handful_of_top_level_modules():
     packages = sorted(p.name for p in (ROOT / "backend").iterdir() if (p / "__init__.py").exists())
     assert len(modules) <= 8, modules
     assert set(packages) == {*MAY_IMPORT}, packages
+
+
+MUTABLE_CALLS = {"dict", "list", "set", "bytearray", "OrderedDict", "defaultdict", "deque", "Counter"}
+MUTABLE_LITERALS = (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)
+
+
+def module_level_statements(body):
+    """A module's statements outside functions: inside if/try/with/for blocks and class bodies too."""
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        yield node
+        for field in ("body", "orelse", "finalbody", "handlers"):
+            yield from module_level_statements(getattr(node, field, []))
+
+
+def mutable_value(node) -> bool:
+    if isinstance(node, MUTABLE_LITERALS):
+        return True
+    if isinstance(node, ast.Call):
+        func = node.func
+        name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+        return name in MUTABLE_CALLS
+    return False
+
+
+def test_viz_holds_no_state_plain_data_in_figures_out():
+    """The app owns state (the runs it shows, their memos, its locks): viz imports neither Gradio nor
+    threading, and keeps no mutable container at module level that a view could fill."""
+    paths = sorted((ROOT / "viz").rglob("*.py"))
+    assert paths
+    for path in paths:
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):  # function-level imports included
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            for name in names:
+                assert name.split(".")[0] not in ("gradio", "threading"), f"{path.name} imports {name}"
+        for node in module_level_statements(tree.body):
+            if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) and node.value is not None:
+                assert not mutable_value(node.value), f"{path.name}:{node.lineno} keeps a mutable container"
+
+
+def test_viz_modules_keep_no_mutable_container_once_imported():
+    """What the source check cannot see: a module-level value built by a helper (say, a dict of colours)."""
+    import collections
+    import importlib
+
+    for path in sorted((ROOT / "viz").rglob("*.py")):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        module = importlib.import_module(name)
+        for key, value in vars(module).items():
+            if not (key.startswith("__") and key.endswith("__")):  # __builtins__, __annotations__
+                assert not isinstance(value, (dict, list, set, bytearray, collections.deque)), f"{name}.{key}"

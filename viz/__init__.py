@@ -19,9 +19,9 @@ from .retention import (first_token_retention_figure, lifetime_by_position_figur
                         pos_table, pos_table_html)
 from .tsne import tsne_figure
 
-__all__ = [
+__all__ = (
     "continuations_html", "divergence_figure", "first_token_retention_figure", "heatmap_values",
     "kept_tokens_html", "lifetime_by_position_figure", "mask_heatmap", "mask_heatmaps", "non_recent_share_figure",
     "policy_colors", "pos_table", "pos_table_html", "running_agreement", "score_curves_figure",
     "score_over_steps_figure", "summary_table", "tsne_figure",
-]
+)

@@ -10,7 +10,8 @@ figure (``colors=``); figures called without it compute the same mapping from th
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
 
 EXTRA_COLORS = ("#44AA99", "#332288", "#AA4499", "#117733", "#DDCC77", "#6699CC", "#661100", "#888888")
 
@@ -27,9 +28,10 @@ def family_colors() -> dict[str, str]:
     return out
 
 
-FAMILY_COLORS: dict[str, str] = family_colors()  # the built-ins; policy_colors asks again (plugins)
+# The built-ins; policy_colors asks the registry again (plugins).
+FAMILY_COLORS: Mapping[str, str] = MappingProxyType(family_colors())
 # Other names the papers use for the same family (``streamingllm`` is a policy of its own: re-rotated sinks).
-ALIASES = {"a2s": "h2o", "ideal": "oracle"}
+ALIASES = MappingProxyType({"a2s": "h2o", "ideal": "oracle"})
 # Shade steps for the 2nd, 3rd, ... policy of one family: > 0 mixes with white, < 0 with black.
 SHADES = (0.0, 0.4, -0.35, 0.65, -0.55, 0.2, -0.2)
 

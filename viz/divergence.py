@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 
 import numpy as np
 import pandas as pd
@@ -23,17 +24,17 @@ from .colors import family, policy_colors
 from .style import finish, plotly_text
 
 SUMMARY_COLUMNS = ("Policy", "Perplexity", "Mean KL to Full (nats)", "Top-1 agreement", "Similarity to oracle")
-_ALIASES = {
+_ALIASES = MappingProxyType({
     "Policy": ("policy", "name", "spec"),
     "Perplexity": ("ppl", "perplexity"),
     "Mean KL to Full (nats)": ("mean_kl", "kl", "kl_to_full"),
     "Top-1 agreement": ("top1_agreement", "top1"),
     "Similarity to oracle": ("oracle_similarity", "similarity_to_oracle", "oracle_sim"),
-}
+})
 MISSING = "—"
 
 
-# Shown with the divergence view when StreamingLLM runs (positions in the cache vs the text).
+# Shown with the divergence view when StreamingLLM runs: positions in the cache vs in the text.
 REROTATION_NOTE = (
     "<p><b>StreamingLLM re-rotates; sinks does not.</b> <code>streamingllm</code> and <code>sinks</code> read the "
     "same tokens: the first few (attention sinks) and the latest ones. <code>sinks</code> keeps every key at its "

@@ -13,7 +13,7 @@ from plotly.subplots import make_subplots
 from .style import finish, plotly_text
 
 MAX_COLUMNS = 4  # heatmaps side by side before wrapping
-FOUND_COLORS = [[0, "#d73027"], [0.5, "#fee08b"], [1, "#1a9850"]]
+FOUND_COLORS = ((0, "#d73027"), (0.5, "#fee08b"), (1, "#1a9850"))
 
 
 def _panels(df: pd.DataFrame) -> tuple[list[str], pd.Series]:

@@ -1,18 +1,17 @@
 """The app's views of one run: traces -> metrics (backend.analysis.metrics, pure) -> figures (viz). No Gradio.
 
-Each function takes a ``backend.api.Run`` and the view's selectors and returns what one
-component of the page shows. Layer and head selectors are strings: ``"all"`` or an index. Nothing
-here builds a [T, T] array: at 8k tokens masks are binned or windowed (``backend/analysis/reads.py``), score
-curves follow a few tokens, and the text view shows a window around the step.
+Each function takes a ``backend.api.Run``, the view's selectors and, where a view shares a slow result with
+another (the non-recent shares, the POS table, a t-SNE embedding), that result; it returns what one component
+of the page shows and changes none of its inputs. The app keeps the slow results per run and passes them in;
+left out, they are computed. Layer and head selectors are strings: ``"all"`` or an index. Nothing here builds
+a [T, T] array: at 8k tokens masks are binned or windowed (``backend/analysis/reads.py``), score curves follow
+a few tokens, and the text view shows a window around the step.
 """
 from __future__ import annotations
 
 import dataclasses
 import html
 import math
-import threading
-from collections import OrderedDict
-from collections.abc import Callable
 
 import numpy as np
 import pandas as pd
@@ -31,35 +30,7 @@ from .retention import first_token_retention_figure, lifetime_by_position_figure
 from .sweep import sweep_figure as sweep_plot
 from .tsne import tsne_figure
 
-SWEEP_BUDGETS = (8, 16, 24, 32, 48, 64, 96, 128)
 TSNE_POINTS = 512  # keys a t-SNE map embeds: both maps take 1-2.6 s at 512 on two cores, 4x that at 1024
-INTRO = """# KV Lens
-**See what KV-cache policies keep.** Type a prompt, pick policies side by side, and KV Lens runs
-SmolLM2-135M-Instruct with an instrumented cache: at every token each policy decides which cached tokens the query
-may read. Budget = cached tokens each query reads. Every run is stored, so revisiting it, sharing its link or moving
-the budget slider over a computed sweep replays instantly."""
-
-_runs: OrderedDict = OrderedDict()  # run_id -> Run, the few most recent (the store holds them all)
-_runs_lock = threading.Lock()
-KEEP_RUNS = 4  # a run at the limits holds ~100 MB of traces; the store replays older ones in milliseconds
-
-
-def remember(run) -> None:
-    with _runs_lock:  # page loads (unqueued) and views may remember runs at the same time
-        _runs[run.run_id] = run
-        _runs.move_to_end(run.run_id)
-        while len(_runs) > KEEP_RUNS:
-            _runs.popitem(last=False)
-
-
-def cached_run(run_id: str, load: Callable):
-    with _runs_lock:
-        run = _runs.get(run_id)
-    if run is None:
-        run = load()
-        remember(run)
-    return run
-
 
 ZOOM_SIZES = (64, 128, 256)  # a zoom window's side in tokens: six 256 x 256 panels are ~2.3 MB of JSON
 
@@ -142,10 +113,12 @@ def _nearest_recorded(trace: Trace, layer: str) -> int:
     return min(recorded, key=lambda r: abs(r - int(layer)))
 
 
-def summary_table(run) -> pd.DataFrame:
+def summary_table(run, shares: dict[str, np.ndarray] | None = None) -> pd.DataFrame:
     """Per policy: perplexity, KL and top-1 agreement vs Full, similarity to the oracle's masks (when an
     oracle ran on the same tokens), how long token 0 stayed (TOVA Fig. 8), the non-recent share of
-    what was read (TOVA Sec. 6.1) and, when a policy makes one, the tokens of its second pass (KVzip)."""
+    what was read (TOVA Sec. 6.1; ``shares`` from ``non_recent_shares``) and, when a policy makes one, the
+    tokens of its second pass (KVzip)."""
+    shares = non_recent_shares(run) if shares is None else shares
     oracle = next((t for t in run.traces if t.meta["policy"] == "oracle"), None)
     rows, first_token, non_recent = [], [], []
     for trace in run.traces:
@@ -156,7 +129,7 @@ def summary_table(run) -> pd.DataFrame:
                 budget, len(trace.tokens) - 1))["overall"]
         rows.append(row)
         first_token.append(f"{metrics.first_token_retention(trace)[:, 0].mean():.0%}")
-        share = _non_recent_shares(run).get(trace.spec)  # per layer; overall = mean over layers
+        share = shares.get(trace.spec)  # per layer; overall = mean over layers
         non_recent.append("—" if share is None else f"{share.mean():.0%}")
     frame = summary_frame(rows)
     if oracle is None:  # a column of dashes only pushes the others out of view
@@ -234,9 +207,23 @@ def score_curves(run, layer: str, head: str, alpha: float, step: int) -> tuple[g
     return snapshot, over_steps
 
 
-def tsne(run, policy: str, layer: str, head: str) -> go.Figure:
-    from backend.analysis.tsne import embed_keys  # scikit-learn is imported only when someone asks
+@dataclasses.dataclass(frozen=True, eq=False)
+class TsneKeys:
+    """The keys one t-SNE map embeds: one KV head of one recorded layer of one trace, evenly sampled."""
 
+    trace: Trace
+    layer: int
+    head: int
+    samples: metrics.KeySamples
+
+    @property
+    def memo_key(self) -> tuple[str, int, int]:
+        """What decides the embedding: the same policy, layer and head embed the same keys."""
+        return self.trace.spec, self.layer, self.head
+
+
+def tsne_keys(run, policy: str, layer: str, head: str) -> TsneKeys:
+    """The keys of ``policy``'s trace at the recorded layer nearest ``layer``; ValueError when it did not run."""
     trace = next((t for t in [*run.traces, run.full] if t.meta["policy"] == policy), None)
     if trace is None:
         raise ValueError(f"{policy} is not in this run")
@@ -248,18 +235,32 @@ def tsne(run, policy: str, layer: str, head: str) -> go.Figure:
         samples = dataclasses.replace(samples, before_rope=samples.before_rope[pick],
                                       after_rope=samples.after_rope[pick], kept=samples.kept[pick],
                                       positions=samples.positions[pick])
-    # The embedding is the slow part (~2 s at 512 keys): asking again for the same keys is instant.
-    cache = run.extra.setdefault("tsne", {})
-    key = (trace.spec, at_layer, at_head)
-    if key not in cache:
-        cache[key] = embed_keys(samples.before_rope, samples.after_rope)
-    before, after = cache[key]
+    return TsneKeys(trace, at_layer, at_head, samples)
+
+
+def tsne_embedding(keys: TsneKeys) -> tuple[np.ndarray, np.ndarray]:
+    """The keys before and after RoPE in 2-D: the slow part of the view (~2 s at 512 keys)."""
+    from backend.analysis.tsne import embed_keys  # scikit-learn is imported only when someone asks
+
+    return embed_keys(keys.samples.before_rope, keys.samples.after_rope)
+
+
+def tsne_map(keys: TsneKeys, embedding: tuple[np.ndarray, np.ndarray]) -> go.Figure:
+    """The two maps of ``keys`` from their ``tsne_embedding``."""
+    before, after = embedding
+    trace, samples = keys.trace, keys.samples
     texts = trace.meta["token_texts"]
     n = len(trace.tokens)
     sampled = "" if len(samples.positions) == n else f" ({len(samples.positions)} of {n} positions, evenly spread)"
     return tsne_figure(before, after, samples.kept, [texts[p] for p in samples.positions], samples.positions,
-                       title=f"{trace.spec}: keys of layer {at_layer}, KV head {at_head}{sampled}, "
+                       title=f"{trace.spec}: keys of layer {keys.layer}, KV head {keys.head}{sampled}, "
                              f"kept at the last step")
+
+
+def tsne(run, policy: str, layer: str, head: str) -> go.Figure:
+    """Keys before/after RoPE of one policy, embedded afresh (the app reuses embeddings: ``tsne_map``)."""
+    keys = tsne_keys(run, policy, layer, head)
+    return tsne_map(keys, tsne_embedding(keys))
 
 
 def divergence(run) -> tuple[go.Figure, str]:
@@ -276,33 +277,38 @@ def divergence(run) -> tuple[go.Figure, str]:
     return figure, notes + continuations_html(rows)
 
 
-def _non_recent_shares(run) -> dict[str, np.ndarray]:
-    """Per compressing policy whose budget is shorter than the text: the non-recent share per layer.
-    Kept in ``run.extra`` because the summary table and the retention view both show it."""
-    if "non_recent_share" not in run.extra:
-        run.extra["non_recent_share"] = {
-            t.spec: metrics.non_recent_share(t)["per_layer"] for t in run.traces
+def non_recent_shares(run) -> dict[str, np.ndarray]:
+    """Per compressing policy whose budget is shorter than the text: the non-recent share per layer (the
+    summary table and the retention view both show it)."""
+    return {t.spec: metrics.non_recent_share(t)["per_layer"] for t in run.traces
             if t.meta["kind"] != "full" and _budget(t) and len(t.tokens) > _budget(t)}
-    return run.extra["non_recent_share"]
 
 
 def _continuation_texts(trace: Trace) -> list[str]:
     return trace.meta["token_texts"][trace.meta["n_prompt"]:]
 
 
-def retention(run) -> tuple[go.Figure, go.Figure, go.Figure, pd.DataFrame]:
-    """Token 0's retention and the non-recent share per layer, lifetime by position (TOVA Fig. 8 and
-    Sec. 6.1), and the mean lifetime per part of speech (Tables 1 and 4)."""
+def retention_figures(run, shares: dict[str, np.ndarray] | None = None) -> tuple[go.Figure, go.Figure, go.Figure]:
+    """Token 0's retention and the non-recent share per layer (``shares`` from ``non_recent_shares``), and
+    lifetime by position (TOVA Fig. 8 and Sec. 6.1)."""
+    shares = non_recent_shares(run) if shares is None else shares
     compressed = [t for t in run.traces if t.meta["kind"] != "full"]
     colors = policy_colors([t.spec for t in compressed])
     first = first_token_retention_figure({t.spec: metrics.first_token_retention(t)[:, 0] for t in compressed},
                                          colors=colors, title="Share of steps token 0 stays cached, per layer")
-    shares = _non_recent_shares(run)
     non_recent = non_recent_share_figure(shares, colors=colors, x_title="layer",
                                          title="Share of what each query reads that lies outside its last budget tokens")
     lifetimes = {t.spec: metrics.mean_lifetime_by_position(t) for t in compressed}
     by_position = lifetime_by_position_figure(lifetimes, colors=colors) if lifetimes else go.Figure()
-    return (first, non_recent, by_position, _pos_table(run))
+    return first, non_recent, by_position
+
+
+def retention(run, shares: dict[str, np.ndarray] | None = None,
+              pos_lifetimes: pd.DataFrame | None = None) -> tuple[go.Figure, go.Figure, go.Figure, pd.DataFrame]:
+    """The retention figures and the mean lifetime per part of speech (TOVA Tables 1 and 4;
+    ``pos_lifetimes`` from ``pos_lifetime_table``)."""
+    table = pos_lifetime_table(run) if pos_lifetimes is None else pos_lifetimes
+    return (*retention_figures(run, shares), table)
 
 
 class _SharedTagger:
@@ -318,11 +324,9 @@ class _SharedTagger:
         return self.seen[key]
 
 
-def _pos_table(run) -> pd.DataFrame:
-    """Mean lifetime per part of speech and eviction policy, kept in ``run.extra`` (tagging 8k tokens takes
-    seconds, and the export asks again)."""
-    if "pos_table" in run.extra:
-        return run.extra["pos_table"]
+def pos_lifetime_table(run) -> pd.DataFrame:
+    """Mean lifetime per part of speech and eviction policy (tagging 8k tokens takes seconds), or a note
+    saying why there is none."""
     evicting = [t for t in run.traces if t.evicted_at is not None]
     if not evicting:
         return pd.DataFrame({"note": ["Pick an eviction policy to see which parts of speech it keeps."]})
@@ -332,16 +336,16 @@ def _pos_table(run) -> pd.DataFrame:
         columns = {spec: col.rename(index={"\n": "\\n (line break)"}) for spec, col in columns.items()}
     except pos.TaggerUnavailable as err:
         return pd.DataFrame({"note": [str(err)]})
-    table = pos_table(pd.DataFrame(columns)).rename(
+    return pos_table(pd.DataFrame(columns)).rename(
         columns=lambda c: c if c in ("tag", "pos") else f"{c} (mean steps kept)")
-    run.extra["pos_table"] = table
-    return table
 
 
-def figures_html(run, layer: str, head: str, step: int, alpha: float) -> str:
-    """Every figure of the run for the given selectors, in one offline HTML page (plotly.js inlined once)."""
+def figures_html(run, layer: str, head: str, step: int, alpha: float,
+                 shares: dict[str, np.ndarray] | None = None) -> str:
+    """Every figure of the run for the given selectors, in one offline HTML page (plotly.js inlined once);
+    ``shares`` from ``non_recent_shares``. The POS table is no figure: an export never tags."""
     figures = [heatmaps(run, layer, head), *score_curves(run, layer, head, alpha, step), divergence(run)[0],
-               *retention(run)[:3]]
+               *retention_figures(run, shares)]
     parts = [fig.to_html(full_html=False, include_plotlyjs=(i == 0)) for i, fig in enumerate(figures)]
     title = html.escape(f"KV Lens run {run.run_id[:12]}: {', '.join(t.spec for t in run.traces)}")
     return f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title></head><body><h2>{title}</h2>" + \

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import html
 from collections.abc import Sequence
+from types import MappingProxyType
 
 import plotly.graph_objects as go
 
 TEMPLATE = "plotly_white"
-FONT = dict(family="Inter, Segoe UI, Helvetica, Arial, sans-serif", size=13)
-HOVERLABEL = dict(bgcolor="white", font_size=12, align="left")
+FONT = MappingProxyType(dict(family="Inter, Segoe UI, Helvetica, Arial, sans-serif", size=13))
+HOVERLABEL = MappingProxyType(dict(bgcolor="white", font_size=12, align="left"))
 
 
 def visible_token(text: str, max_len: int = 24) -> str:
@@ -56,7 +57,7 @@ def tick_stride(n: int, target: int = 16) -> int:
 def finish(fig: go.Figure, title: str, height: int | None = None, **layout) -> go.Figure:
     """Apply the light template, title, fonts and hover style shared by every figure."""
     fig.update_layout(template=TEMPLATE, title=dict(text=plotly_text(title), x=0.01, xanchor="left"),
-                      font=FONT, hoverlabel=HOVERLABEL, margin=dict(l=60, r=30, t=70, b=55), **layout)
+                      font=dict(FONT), hoverlabel=dict(HOVERLABEL), margin=dict(l=60, r=30, t=70, b=55), **layout)
     if height is not None:
         fig.update_layout(height=height)
     return fig

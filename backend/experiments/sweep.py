@@ -20,6 +20,7 @@ from ..traces.store import TraceStore
 
 DEFAULT_POLICIES = "window,sinks,h2o,tova"
 DEFAULT_BUDGETS = "16,32,64,128"
+SWEEP_BUDGETS = (8, 16, 24, 32, 48, 64, 96, 128)  # the app's sweep: stored, so its budget slider then replays
 MAX_ROWS = 32  # policy rows per runner call (Full's row comes on top); bounds memory on long texts
 COLUMNS = ["policy", "budget", "spec", "ppl", "kl_to_full", "top1_agreement", "tokens"]
 
