@@ -39,7 +39,9 @@ POLICY_CHOICES = list(POLICIES)
 DEFAULT_POLICIES = ["sinks", "tova", "a2sf", "reattention"]
 DEFAULT_BUDGET = 40
 STORE = TraceStore()  # never raises: a broken store is set aside, an unusable one means "not cached"
-ADMISSION = Admission(per_session=1, per_address=int(os.environ.get("KVLENS_RUNS_PER_ADDRESS", "4")))
+QUEUE_SIZE = 64  # model jobs waiting or running; Admission enforces it (Gradio checks its cap before the validator)
+ADMISSION = Admission(per_session=1, per_address=int(os.environ.get("KVLENS_RUNS_PER_ADDRESS", "4")), queue=QUEUE_SIZE)
+TICKET = "kvlens_ticket"  # where a job's admission ticket rides from its validator to its run
 EXPORTS = Path(tempfile.gettempdir()) / f"kvlens-exports-{os.getpid()}"
 EXPORT_TTL_S = 600  # Gradio serves an export from its own cache; our copy goes once it has been handed over
 MAX_BODY = 4 * LIMITS.text_chars + 64 * 1024  # the longest allowed prompt as UTF-8, plus the other inputs
@@ -130,10 +132,16 @@ def sweep_request(prompt, mode, max_new, names, sinks, alpha, heads, model):
                                 chat=True, record=True)
 
 
-def _visitor(request: gr.Request | None) -> tuple[str, str]:
-    """(browser session, client address) of a request."""
-    session_hash = getattr(request, "session_hash", None) or "anonymous"
+def _visitor(request: gr.Request | None) -> tuple[str | None, str]:
+    """(browser session, or None for a raw API call; client address) of a request."""
+    session_hash = getattr(request, "session_hash", None) or None
     return session_hash, getattr(getattr(request, "client", None), "host", None) or "unknown"
+
+
+def _carrier(request: gr.Request | None):
+    """The state of the HTTP request behind ``request``: Gradio hands the same HTTP request to a job's validator
+    and to its run, while the session hash of a raw API call is assigned in between."""
+    return getattr(getattr(request, "request", None), "state", None)
 
 
 def _refuse(message: str, n_inputs: int) -> list:
@@ -148,7 +156,12 @@ def _verdicts(check, n_inputs: int, request: gr.Request | None):
     except RequestError as err:
         return _refuse(str(err), n_inputs)
     ticket, reason = ADMISSION.enter(*_visitor(request))
-    return _refuse(reason, n_inputs) if ticket is None else [gr.validate(True, "")] * n_inputs
+    if ticket is None:
+        return _refuse(reason, n_inputs)
+    carrier = _carrier(request)
+    if carrier is not None:  # without one the ticket expires (Admission.expire_s)
+        setattr(carrier, TICKET, ticket)
+    return [gr.validate(True, "")] * n_inputs
 
 
 def check_run(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model, request: gr.Request = None):
@@ -163,7 +176,11 @@ def check_sweep(prompt, mode, max_new, names, sinks, alpha, heads, model, reques
 
 
 def _leave(request: gr.Request | None) -> None:
-    ADMISSION.leave_one(_visitor(request)[0])
+    """The job's slot is free again: the ticket its validator took."""
+    carrier = _carrier(request)
+    if carrier is not None:
+        ADMISSION.leave(getattr(carrier, TICKET, None))
+        setattr(carrier, TICKET, None)
 
 
 def on_run(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model, request: gr.Request = None,
@@ -433,7 +450,7 @@ def build() -> gr.Blocks:
 
 
 demo = build()
-demo.queue(default_concurrency_limit=1, max_size=64)
+demo.queue(default_concurrency_limit=1, max_size=QUEUE_SIZE)
 
 
 def launch(**options) -> None:
