@@ -35,6 +35,7 @@ class Run:
     run_id: str = ""
     request: object = None
     tokens: int = field(default=0)  # the text's length in tokens (the prompt's in generate mode)
+    extra: dict = field(default_factory=dict)  # what the views derive once per run (t-SNE, shares, POS table)
 
 
 def trace_key(lm: LoadedModel, ids: Sequence[int], policy: Policy, mode: str, max_new_tokens: int,
