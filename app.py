@@ -195,7 +195,7 @@ def on_run(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, mo
     panels.remember(run)
     steps = len(run.traces[0].tokens)
     replayed = "replayed from the store" if all(run.replayed) else "computed"
-    cached = "" if STORE.available else " The trace store is unavailable here, so this run is not cached."
+    cached = "" if run.stored else " The trace store cannot keep runs here, so this run is not cached."
     status = f"{len(run.traces)} policies, {steps} tokens, {replayed}.{cached}"
     meta = run.full.meta  # the selectors follow the model's shape (allow-listed models differ)
     return (run.run_id, status, gr.update(maximum=steps - 1, value=steps - 1),

@@ -2,11 +2,13 @@
 import io
 import json
 import os
+import sqlite3
 import time
 import zipfile
 from pathlib import Path
 from types import SimpleNamespace
 
+import diskcache
 import numpy as np
 import pytest
 
@@ -124,6 +126,26 @@ def test_budget_sweep_stores_every_budget_and_the_slider_replays(tiny_session):
                                                   "paper default", "", DEFAULT_MODEL, progress=lambda *a, **k: None)
     assert "replayed from the store" in status
     assert layers["choices"] == ["all", "0", "1"] and heads["choices"] == ["all", "0", "1"]  # the tiny model
+
+
+def test_a_store_that_cannot_write_says_the_run_is_not_cached_and_offers_no_link(tiny_session, monkeypatch):
+    def disk_full(self, *args):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    with monkeypatch.context() as full:
+        full.setattr(diskcache.Cache, "_row_insert", disk_full)
+        full.setattr(diskcache.Cache, "_row_update", disk_full)
+        run_id, status, *_ = app.on_run("the cat sat on the mat", "prompt", 8, ["tova"], 16, 4, 0.1, "paper default",
+                                        "", DEFAULT_MODEL, progress=lambda *a, **k: None)
+        assert status.endswith("computed. The trace store cannot keep runs here, so this run is not cached."), status
+        share = app.render_run(run_id)[-1]
+        assert "?run=" not in share and run_id not in share and "not stored" in share
+        with pytest.raises(RequestError, match="no longer stored"):
+            api.reopen(run_id, tiny_session)
+    # Space again: the same run is stored, with its link.
+    run_id, status, *_ = app.on_run("the cat sat on the mat", "prompt", 8, ["tova"], 16, 4, 0.1, "paper default", "",
+                                    DEFAULT_MODEL, progress=lambda *a, **k: None)
+    assert status.endswith("computed.") and f"?run={run_id}" in app.render_run(run_id)[-1]
 
 
 def test_exports_leave_nothing_behind_once_handed_over(tiny_session, tmp_path, monkeypatch):

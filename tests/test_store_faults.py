@@ -88,7 +88,7 @@ def assert_uncached(st: TraceStore) -> None:
     """A no-op store: misses, stores nothing, never raises."""
     assert not st.available
     assert st.disabled_reason
-    st.put("k", b"data")
+    assert st.put("k", b"data") is False
     assert st.get("k") is None
     assert "k" not in st
     assert st.volume() == 0
@@ -452,7 +452,7 @@ def test_full_disk_put_is_not_cached(tmp_path, caplog, monkeypatch, failure, siz
     monkeypatch.setattr(owner, name, replacement)
 
     with caplog.at_level(logging.WARNING, logger="backend.traces.store"):
-        st.put("k0" if "update" in failure else "new", payload(size, seed=7))  # returns normally
+        assert st.put("k0" if "update" in failure else "new", payload(size, seed=7)) is False  # no raise
     (log_line,) = warnings(caplog)
     assert "not cached" in log_line
     assert value_files(directory) == files  # no partial or unreferenced file left behind
@@ -462,6 +462,7 @@ def test_full_disk_put_is_not_cached(tmp_path, caplog, monkeypatch, failure, siz
     assert get_or_compute(st, "other", lambda: b"computed") == (b"computed", False)
 
     monkeypatch.undo()  # space again
+    assert st.put("new", payload(size, seed=7)) is True
     assert_works(st)
     st.close()
 
@@ -486,7 +487,7 @@ def test_read_only_database_still_serves_reads(tmp_path, caplog, monkeypatch):
         for key, data in values.items():
             assert st.get(key) == data
         assert warnings(caplog) == []
-        st.put("new", payload(LARGE, seed=5))
+        assert st.put("new", payload(LARGE, seed=5)) is False
         assert sum("not cached" in line for line in warnings(caplog)) == 1
     assert st.get("new") is None
     assert len(value_files(directory)) == 2  # the refused value's file was removed

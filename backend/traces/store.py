@@ -39,8 +39,9 @@ raises for the state of the disk, and each event below logs one warning:
   a path that is not ours to move), it runs uncached: ``get`` misses, ``put``
   does nothing, and :attr:`TraceStore.available` is ``False``, with
   :attr:`TraceStore.disabled_reason` saying why.
-- A full disk or read-only database makes ``put`` log "not cached" and return;
-  ``get`` still returns stored data (it then skips marking the entry as used).
+- A full disk or read-only database makes ``put`` log "not cached" and return
+  False (``put`` says whether it stored); ``get`` still returns stored data (it
+  then skips marking the entry as used).
 - Value files that no row refers to (a database cut short or deleted, a writer
   that died) are deleted when the store is opened, once they are a few minutes
   old (younger ones may be another process's write in progress).
@@ -502,19 +503,20 @@ class TraceStore:
 
     # -- writing ------------------------------------------------------------
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes) -> bool:
         """Store ``data`` (exactly ``bytes``; anything else raises ``TypeError``)
         under ``key``, replacing any entry, then evict least-recently-used
-        entries until the store fits its size limit. A value larger than the
-        size limit is not stored. If the store cannot be written (full disk,
-        read-only), logs "not cached" and returns."""
+        entries until the store fits its size limit. Returns whether the value
+        is stored: False when the store runs uncached, for a value larger than
+        the size limit, and when the store cannot be written (full disk,
+        read-only: logs "not cached")."""
         _check_key(key)
         if type(data) is not bytes:
             raise TypeError(f"TraceStore stores bytes only, not {type(data).__name__}")
         blob = _pack(data)
         cache = self._live()
         if cache is None:
-            return
+            return False
         try:
             if len(blob) > self.size_limit:
                 log.warning(
@@ -523,11 +525,13 @@ class TraceStore:
                     self.size_limit,
                 )
                 cache.delete(key)  # don't leave an older value behind
-                return
+                return False
             _set(cache, key, blob)
             self._evict(cache)
         except _STORE_ERRORS as exc:
             self._failed(cache, exc, "could not store %s; not cached", key)
+            return False
+        return True
 
     def _evict(self, cache: diskcache.Cache) -> None:
         # diskcache's own culling removes up to ten entries at once (which can
