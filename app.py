@@ -12,6 +12,7 @@ import html
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -20,27 +21,33 @@ from pathlib import Path
 import gradio as gr
 from starlette.middleware import Middleware
 
-from backend.experiments import shipped
+from backend.environment import SettingError, check_environment, runs_per_address
 
-from backend import api
-from backend.policies import POLICIES, load_plugins
-from backend.guard import Admission, RequestGuard
-from backend.api import LIMITS, RequestError
-from backend.traces.store import TraceStore
-from viz import panels
-from viz.needle import found_rates, needle_figure, needle_table_html
-from viz.sweep import sweep_ci_figure
+try:  # every KVLENS_* setting, and the operator's plugins, before anything reads them
+    check_environment()
+except SettingError as err:
+    sys.exit(f"error: {err}")
+
+from backend.experiments import shipped  # noqa: E402
+
+from backend import api  # noqa: E402
+from backend.policies import POLICIES  # noqa: E402
+from backend.guard import Admission, RequestGuard  # noqa: E402
+from backend.api import LIMITS, RequestError  # noqa: E402
+from backend.traces.store import TraceStore  # noqa: E402
+from viz import panels  # noqa: E402
+from viz.needle import found_rates, needle_figure, needle_table_html  # noqa: E402
+from viz.sweep import sweep_ci_figure  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 EXAMPLES = {path.stem.replace("_", " "): path.read_text().strip() for path in sorted((ROOT / "assets" / "examples").glob("*.txt"))}
 FIRST_EXAMPLE = next(name for name in ("needle", "story", *EXAMPLES) if name in EXAMPLES)
-load_plugins()  # KVLENS_PLUGINS: the operator's own policies join the registry, and so every list below
-POLICY_CHOICES = list(POLICIES)
+POLICY_CHOICES = list(POLICIES)  # the operator's plugins (KVLENS_PLUGINS) joined the registry above
 DEFAULT_POLICIES = ["sinks", "tova", "a2sf", "reattention"]
 DEFAULT_BUDGET = 40
 STORE = TraceStore()  # never raises: a broken store is set aside, an unusable one means "not cached"
 QUEUE_SIZE = 64  # model jobs waiting or running; Admission enforces it (Gradio checks its cap before the validator)
-ADMISSION = Admission(per_session=1, per_address=int(os.environ.get("KVLENS_RUNS_PER_ADDRESS", "4")), queue=QUEUE_SIZE)
+ADMISSION = Admission(per_session=1, per_address=runs_per_address(), queue=QUEUE_SIZE)
 TICKET = "kvlens_ticket"  # where a job's admission ticket rides from its validator to its run
 EXPORTS = Path(tempfile.gettempdir()) / f"kvlens-exports-{os.getpid()}"
 EXPORT_TTL_S = 600  # Gradio serves an export from its own cache; our copy goes once it has been handed over

@@ -193,3 +193,15 @@ def test_killed_mid_run_restarts_completes_and_replays(app):
         assert all(store.get(key) is not None for key in keys)
         run = api.reopen(run_id, store)
     assert [trace.spec for trace in run.traces] == specs
+
+
+@pytest.mark.parametrize("name, value", [("KVLENS_MAX_POLICIES", "abc"), ("KVLENS_PLUGINS", "os.system"),
+                                         ("KVLENS_STORE_MB", "abc"), ("KVLENS_RUNS_PER_ADDRESS", "abc")])
+def test_a_malformed_setting_stops_the_app_with_one_line_naming_it(tmp_path, name, value):
+    env = {**os.environ, **OFFLINE_ENV, "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(free_port()),
+           "KVLENS_STORE_DIR": str(tmp_path / "store"), name: value}
+    result = subprocess.run([sys.executable, "app.py"], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: {name}")

@@ -57,6 +57,16 @@ def test_bad_store_size_and_out_path_are_one_line_errors(text_file, tmp_path, mo
     assert result.returncode == 2 and "not a directory" in result.stderr
 
 
+@pytest.mark.parametrize("name, value", [("KVLENS_MAX_POLICIES", "abc"), ("KVLENS_MAX_POLICIES", "0"),
+                                         ("KVLENS_PLUGINS", "os.system"), ("KVLENS_STOER_MB", "5")])
+def test_a_malformed_setting_stops_the_start_with_one_line_naming_it(text_file, tmp_path, monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    result = cli("run", "--text", str(text_file), "--policy", "tova:budget=4", "--out", str(tmp_path / "o"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: {name}")
+
+
 def test_help_lists_every_policy_and_its_parameters():
     out = cli("run", "--help").stdout
     for name in ("full", "window", "sinks", "h2o", "tova", "a2sf", "oracle"):

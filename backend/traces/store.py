@@ -263,8 +263,9 @@ def _default_directory() -> str:
     return os.environ.get(ENV_DIR) or os.path.join("~", ".cache", "kvlens", "store")
 
 
-def _default_size_limit() -> int:
-    text = os.environ.get(ENV_MB)
+def size_limit_from_env(environ=os.environ) -> int:
+    """The size limit in bytes from ``$KVLENS_STORE_MB`` (default 300 MB); ValueError names a malformed one."""
+    text = environ.get(ENV_MB)
     if not text:
         return DEFAULT_SIZE_MB * 2**20
     try:
@@ -310,7 +311,7 @@ class TraceStore:
             directory = _default_directory()
         self.directory = os.path.abspath(os.path.expanduser(os.fspath(directory)))
         if size_limit is None:
-            size_limit = _default_size_limit()
+            size_limit = size_limit_from_env()
         if isinstance(size_limit, bool) or not isinstance(size_limit, int) or size_limit <= 0:
             raise ValueError(f"size_limit must be a positive int (bytes), not {size_limit!r}")
         self.size_limit = size_limit
