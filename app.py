@@ -19,7 +19,9 @@ import time
 from pathlib import Path
 
 import gradio as gr
+from gradio.route_utils import FnIndexInferError
 from starlette.middleware import Middleware
+from starlette.responses import PlainTextResponse
 
 from backend.environment import SettingError, check_environment, runs_per_address
 
@@ -314,9 +316,34 @@ def on_load(request: gr.Request):
     return run.run_id, "Opened a shared run from the store."
 
 
+class QuietBlocks(gr.Blocks):
+    """Blocks whose inputs' refusals (a value out of a component's range, of the wrong type: anyone can send
+    any JSON) are one line for the visitor and no traceback in the log."""
+
+    async def preprocess_data(self, *args, **kwargs):
+        try:
+            return await super().preprocess_data(*args, **kwargs)
+        except gr.Error as err:
+            if not err.print_exception:
+                raise
+            raise _input_error(err.message) from None
+        except (ValueError, TypeError) as err:  # Gradio's ComponentProcessingError is a ValueError
+            raise _input_error(err) from None
+
+
+def _input_error(err) -> gr.Error:
+    return gr.Error(html.escape((str(err).strip().splitlines() or ["A control's value is out of range."])[0]),
+                    print_exception=False)
+
+
+async def unknown_endpoint(request, exc):
+    """No endpoint of that name: 404, and nothing in the log (Gradio would answer 500 with a traceback)."""
+    return PlainTextResponse("No such endpoint.", status_code=404)
+
+
 def build() -> gr.Blocks:
     # Gradio's own copies of exported zips are deleted within 20 minutes of their making.
-    with gr.Blocks(title="KV Lens", delete_cache=(EXPORT_TTL_S, EXPORT_TTL_S)) as demo:
+    with QuietBlocks(title="KV Lens", delete_cache=(EXPORT_TTL_S, EXPORT_TTL_S)) as demo:
         gr.Markdown(panels.INTRO)
         run_id = gr.State(None)
         with gr.Row():
@@ -469,7 +496,8 @@ def launch(**options) -> None:
     settings = {"server_name": os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
                 "server_port": int(os.environ.get("GRADIO_SERVER_PORT", "7860")), **options}
     demo.launch(css_paths=[ROOT / "assets" / "style.css"], max_file_size=1,
-                app_kwargs={"middleware": [Middleware(RequestGuard, max_body=MAX_BODY)]}, **settings)
+                app_kwargs={"middleware": [Middleware(RequestGuard, max_body=MAX_BODY)],
+                            "exception_handlers": {FnIndexInferError: unknown_endpoint}}, **settings)
 
 
 if __name__ == "__main__":

@@ -329,3 +329,20 @@ def test_a_burst_of_runs_is_refused_politely_at_the_queue_size(server, monkeypat
     for response in accepted:
         assert "event: error" in result_of(server, response)
     assert len(app.ADMISSION) == 0
+
+
+def test_an_unknown_endpoint_is_a_404_with_nothing_in_the_log(server, capfd):
+    response = call_api(server, [], fn="nope")
+    assert response.status_code == 404 and response.text == "No such endpoint."
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_control_out_of_range_is_one_line_with_nothing_in_the_log(server, capfd):
+    # The view controls of render_views: layer, head, step, alpha, zoom, first step, first position, window.
+    response = call_api(server, ["all", "all", -1e9, 0.3, False, -1e9, 0, 128], fn="render_views")
+    assert response.status_code == 200, response.text
+    stream = result_of(server, response, fn="render_views")
+    assert "event: error" in stream, stream
+    message = json.loads(stream.split("data:", 1)[1].strip())
+    assert message and "\n" not in str(message), message
+    assert "Traceback" not in capfd.readouterr().err
