@@ -7,11 +7,13 @@ after download, and the trace store is a cache that may be missing without anyth
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import html
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -20,6 +22,7 @@ from pathlib import Path
 
 import gradio as gr
 from gradio.route_utils import FnIndexInferError
+from gradio.utils import get_upload_folder as gradio_upload_folder
 from starlette.middleware import Middleware
 from starlette.responses import PlainTextResponse
 
@@ -51,8 +54,10 @@ STORE = TraceStore()  # never raises: a broken store is set aside, an unusable o
 QUEUE_SIZE = 64  # model jobs waiting or running; Admission enforces it (Gradio checks its cap before the validator)
 ADMISSION = Admission(per_session=1, per_address=runs_per_address(), queue=QUEUE_SIZE)
 TICKET = "kvlens_ticket"  # where a job's admission ticket rides from its validator to its run
-EXPORTS = Path(tempfile.gettempdir()) / f"kvlens-exports-{os.getpid()}"
-EXPORT_TTL_S = 600  # Gradio serves an export from its own cache; our copy goes once it has been handed over
+# Export zips are written inside Gradio's cache, so Gradio serves them as they are (no second copy) and deletes
+# them on its schedule (delete_cache); this process's folder goes at exit, and those of processes gone at start-up.
+EXPORTS = Path(gradio_upload_folder()) / f"kvlens-exports-{os.getpid()}"
+EXPORT_TTL_S = 600
 MAX_BODY = 4 * LIMITS.text_chars + 64 * 1024  # the longest allowed prompt as UTF-8, plus the other inputs
 NOTES = {name: (ROOT / "assets" / "notes" / f"{name}.md").read_text() for name in
          ("masks", "kept", "curves", "tsne", "divergence", "retention", "sweep", "long_context")}
@@ -277,13 +282,41 @@ def on_tsne(run_id, policy, layer, head):
 
 
 def prune_exports(max_age_s: float = EXPORT_TTL_S) -> None:
-    """Delete our export zips older than ``max_age_s`` (Gradio has copied them into its cache by then)."""
+    """Delete our export folders older than ``max_age_s`` (Gradio deletes the zips in them on its schedule)."""
     for folder in EXPORTS.glob("*"):
         try:
             if time.time() - folder.stat().st_mtime > max_age_s:
                 shutil.rmtree(folder, ignore_errors=True)
         except OSError:
             pass
+
+
+def remove_exports() -> None:
+    """This process's exports (at exit)."""
+    shutil.rmtree(EXPORTS, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        pass
+    return True
+
+
+def remove_orphaned_exports() -> list[Path]:
+    """Export folders of app processes that are gone (killed before they could clean up), in Gradio's cache
+    and the system's temporary folder; returns those removed."""
+    removed = []
+    for root in {EXPORTS.parent, Path(tempfile.gettempdir())}:
+        for folder in root.glob("kvlens-exports-*"):
+            pid = folder.name.rpartition("-")[2]
+            if folder.is_dir() and not folder.is_symlink() and pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(folder, ignore_errors=True)
+                removed.append(folder)
+    return removed
 
 
 def on_export(run_id, layer, head, step, alpha):
@@ -296,11 +329,6 @@ def on_export(run_id, layer, head, step, alpha):
     path = Path(tempfile.mkdtemp(dir=EXPORTS)) / f"kvlens-{run_id[:12]}.zip"
     path.write_bytes(api.export_zip(run, {"figures.html": figures}))
     return str(path)
-
-
-def after_export():
-    """Gradio holds its own copy of the zip once the event has returned: ours can go."""
-    prune_exports(max_age_s=0)
 
 
 def on_load(request: gr.Request):
@@ -342,7 +370,7 @@ async def unknown_endpoint(request, exc):
 
 
 def build() -> gr.Blocks:
-    # Gradio's own copies of exported zips are deleted within 20 minutes of their making.
+    # Export zips (in Gradio's cache) are deleted within 20 minutes of their making.
     with QuietBlocks(title="KV Lens", delete_cache=(EXPORT_TTL_S, EXPORT_TTL_S)) as demo:
         gr.Markdown(panels.INTRO)
         run_id = gr.State(None)
@@ -476,7 +504,7 @@ def build() -> gr.Blocks:
         needle_button.click(on_needle, [needle_names, needle_budget, needle_lengths, model],
                             [needle_plot, needle_table, needle_status], validator=check_needle,
                             concurrency_id="model")
-        export_button.click(on_export, selectors, export_file, **views_).then(after_export, None, None, queue=False)
+        export_button.click(on_export, selectors, export_file, **views_)
         # A page load never waits behind the queue (reopening a link reads the store only).
         demo.load(on_load, None, [run_id, status], queue=False).then(render_run, run_id, run_views, **views_).then(
             render_views, selectors + zoom_controls, views, **views_)
@@ -487,9 +515,19 @@ demo = build()
 demo.queue(default_concurrency_limit=1, max_size=QUEUE_SIZE)
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def launch(**options) -> None:
     """Serve the app (``options`` go to ``demo.launch``, e.g. ``prevent_thread_lock`` in tests)."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    remove_orphaned_exports()
+    atexit.register(remove_exports)
+    if not options.get("prevent_thread_lock") and threading.current_thread() is threading.main_thread():
+        # SIGTERM (docker stop, a Space restarting) closes the server as Ctrl-C does: Gradio deletes its files,
+        # then the exit handlers run.
+        signal.signal(signal.SIGTERM, _interrupt)
     # Load (and on first use convert) the default model while the page comes up, not on the first click.
     threading.Thread(target=api.get_model, daemon=True).start()
     # Localhost unless the deployment says otherwise (the Dockerfile and Spaces set GRADIO_SERVER_NAME).

@@ -3,6 +3,7 @@ import io
 import json
 import os
 import sqlite3
+import subprocess
 import time
 import zipfile
 from pathlib import Path
@@ -148,26 +149,33 @@ def test_a_store_that_cannot_write_says_the_run_is_not_cached_and_offers_no_link
     assert status.endswith("computed.") and f"?run={run_id}" in app.render_run(run_id)[-1]
 
 
-def test_exports_leave_nothing_behind_once_handed_over(tiny_session, tmp_path, monkeypatch):
-    monkeypatch.setattr(app, "EXPORTS", tmp_path / "exports")
+def test_exports_are_pruned_and_folders_of_processes_gone_are_removed(tiny_session, tmp_path, monkeypatch):
+    monkeypatch.setattr(app, "EXPORTS", tmp_path / "exports" / f"kvlens-exports-{os.getpid()}")
     run = api.run(RunRequest(prompt="one two three four five six", specs=["tova:budget=4"], mode="prompt"),
                           tiny_session)
-    path = app.on_export(run.run_id, "all", "all", 3, 0.3)
-    assert zipfile.is_zipfile(path)
-    app.after_export()  # chained after the download: Gradio holds its own copy by now
-    assert not list((tmp_path / "exports").iterdir())
-    stale = app.on_export(run.run_id, "all", "all", 3, 0.3)  # a raw API export never followed by after_export
+    stale = app.on_export(run.run_id, "all", "all", 3, 0.3)
+    assert zipfile.is_zipfile(stale)
     old = time.time() - app.EXPORT_TTL_S - 1
     os.utime(Path(stale).parent, (old, old))
     fresh = app.on_export(run.run_id, "all", "all", 3, 0.3)  # the next export prunes the stale one
-    assert [p.name for p in (tmp_path / "exports").iterdir()] == [Path(fresh).parent.name]
-    assert app.demo.delete_cache == (app.EXPORT_TTL_S, app.EXPORT_TTL_S)  # Gradio's copies expire too
+    assert [p.name for p in app.EXPORTS.iterdir()] == [Path(fresh).parent.name]
+    assert app.demo.delete_cache == (app.EXPORT_TTL_S, app.EXPORT_TTL_S)  # Gradio deletes the zips themselves
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    orphan = tmp_path / "exports" / f"kvlens-exports-{gone.pid}"
+    (orphan / "x").mkdir(parents=True)
+    (orphan / "x" / "kvlens-0123456789ab.zip").write_bytes(b"zip")
+    assert orphan in app.remove_orphaned_exports()
+    assert not orphan.exists() and Path(fresh).exists()  # this process's exports stay while it runs
+    app.remove_exports()
+    assert not app.EXPORTS.exists()
 
 
 def test_the_app_binds_localhost_unless_the_deployment_says_otherwise(monkeypatch):
     seen = {}
     monkeypatch.setattr(app.demo, "launch", lambda **kw: seen.update(kw))
     monkeypatch.setattr(app.threading, "Thread", lambda **kw: SimpleNamespace(start=lambda: None))
+    monkeypatch.setattr(app.signal, "signal", lambda *a: None)  # pytest keeps its own SIGTERM handling
     monkeypatch.delenv("GRADIO_SERVER_NAME", raising=False)
     app.launch()
     assert seen["server_name"] == "127.0.0.1" and seen["app_kwargs"]["middleware"][0].cls is app.RequestGuard
