@@ -8,11 +8,14 @@ after download, and the trace store is a cache that may be missing without anyth
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import html
 import logging
 import os
 import shutil
+import signal
+import sys
 import tempfile
 import threading
 import time
@@ -24,32 +27,44 @@ from pathlib import Path
 import gradio as gr
 import numpy as np
 import pandas as pd
+from gradio.route_utils import FnIndexInferError
+from gradio.utils import get_upload_folder as gradio_upload_folder
 from starlette.middleware import Middleware
+from starlette.responses import PlainTextResponse
 
-from backend.experiments import shipped
-from backend.experiments.sweep import SWEEP_BUDGETS
+from backend.environment import SettingError, check_environment, runs_per_address
 
-from backend import api
-from backend.policies import POLICIES, load_plugins
-from backend.guard import Admission, RequestGuard
-from backend.api import LIMITS, RequestError
-from backend.runs import Run
-from backend.traces.store import TraceStore
-from viz import panels
-from viz.needle import found_rates, needle_figure, needle_table_html
-from viz.sweep import sweep_ci_figure
+try:  # every KVLENS_* setting, and the operator's plugins, before anything reads them
+    check_environment()
+except SettingError as err:
+    sys.exit(f"error: {err}")
+
+from backend import api  # noqa: E402
+from backend.api import LIMITS, RequestError  # noqa: E402
+from backend.experiments import shipped  # noqa: E402
+from backend.experiments.sweep import SWEEP_BUDGETS  # noqa: E402
+from backend.guard import Admission, RequestGuard  # noqa: E402
+from backend.policies import POLICIES  # noqa: E402
+from backend.runs import Run  # noqa: E402
+from backend.traces.store import TraceStore  # noqa: E402
+from viz import panels  # noqa: E402
+from viz.needle import found_rates, needle_figure, needle_table_html  # noqa: E402
+from viz.sweep import sweep_ci_figure  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 EXAMPLES = {path.stem.replace("_", " "): path.read_text().strip() for path in sorted((ROOT / "assets" / "examples").glob("*.txt"))}
 FIRST_EXAMPLE = next(name for name in ("needle", "story", *EXAMPLES) if name in EXAMPLES)
-load_plugins()  # KVLENS_PLUGINS: the operator's own policies join the registry, and so every list below
-POLICY_CHOICES = list(POLICIES)
+POLICY_CHOICES = list(POLICIES)  # the operator's plugins (KVLENS_PLUGINS) joined the registry above
 DEFAULT_POLICIES = ["sinks", "tova", "a2sf", "reattention"]
 DEFAULT_BUDGET = 40
 STORE = TraceStore()  # never raises: a broken store is set aside, an unusable one means "not cached"
-ADMISSION = Admission(per_session=1, per_address=int(os.environ.get("KVLENS_RUNS_PER_ADDRESS", "4")))
-EXPORTS = Path(tempfile.gettempdir()) / f"kvlens-exports-{os.getpid()}"
-EXPORT_TTL_S = 600  # Gradio serves an export from its own cache; our copy goes once it has been handed over
+QUEUE_SIZE = 64  # model jobs waiting or running; Admission enforces it (Gradio checks its cap before the validator)
+ADMISSION = Admission(per_session=1, per_address=runs_per_address(), queue=QUEUE_SIZE)
+TICKET = "kvlens_ticket"  # where a job's admission ticket rides from its validator to its run
+# Export zips are written inside Gradio's cache, so Gradio serves them as they are (no second copy) and deletes
+# them on its schedule (delete_cache); this process's folder goes at exit, and those of processes gone at start-up.
+EXPORTS = Path(gradio_upload_folder()) / f"kvlens-exports-{os.getpid()}"
+EXPORT_TTL_S = 600
 MAX_BODY = 4 * LIMITS.text_chars + 64 * 1024  # the longest allowed prompt as UTF-8, plus the other inputs
 NOTES = {name: (ROOT / "assets" / "notes" / f"{name}.md").read_text() for name in
          ("intro", "masks", "kept", "curves", "tsne", "divergence", "retention", "sweep", "long_context")}
@@ -196,10 +211,16 @@ def sweep_request(prompt, mode, max_new, names, sinks, alpha, heads, model):
                                 chat=True, record=True)
 
 
-def _visitor(request: gr.Request | None) -> tuple[str, str]:
-    """(browser session, client address) of a request."""
-    session_hash = getattr(request, "session_hash", None) or "anonymous"
+def _visitor(request: gr.Request | None) -> tuple[str | None, str]:
+    """(browser session, or None for a raw API call; client address) of a request."""
+    session_hash = getattr(request, "session_hash", None) or None
     return session_hash, getattr(getattr(request, "client", None), "host", None) or "unknown"
+
+
+def _carrier(request: gr.Request | None):
+    """The state of the HTTP request behind ``request``: Gradio hands the same HTTP request to a job's validator
+    and to its run, while the session hash of a raw API call is assigned in between."""
+    return getattr(getattr(request, "request", None), "state", None)
 
 
 def _refuse(message: str, n_inputs: int) -> list:
@@ -214,7 +235,12 @@ def _verdicts(check, n_inputs: int, request: gr.Request | None):
     except RequestError as err:
         return _refuse(str(err), n_inputs)
     ticket, reason = ADMISSION.enter(*_visitor(request))
-    return _refuse(reason, n_inputs) if ticket is None else [gr.validate(True, "")] * n_inputs
+    if ticket is None:
+        return _refuse(reason, n_inputs)
+    carrier = _carrier(request)
+    if carrier is not None:  # without one the ticket expires (Admission.expire_s)
+        setattr(carrier, TICKET, ticket)
+    return [gr.validate(True, "")] * n_inputs
 
 
 def check_run(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model, request: gr.Request = None):
@@ -229,7 +255,11 @@ def check_sweep(prompt, mode, max_new, names, sinks, alpha, heads, model, reques
 
 
 def _leave(request: gr.Request | None) -> None:
-    ADMISSION.leave_one(_visitor(request)[0])
+    """The job's slot is free again: the ticket its validator took."""
+    carrier = _carrier(request)
+    if carrier is not None:
+        ADMISSION.leave(getattr(carrier, TICKET, None))
+        setattr(carrier, TICKET, None)
 
 
 def on_run(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model, request: gr.Request = None,
@@ -244,7 +274,7 @@ def on_run(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, mo
     RECENT_RUNS.remember(run)
     steps = len(run.traces[0].tokens)
     replayed = "replayed from the store" if all(run.replayed) else "computed"
-    cached = "" if STORE.available else " The trace store is unavailable here, so this run is not cached."
+    cached = "" if run.stored else " The trace store cannot keep runs here, so this run is not cached."
     status = f"{len(run.traces)} policies, {steps} tokens, {replayed}.{cached}"
     meta = run.full.meta  # the selectors follow the model's shape (allow-listed models differ)
     return (run.run_id, status, gr.update(maximum=steps - 1, value=steps - 1),
@@ -319,13 +349,41 @@ def on_tsne(run_id, policy, layer, head):
 
 
 def prune_exports(max_age_s: float = EXPORT_TTL_S) -> None:
-    """Delete our export zips older than ``max_age_s`` (Gradio has copied them into its cache by then)."""
+    """Delete our export folders older than ``max_age_s`` (Gradio deletes the zips in them on its schedule)."""
     for folder in EXPORTS.glob("*"):
         try:
             if time.time() - folder.stat().st_mtime > max_age_s:
                 shutil.rmtree(folder, ignore_errors=True)
         except OSError:
             pass
+
+
+def remove_exports() -> None:
+    """This process's exports (at exit)."""
+    shutil.rmtree(EXPORTS, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        pass
+    return True
+
+
+def remove_orphaned_exports() -> list[Path]:
+    """Export folders of app processes that are gone (killed before they could clean up), in Gradio's cache
+    and the system's temporary folder; returns those removed."""
+    removed = []
+    for root in {EXPORTS.parent, Path(tempfile.gettempdir())}:
+        for folder in root.glob("kvlens-exports-*"):
+            pid = folder.name.rpartition("-")[2]
+            if folder.is_dir() and not folder.is_symlink() and pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(folder, ignore_errors=True)
+                removed.append(folder)
+    return removed
 
 
 def on_export(run_id, layer, head, step, alpha):
@@ -341,11 +399,6 @@ def on_export(run_id, layer, head, step, alpha):
     return str(path)
 
 
-def after_export():
-    """Gradio holds its own copy of the zip once the event has returned: ours can go."""
-    prune_exports(max_age_s=0)
-
-
 def on_load(request: gr.Request):
     """Deep link: ?run=<id> reopens a stored run."""
     run_id = (request.query_params or {}).get("run", "") if request else ""
@@ -359,9 +412,34 @@ def on_load(request: gr.Request):
     return run.run_id, "Opened a shared run from the store."
 
 
+class QuietBlocks(gr.Blocks):
+    """Blocks whose inputs' refusals (a value out of a component's range, of the wrong type: anyone can send
+    any JSON) are one line for the visitor and no traceback in the log."""
+
+    async def preprocess_data(self, *args, **kwargs):
+        try:
+            return await super().preprocess_data(*args, **kwargs)
+        except gr.Error as err:
+            if not err.print_exception:
+                raise
+            raise _input_error(err.message) from None
+        except (ValueError, TypeError) as err:  # Gradio's ComponentProcessingError is a ValueError
+            raise _input_error(err) from None
+
+
+def _input_error(err) -> gr.Error:
+    return gr.Error(html.escape((str(err).strip().splitlines() or ["A control's value is out of range."])[0]),
+                    print_exception=False)
+
+
+async def unknown_endpoint(request, exc):
+    """No endpoint of that name: 404, and nothing in the log (Gradio would answer 500 with a traceback)."""
+    return PlainTextResponse("No such endpoint.", status_code=404)
+
+
 def build() -> gr.Blocks:
-    # Gradio's own copies of exported zips are deleted within 20 minutes of their making.
-    with gr.Blocks(title="KV Lens", delete_cache=(EXPORT_TTL_S, EXPORT_TTL_S)) as demo:
+    # Export zips (in Gradio's cache) are deleted within 20 minutes of their making.
+    with QuietBlocks(title="KV Lens", delete_cache=(EXPORT_TTL_S, EXPORT_TTL_S)) as demo:
         gr.Markdown(NOTES["intro"])
         run_id = gr.State(None)
         with gr.Row():
@@ -494,7 +572,7 @@ def build() -> gr.Blocks:
         needle_button.click(on_needle, [needle_names, needle_budget, needle_lengths, model],
                             [needle_plot, needle_table, needle_status], validator=check_needle,
                             concurrency_id="model")
-        export_button.click(on_export, selectors, export_file, **views_).then(after_export, None, None, queue=False)
+        export_button.click(on_export, selectors, export_file, **views_)
         # A page load never waits behind the queue (reopening a link reads the store only).
         demo.load(on_load, None, [run_id, status], queue=False).then(render_run, run_id, run_views, **views_).then(
             render_views, selectors + zoom_controls, views, **views_)
@@ -502,19 +580,30 @@ def build() -> gr.Blocks:
 
 
 demo = build()
-demo.queue(default_concurrency_limit=1, max_size=64)
+demo.queue(default_concurrency_limit=1, max_size=QUEUE_SIZE)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def launch(**options) -> None:
     """Serve the app (``options`` go to ``demo.launch``, e.g. ``prevent_thread_lock`` in tests)."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    remove_orphaned_exports()
+    atexit.register(remove_exports)
+    if not options.get("prevent_thread_lock") and threading.current_thread() is threading.main_thread():
+        # SIGTERM (docker stop, a Space restarting) closes the server as Ctrl-C does: Gradio deletes its files,
+        # then the exit handlers run.
+        signal.signal(signal.SIGTERM, _interrupt)
     # Load (and on first use convert) the default model while the page comes up, not on the first click.
     threading.Thread(target=api.get_model, daemon=True).start()
     # Localhost unless the deployment says otherwise (the Dockerfile and Spaces set GRADIO_SERVER_NAME).
     settings = {"server_name": os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
                 "server_port": int(os.environ.get("GRADIO_SERVER_PORT", "7860")), **options}
     demo.launch(css_paths=[ROOT / "assets" / "style.css"], max_file_size=1,
-                app_kwargs={"middleware": [Middleware(RequestGuard, max_body=MAX_BODY)]}, **settings)
+                app_kwargs={"middleware": [Middleware(RequestGuard, max_body=MAX_BODY)],
+                            "exception_handlers": {FnIndexInferError: unknown_endpoint}}, **settings)
 
 
 if __name__ == "__main__":

@@ -219,7 +219,8 @@ def release_memory() -> None:
 
 def run(request: RunRequest, store: TraceStore | None, progress: Progress | None = None,
         limits: Limits = LIMITS, chunk: int | None = None) -> Run:
-    """Run (or replay) a request through the store and give it a share link."""
+    """Run (or replay) a request through the store and give it a share link; ``Run.stored`` says whether the
+    store holds the run and its link (False without a store, or one that cannot write)."""
     policies = check_run(request, limits)
     lm = get_model(request.model)
     ids = _tokens(lm, request, policies, limits)
@@ -231,10 +232,11 @@ def run(request: RunRequest, store: TraceStore | None, progress: Progress | None
     finally:
         release_memory()
     run_id = secrets.token_hex(16)
-    if store is not None:
+    stored = False
+    if store is not None and result.stored:  # a link to traces the store does not hold would be dead
         manifest = {"request": request.__dict__, "keys": result.keys, "full_key": result.full_key}
-        store.put(_manifest_key(run_id), json.dumps(manifest).encode())
-    return dataclasses.replace(result, run_id=run_id, request=request)
+        stored = bool(store.put(_manifest_key(run_id), json.dumps(manifest).encode()))
+    return dataclasses.replace(result, run_id=run_id, request=request, stored=stored)
 
 
 def sweep(request: SweepRequest, store: TraceStore | None, progress: Progress | None = None,
@@ -275,7 +277,7 @@ def reopen(run_id: str, store: TraceStore) -> Run:
     traces = [_stored_trace(store, key).with_spec(spec) for key, spec in zip(keys, request.specs)]
     full = _stored_trace(store, full_key)
     return Run(traces=traces, full=full, keys=keys, full_key=full_key, replayed=[True] * len(traces),
-               run_id=run_id, request=request, tokens=full.meta["n_prompt"])
+               stored=True, run_id=run_id, request=request, tokens=full.meta["n_prompt"])
 
 
 def _stored_trace(store: TraceStore, key: str) -> Trace:

@@ -8,8 +8,11 @@ reported in a second, not after the model has loaded and the run has finished.
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import logging
+import os
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -32,23 +35,29 @@ class CliError(Exception):
     """Bad input: printed as one line, exit status 2."""
 
 
-MAX_FILE_BYTES = 16 * 2**20  # --max-tokens reads the start of a long file; nothing reads a huge one
-
-
-def read_text(path: str) -> str:
+def read_text(path: str, limits=LIMITS) -> str:
+    """The text of a regular UTF-8 file, at most what the limits let a request use: the first
+    ``4 * limits.text_chars`` bytes (UTF-8 takes at most 4 per character; --max-tokens reads the start of a
+    long file). Anything but a regular file (a device, a FIFO, a directory) is refused before reading."""
+    cap = 4 * limits.text_chars
     try:
-        file = Path(path)
-        if file.is_file() and file.stat().st_size > MAX_FILE_BYTES:
-            raise CliError(f"{path} is larger than {MAX_FILE_BYTES // 2**20} MB")
-        text = file.read_bytes().decode("utf-8")
+        # Non-blocking, so that opening a FIFO cannot wait for a writer; a regular file reads as usual.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as file:
+            if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+                raise CliError(f"not a regular file: {path}")
+            data = file.read(cap + 1)
     except FileNotFoundError:
         raise CliError(f"text file not found: {path}") from None
     except IsADirectoryError:
-        raise CliError(f"not a file: {path}") from None
-    except UnicodeDecodeError:
-        raise CliError(f"{path} is not UTF-8 text") from None
+        raise CliError(f"not a regular file: {path}") from None
     except OSError as err:
         raise CliError(f"cannot read {path}: {err.strerror or err}") from None
+    try:
+        # Cut at the cap, a character may be cut in two: only a complete text must decode to the end.
+        text = codecs.getincrementaldecoder("utf-8")().decode(data[:cap], final=len(data) <= cap)
+    except UnicodeDecodeError:
+        raise CliError(f"{path} is not UTF-8 text") from None
     if not text.strip():
         raise CliError(f"{path} is empty")
     return text

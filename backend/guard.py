@@ -16,15 +16,20 @@ UPLOAD_PATHS = ("/upload", "/gradio_api/upload")
 
 
 class Admission:
-    """Counts jobs per session and per client address; ``enter`` refuses past the limits.
+    """Counts model-slot jobs per session, per client address and in all; ``enter`` refuses past the limits.
 
-    A job that was admitted but never ran (its visitor left while it waited) stops counting after
-    ``expire_s`` seconds, so a lost slot cannot lock anyone out for long.
+    A job is known by its ticket from ``enter`` to ``leave``: the caller carries the ticket from the check to
+    the run, so the slot it frees is the one it took, whatever session the run is given later. A request
+    without a session (a raw API call) counts against its address and the queue only.
+
+    ``queue`` bounds the jobs admitted at once: the queue's own cap is checked before the validator runs, so a
+    burst of requests would all pass it; this count is taken under a lock. A job that was admitted but never
+    ran (its visitor left while it waited) stops counting after ``expire_s`` seconds.
     """
 
-    def __init__(self, per_session: int = 1, per_address: int = 4, expire_s: float = 900.0):
-        self.per_session, self.per_address, self.expire_s = per_session, per_address, expire_s
-        self._jobs: dict[int, tuple[str, str, float]] = {}  # ticket -> (session, address, admitted at)
+    def __init__(self, per_session: int = 1, per_address: int = 4, queue: int = 64, expire_s: float = 900.0):
+        self.per_session, self.per_address, self.queue, self.expire_s = per_session, per_address, queue, expire_s
+        self._jobs: dict[int, tuple[str | None, str, float]] = {}  # ticket -> (session, address, admitted at)
         self._next = 0
         self._lock = threading.Lock()
 
@@ -32,14 +37,16 @@ class Admission:
         for ticket in [t for t, (_, _, at) in self._jobs.items() if now - at > self.expire_s]:
             del self._jobs[ticket]
 
-    def enter(self, session: str, address: str) -> tuple[int | None, str]:
+    def enter(self, session: str | None, address: str) -> tuple[int | None, str]:
         """(ticket, "") when admitted, else (None, the reason to show)."""
         with self._lock:
             now = time.monotonic()
             self._expire(now)
+            if len(self._jobs) >= self.queue:
+                return None, f"The queue is full ({self.queue} runs waiting or running); try again in a few minutes."
             sessions = Counter(s for s, _, _ in self._jobs.values())
             addresses = Counter(a for _, a, _ in self._jobs.values())
-            if sessions[session] >= self.per_session:
+            if session is not None and sessions[session] >= self.per_session:
                 return None, "Your previous run is still waiting or running; it comes first."
             if addresses[address] >= self.per_address:
                 return None, "Too many runs from your address are waiting or running; try again when one ends."
@@ -47,12 +54,14 @@ class Admission:
             self._jobs[self._next] = (session, address, now)
             return self._next, ""
 
-    def leave_one(self, session: str) -> None:
-        """The session's oldest job ended (ran, failed or was refused)."""
+    def leave(self, ticket: int | None) -> None:
+        """The job of ``ticket`` ended (ran, failed or was refused); None or an expired ticket: nothing to do."""
         with self._lock:
-            mine = [t for t, (s, _, _) in self._jobs.items() if s == session]
-            if mine:
-                del self._jobs[min(mine)]
+            self._jobs.pop(ticket, None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._jobs)
 
 
 class RequestGuard:

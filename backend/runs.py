@@ -32,6 +32,7 @@ class Run:
     keys: list[str]  # per policy: its store key
     full_key: str
     replayed: list[bool]  # per policy: read back from the store rather than computed
+    stored: bool = False  # every trace (and, from the front door, the share link) is in the store
     run_id: str = ""
     request: object = None
     tokens: int = field(default=0)  # the text's length in tokens (the prompt's in generate mode)
@@ -57,15 +58,16 @@ def replay_or_compute(lm: LoadedModel, specs: Sequence[str], policies: Sequence[
     full_key = trace_key(lm, ids, Full(), mode, max_new_tokens, record)
     found = {key: load_trace(store, key) for key in {*keys, full_key}}
     missing = [i for i, key in enumerate(keys) if found[key] is None]
+    stored = store is not None
     if missing or found[full_key] is None:
         new, full = compute_traces(lm, [specs[i] for i in missing], [policies[i] for i in missing], ids, mode,
                                    max_new_tokens, chunk, progress, record)
         for i, trace in zip(missing, new):
             found[keys[i]] = trace
         found[full_key] = full
-        if store is not None:
-            for key in {keys[i] for i in missing} | {full_key}:
-                store.put(key, found[key].to_bytes())
+        if store is not None:  # a store that cannot write (read-only, full) runs on: the run is not stored
+            results = [store.put(key, found[key].to_bytes()) for key in {keys[i] for i in missing} | {full_key}]
+            stored = all(results)
     traces = [found[key].with_spec(spec) for spec, key in zip(specs, keys)]
     return Run(traces=traces, full=found[full_key], keys=keys, full_key=full_key,
-               replayed=[i not in missing for i in range(len(specs))], tokens=len(ids))
+               replayed=[i not in missing for i in range(len(specs))], stored=stored, tokens=len(ids))

@@ -1,6 +1,7 @@
 """Many visitors at once: N concurrent browser sessions each run their own request through the app's API.
 
     python -m benchmarks.load_test [--visitors 20] [--timeout 900]
+    python -m benchmarks.load_test --burst 80 [--timeout 300]
 
 It starts ``app.py`` as a subprocess on a free loopback port with its own empty trace store (a temp
 dir), waits for the page and for the model load to settle, then starts N threads, one
@@ -22,6 +23,12 @@ VmRSS rises by about their size (~0.5 GB) with the first run whatever the load; 
 the runs themselves keep. Exit status 0 only when there were no errors and every visitor got its own
 content.
 
+``--burst N`` instead sends N page loads and N raw API runs (``POST /gradio_api/call/on_run``, no session)
+at the same instant, with ``KVLENS_RUNS_PER_ADDRESS=200`` so that only the queue's cap refuses runs: every
+page load must answer 200, at most the queue's size (64) runs may be accepted, and every refusal must be one
+line saying the queue is full. It does not wait for the accepted runs: the app is stopped once every
+request of the burst has its answer.
+
 Bounded: one global deadline (``--timeout`` seconds from the start, app start-up included), a
 timeout on every request, traffic to 127.0.0.1 only (telemetry off), and the app subprocess is
 always terminated at the end. The app's log is kept (its path is printed) when anything failed.
@@ -41,6 +48,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -130,9 +138,9 @@ def _die_with_parent() -> None:
         pass
 
 
-def start_app(port: int, store: Path, log_path: Path) -> subprocess.Popen:
+def start_app(port: int, store: Path, log_path: Path, runs_per_address: int = 64) -> subprocess.Popen:
     env = {**os.environ, **OFFLINE_ENV, "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port),
-           "KVLENS_STORE_DIR": str(store), "KVLENS_RUNS_PER_ADDRESS": "64"}
+           "KVLENS_STORE_DIR": str(store), "KVLENS_RUNS_PER_ADDRESS": str(runs_per_address)}
     with open(log_path, "w") as log:
         return subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 preexec_fn=_die_with_parent)
@@ -254,14 +262,83 @@ def stop_app(proc: subprocess.Popen) -> None:
             proc.wait(timeout=20)
 
 
+QUEUE_SIZE = 64  # app.QUEUE_SIZE (not imported: importing app builds the whole UI)
+BURST_RUN = ["The cat sat.", "generate", 4, ["tova"], 16, 4, 0.1, "paper default", "", MODEL]
+
+
+def burst(n: int, timeout_s: float) -> int:
+    """N page loads and N runs at once against a fresh app; 0 when the page loads all answered and the runs were
+    accepted up to the queue's size, the rest refused with one line."""
+    import httpx
+
+    work = Path(tempfile.mkdtemp(prefix="kvlens-burst-"))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    proc = start_app(port, work / "store", work / "app.log", runs_per_address=200)
+    pages: list[int] = []
+    runs: list[tuple[int, str]] = []
+    try:
+        wait_for_page(proc, url + "/", deadline)
+        start = threading.Barrier(2 * n)
+        request_timeout = max(1.0, min(REQUEST_TIMEOUT_S, deadline - time.monotonic()))
+
+        def page() -> None:
+            start.wait(timeout=request_timeout)
+            try:
+                pages.append(httpx.get(url + "/", timeout=request_timeout).status_code)
+            except httpx.HTTPError as err:
+                pages.append(-1)
+                print(f"  page load: {type(err).__name__}: {err}")
+
+        def run() -> None:
+            start.wait(timeout=request_timeout)
+            try:
+                response = httpx.post(f"{url}/gradio_api/call/on_run", json={"data": BURST_RUN},
+                                      timeout=request_timeout)
+                runs.append((response.status_code, response.text))
+            except httpx.HTTPError as err:
+                runs.append((-1, f"{type(err).__name__}: {err}"))
+
+        threads = [threading.Thread(target=target, daemon=True) for target in [page] * n + [run] * n]
+        t0 = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()) + 5)
+        wall = time.perf_counter() - t0
+    finally:
+        stop_app(proc)
+    accepted = sum(1 for code, _ in runs if code == 200)
+    refusals = Counter((code, (text.strip().splitlines() or [""])[0][:200]) for code, text in runs if code != 200)
+    print(f"burst of {n} page loads and {n} runs, answered in {wall:.1f} s")
+    print(f"page loads: {pages.count(200)}/{n} answered 200")
+    print(f"runs: {accepted} accepted (queue size {QUEUE_SIZE}), {len(runs) - accepted} refused")
+    for (code, line), count in sorted(refusals.items()):
+        print(f"  {count} x HTTP {code}: {line}")
+    ok = (pages.count(200) == n and len(runs) == n and accepted <= QUEUE_SIZE
+          and all(code in (422, 503) and "queue is full" in line.lower() for code, line in refusals))
+    if ok:
+        shutil.rmtree(work, ignore_errors=True)
+    else:
+        print(f"app log kept: {work / 'app.log'}")
+    return 0 if ok else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--visitors", type=int, default=20)
+    parser.add_argument("--burst", type=int, default=0, metavar="N",
+                        help="instead: N page loads and N runs at once (bounded; the runs are not awaited)")
     parser.add_argument("--timeout", type=float, default=900, help="global deadline in seconds, start-up included")
     parser.add_argument("--idle", type=float, default=20, help="seconds idle before the last RSS reading")
     args = parser.parse_args()
     if args.visitors < 1:
         parser.error("--visitors must be >= 1")
+    if args.burst < 0 or args.burst > 500:
+        parser.error("--burst must be 0 to 500")
+    if args.burst:
+        return burst(args.burst, args.timeout)
     began = time.monotonic()
     deadline = began + args.timeout
 

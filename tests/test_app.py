@@ -2,11 +2,14 @@
 import io
 import json
 import os
+import sqlite3
+import subprocess
 import time
 import zipfile
 from pathlib import Path
 from types import SimpleNamespace
 
+import diskcache
 import numpy as np
 import pytest
 
@@ -150,26 +153,53 @@ def test_budget_sweep_stores_every_budget_and_the_slider_replays(tiny_session):
     assert layers["choices"] == ["all", "0", "1"] and heads["choices"] == ["all", "0", "1"]  # the tiny model
 
 
-def test_exports_leave_nothing_behind_once_handed_over(tiny_session, tmp_path, monkeypatch):
-    monkeypatch.setattr(app, "EXPORTS", tmp_path / "exports")
+def test_a_store_that_cannot_write_says_the_run_is_not_cached_and_offers_no_link(tiny_session, monkeypatch):
+    def disk_full(self, *args):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    with monkeypatch.context() as full:
+        full.setattr(diskcache.Cache, "_row_insert", disk_full)
+        full.setattr(diskcache.Cache, "_row_update", disk_full)
+        run_id, status, *_ = app.on_run("the cat sat on the mat", "prompt", 8, ["tova"], 16, 4, 0.1, "paper default",
+                                        "", DEFAULT_MODEL, progress=lambda *a, **k: None)
+        assert status.endswith("computed. The trace store cannot keep runs here, so this run is not cached."), status
+        share = app.render_run(run_id)[-1]
+        assert "?run=" not in share and run_id not in share and "not stored" in share
+        with pytest.raises(RequestError, match="no longer stored"):
+            api.reopen(run_id, tiny_session)
+    # Space again: the same run is stored, with its link.
+    run_id, status, *_ = app.on_run("the cat sat on the mat", "prompt", 8, ["tova"], 16, 4, 0.1, "paper default", "",
+                                    DEFAULT_MODEL, progress=lambda *a, **k: None)
+    assert status.endswith("computed.") and f"?run={run_id}" in app.render_run(run_id)[-1]
+
+
+def test_exports_are_pruned_and_folders_of_processes_gone_are_removed(tiny_session, tmp_path, monkeypatch):
+    monkeypatch.setattr(app, "EXPORTS", tmp_path / "exports" / f"kvlens-exports-{os.getpid()}")
     run = api.run(RunRequest(prompt="one two three four five six", specs=["tova:budget=4"], mode="prompt"),
                           tiny_session)
-    path = app.on_export(run.run_id, "all", "all", 3, 0.3)
-    assert zipfile.is_zipfile(path)
-    app.after_export()  # chained after the download: Gradio holds its own copy by now
-    assert not list((tmp_path / "exports").iterdir())
-    stale = app.on_export(run.run_id, "all", "all", 3, 0.3)  # a raw API export never followed by after_export
+    stale = app.on_export(run.run_id, "all", "all", 3, 0.3)
+    assert zipfile.is_zipfile(stale)
     old = time.time() - app.EXPORT_TTL_S - 1
     os.utime(Path(stale).parent, (old, old))
     fresh = app.on_export(run.run_id, "all", "all", 3, 0.3)  # the next export prunes the stale one
-    assert [p.name for p in (tmp_path / "exports").iterdir()] == [Path(fresh).parent.name]
-    assert app.demo.delete_cache == (app.EXPORT_TTL_S, app.EXPORT_TTL_S)  # Gradio's copies expire too
+    assert [p.name for p in app.EXPORTS.iterdir()] == [Path(fresh).parent.name]
+    assert app.demo.delete_cache == (app.EXPORT_TTL_S, app.EXPORT_TTL_S)  # Gradio deletes the zips themselves
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    orphan = tmp_path / "exports" / f"kvlens-exports-{gone.pid}"
+    (orphan / "x").mkdir(parents=True)
+    (orphan / "x" / "kvlens-0123456789ab.zip").write_bytes(b"zip")
+    assert orphan in app.remove_orphaned_exports()
+    assert not orphan.exists() and Path(fresh).exists()  # this process's exports stay while it runs
+    app.remove_exports()
+    assert not app.EXPORTS.exists()
 
 
 def test_the_app_binds_localhost_unless_the_deployment_says_otherwise(monkeypatch):
     seen = {}
     monkeypatch.setattr(app.demo, "launch", lambda **kw: seen.update(kw))
     monkeypatch.setattr(app.threading, "Thread", lambda **kw: SimpleNamespace(start=lambda: None))
+    monkeypatch.setattr(app.signal, "signal", lambda *a: None)  # pytest keeps its own SIGTERM handling
     monkeypatch.delenv("GRADIO_SERVER_NAME", raising=False)
     app.launch()
     assert seen["server_name"] == "127.0.0.1" and seen["app_kwargs"]["middleware"][0].cls is app.RequestGuard

@@ -32,8 +32,8 @@ class AppProcess:
     """``app.py`` as a subprocess on a loopback port, its store in ``store``; started again on the same
     store after a kill. Each start logs to its own file."""
 
-    def __init__(self, store: Path, logs: Path):
-        self.store, self.logs = store, logs
+    def __init__(self, store: Path, logs: Path, env: dict[str, str] | None = None):
+        self.store, self.logs, self.env = store, logs, env or {}
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
@@ -53,7 +53,7 @@ class AppProcess:
         self.starts += 1
         port = free_port()
         env = {**os.environ, **OFFLINE_ENV, "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port),
-               "KVLENS_STORE_DIR": str(self.store)}
+               "KVLENS_STORE_DIR": str(self.store), **self.env}
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=log,
                                          stderr=subprocess.STDOUT)
@@ -193,3 +193,46 @@ def test_killed_mid_run_restarts_completes_and_replays(app):
         assert all(store.get(key) is not None for key in keys)
         run = api.reopen(run_id, store)
     assert [trace.spec for trace in run.traces] == specs
+
+
+@pytest.mark.parametrize("name, value", [("KVLENS_MAX_POLICIES", "abc"), ("KVLENS_PLUGINS", "os.system"),
+                                         ("KVLENS_STORE_MB", "abc"), ("KVLENS_RUNS_PER_ADDRESS", "abc")])
+def test_a_malformed_setting_stops_the_app_with_one_line_naming_it(tmp_path, name, value):
+    env = {**os.environ, **OFFLINE_ENV, "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(free_port()),
+           "KVLENS_STORE_DIR": str(tmp_path / "store"), name: value}
+    result = subprocess.run([sys.executable, "app.py"], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: {name}")
+
+
+def test_exports_are_removed_at_exit_and_at_start_up(tmp_path, monkeypatch):
+    for name, value in OFFLINE_ENV.items():
+        monkeypatch.setenv(name, value)
+    cache = tmp_path / "gradio"  # Gradio's cache, where the zips are written and served from
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    orphan = cache / f"kvlens-exports-{gone.pid}" / "x" / "kvlens-0123456789ab.zip"  # a process killed earlier
+    orphan.parent.mkdir(parents=True)
+    orphan.write_bytes(b"zip")
+    (tmp_path / "logs").mkdir()
+    process = AppProcess(tmp_path / "store", tmp_path / "logs", env={"GRADIO_TEMP_DIR": str(cache)})
+    try:
+        url = process.start()
+        assert not orphan.parent.parent.exists()
+        c = client(url)
+        try:
+            c.submit("The cat sat.", "generate", 4, ["tova"], 16, 4, 0.1, "paper default", "", MODEL,
+                     api_name="/on_run").result(timeout=120)
+            c.submit("all", "all", 4, 0.3, api_name="/on_export").result(timeout=60)  # through the API: no .then
+        finally:
+            c.close()
+        zips = list(cache.rglob("*.zip"))
+        assert [z.parent.parent.name for z in zips] == [f"kvlens-exports-{process.proc.pid}"], zips
+        process.proc.terminate()  # SIGTERM, as docker stop or a Space restarting sends
+        assert process.proc.wait(timeout=60) is not None
+    finally:
+        process.stop()
+    assert list(cache.rglob("*.zip")) == [], process.log_tail()
+    assert not list(cache.glob("kvlens-exports-*"))

@@ -41,6 +41,28 @@ def test_bad_text_file_is_a_one_line_error(tmp_path, content, message):
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("source", ["/dev/zero", "fifo", "directory"])
+def test_the_text_must_be_a_regular_file(tmp_path, source):
+    if source == "fifo":  # nobody ever writes to it: reading it would wait forever
+        source = tmp_path / "fifo"
+        os.mkfifo(source)
+    elif source == "directory":
+        source = tmp_path
+    result = cli("run", "--text", str(source), "--policy", "tova:budget=8", "--out", str(tmp_path / "o"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == f"error: not a regular file: {source}"
+
+
+def test_a_long_text_file_is_read_only_as_far_as_the_limits_allow(tmp_path):
+    from backend.cli import read_text
+    from backend.limits import Limits
+
+    path = tmp_path / "long.txt"
+    path.write_bytes("€".encode() * 3000)  # 3 bytes a character: the cap (4,004 bytes) falls inside one
+    text = read_text(str(path), Limits(text_chars=1001))
+    assert text == "€" * 1334  # the characters whole within the cap
+
+
 def test_missing_file_and_unknown_model_are_one_line_errors(text_file, tmp_path):
     result = cli("run", "--text", str(tmp_path / "nope.txt"), "--policy", "full", "--out", str(tmp_path))
     assert result.returncode == 2 and "text file not found" in result.stderr
@@ -55,6 +77,16 @@ def test_bad_store_size_and_out_path_are_one_line_errors(text_file, tmp_path, mo
     monkeypatch.delenv("KVLENS_STORE_MB")
     result = cli("run", "--text", str(text_file), "--policy", "full", "--out", str(text_file))
     assert result.returncode == 2 and "not a directory" in result.stderr
+
+
+@pytest.mark.parametrize("name, value", [("KVLENS_MAX_POLICIES", "abc"), ("KVLENS_MAX_POLICIES", "0"),
+                                         ("KVLENS_PLUGINS", "os.system"), ("KVLENS_STOER_MB", "5")])
+def test_a_malformed_setting_stops_the_start_with_one_line_naming_it(text_file, tmp_path, monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    result = cli("run", "--text", str(text_file), "--policy", "tova:budget=4", "--out", str(tmp_path / "o"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: {name}")
 
 
 def test_help_lists_every_policy_and_its_parameters():

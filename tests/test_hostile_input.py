@@ -4,12 +4,16 @@ The list mirrors docs/results.md ("Bad input").
 """
 import html
 import json
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
 import app
+from backend import guard
 from backend.engine import models
 from backend import api
 from backend.limits import Limits
@@ -110,19 +114,38 @@ def test_error_messages_shown_on_the_page_are_escaped():
     assert "<img" not in err.message and html.escape("<img src=x onerror=alert(1)>") in err.message
 
 
+def visitor(session: str | None, host: str = "10.0.0.1"):
+    """A request as the validator and the run see it: a session, an address, and the HTTP request's state."""
+    return SimpleNamespace(session_hash=session, client=SimpleNamespace(host=host),
+                           request=SimpleNamespace(state=SimpleNamespace()))
+
+
 def test_the_validator_refuses_outside_the_model_slot_and_gates_one_job_per_session(monkeypatch):
     monkeypatch.setattr(api, "get_model", lambda *a: pytest.fail("the validator must not load the model"))
-    visitor = type("R", (), {"session_hash": "s1", "client": type("C", (), {"host": "10.0.0.1"})()})()
+    first, second = visitor("s1"), visitor("s1")
     controls = ("hi there", "prompt", 8, ["tova"], 40, 4, 0.1, "paper default", "", DEFAULT_MODEL)
-    bad = app.check_run("x" * (LIMITS.text_chars + 1), *controls[1:], request=visitor)
+    bad = app.check_run("x" * (LIMITS.text_chars + 1), *controls[1:], request=first)
     assert bad[0]["is_valid"] is False and "characters long" in bad[0]["message"] and len(bad) == 10
-    ok = app.check_run(*controls, request=visitor)
+    ok = app.check_run(*controls, request=first)
     assert all(v["is_valid"] for v in ok)
-    again = app.check_run(*controls, request=visitor)  # the first job has not ended yet
+    again = app.check_run(*controls, request=second)  # the first job has not ended yet
     assert again[0]["is_valid"] is False and "still waiting or running" in again[0]["message"]
-    app._leave(visitor)
-    assert all(v["is_valid"] for v in app.check_run(*controls, request=visitor))
-    app._leave(visitor)
+    app._leave(first)
+    assert all(v["is_valid"] for v in app.check_run(*controls, request=second))
+    app._leave(second)
+    assert len(app.ADMISSION) == 0
+
+
+def test_a_run_frees_the_slot_its_validator_took_though_its_session_changed_in_between(monkeypatch):
+    # A raw API call has no session at the validator; Gradio gives its run one afterwards.
+    monkeypatch.setattr(app, "ADMISSION", guard.Admission(per_session=1, per_address=1))
+    controls = ("hi there", "prompt", 8, ["tova"], 40, 4, 0.1, "paper default", "", DEFAULT_MODEL)
+    for _ in range(3):
+        call = visitor(None)
+        assert all(v["is_valid"] for v in app.check_run(*controls, request=call))
+        call.session_hash = f"event-{time.time_ns()}"
+        app._leave(call)
+        assert len(app.ADMISSION) == 0
 
 
 def test_controls_out_of_range_from_the_raw_api_are_messages():
@@ -230,17 +253,96 @@ def test_html_in_the_prompt_is_text_in_every_view(tmp_path, monkeypatch):
 
 
 def test_admission_limits_each_session_and_each_address_and_forgets_lost_jobs(monkeypatch):
-    from backend import guard
-
     clock = [0.0]
     monkeypatch.setattr(guard.time, "monotonic", lambda: clock[0])
     gate = guard.Admission(per_session=1, per_address=2, expire_s=10)
-    assert gate.enter("a", "1.2.3.4")[0] and gate.enter("b", "1.2.3.4")[0]
+    a, _ = gate.enter("a", "1.2.3.4")
+    assert a and gate.enter("b", "1.2.3.4")[0]
     assert gate.enter("a", "5.6.7.8") == (None, "Your previous run is still waiting or running; it comes first.")
     ticket, reason = gate.enter("c", "1.2.3.4")
     assert ticket is None and "from your address" in reason
     assert gate.enter("d", "5.6.7.8")[0]  # another address is not held up
-    gate.leave_one("a")
+    gate.leave(a)
     assert gate.enter("c", "1.2.3.4")[0]
     clock[0] = 11.0  # jobs whose visitors left while waiting stop counting
     assert gate.enter("b", "1.2.3.4")[0] and gate.enter("e", "1.2.3.4")[0]
+
+
+def test_admission_refuses_past_the_queue_size_under_a_burst():
+    gate = guard.Admission(per_session=1, per_address=200, queue=64)
+    start, results = threading.Barrier(80), []
+
+    def enter(n):
+        start.wait()
+        results.append(gate.enter(f"s{n}", "10.0.0.1"))
+
+    threads = [threading.Thread(target=enter, args=(n,)) for n in range(80)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    refused = [reason for ticket, reason in results if ticket is None]
+    assert len(gate) == 64 and len(refused) == 16
+    assert set(refused) == {"The queue is full (64 runs waiting or running); try again in a few minutes."}
+
+
+def call_api(url: str, data: list, fn: str = "on_run") -> httpx.Response:
+    return httpx.post(f"{url}/gradio_api/call/{fn}", json={"data": data}, timeout=30)
+
+
+def result_of(url: str, response: httpx.Response, fn: str = "on_run") -> str:
+    """The event stream of a call, to its end: "event: complete ..." or "event: error ..."."""
+    event_id = response.json()["event_id"]
+    return httpx.get(f"{url}/gradio_api/call/{fn}/{event_id}", timeout=120).text
+
+
+RAW_RUN = ["The cat sat.", "generate", 4, ["tova"], 16, 4, 0.1, "paper default", "", DEFAULT_MODEL]
+
+
+def test_an_api_client_runs_again_once_its_run_has_ended(server):
+    for _ in range(3):
+        response = call_api(server, RAW_RUN)
+        assert response.status_code == 200, response.text
+        assert "event: complete" in result_of(server, response)
+    assert len(app.ADMISSION) == 0
+
+
+def test_a_burst_of_runs_is_refused_politely_at_the_queue_size(server, monkeypatch):
+    monkeypatch.setattr(app, "ADMISSION", guard.Admission(per_session=1, per_address=200, queue=app.QUEUE_SIZE))
+    release = threading.Event()
+
+    def held_run(*args, **kwargs):  # the model is busy until every request of the burst has its answer
+        release.wait(timeout=300)
+        raise RequestError("done")
+
+    monkeypatch.setattr(api, "run", held_run)
+    with ThreadPoolExecutor(80) as pool:
+        responses = list(pool.map(lambda _: call_api(server, RAW_RUN), range(80)))
+    release.set()
+    accepted = [r for r in responses if r.status_code == 200]
+    refused = [r for r in responses if r.status_code != 200]
+    assert len(accepted) == app.QUEUE_SIZE, [r.text for r in refused][:3]
+    for response in refused:
+        assert response.status_code == 422
+        (message,) = [d["message"] for d in response.json()["detail"] if d["is_valid"] is False]
+        assert message.startswith("The queue is full")
+    for response in accepted:
+        assert "event: error" in result_of(server, response)
+    assert len(app.ADMISSION) == 0
+
+
+def test_an_unknown_endpoint_is_a_404_with_nothing_in_the_log(server, capfd):
+    response = call_api(server, [], fn="nope")
+    assert response.status_code == 404 and response.text == "No such endpoint."
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_control_out_of_range_is_one_line_with_nothing_in_the_log(server, capfd):
+    # The view controls of render_views: layer, head, step, alpha, zoom, first step, first position, window.
+    response = call_api(server, ["all", "all", -1e9, 0.3, False, -1e9, 0, 128], fn="render_views")
+    assert response.status_code == 200, response.text
+    stream = result_of(server, response, fn="render_views")
+    assert "event: error" in stream, stream
+    message = json.loads(stream.split("data:", 1)[1].strip())
+    assert message and "\n" not in str(message), message
+    assert "Traceback" not in capfd.readouterr().err

@@ -20,10 +20,10 @@ from viz.sweep import sweep_ci_figure
 
 def test_shipped_needle_grid_draws_one_heatmap_per_policy_and_the_sweep_its_lines():
     needle, sweep, note = app.shipped_long_context()
-    shipped = pd.read_csv(shipped.ASSETS / shipped.NEEDLE_FILE)
+    grid = pd.read_csv(shipped.ASSETS / shipped.NEEDLE_FILE)
     assert note == ""
-    assert [trace.type for trace in needle.data] == ["heatmap"] * shipped["spec"].nunique()
-    assert [trace.name for trace in needle.data] == list(dict.fromkeys(shipped["spec"]))
+    assert [trace.type for trace in needle.data] == ["heatmap"] * grid["spec"].nunique()
+    assert [trace.name for trace in needle.data] == list(dict.fromkeys(grid["spec"]))
     summary = pd.read_csv(shipped.ASSETS / shipped.SWEEP_FILE)
     assert {trace.name for trace in sweep.data if trace.showlegend is not False} == set(summary["policy"]) - {"full"}
     assert any("Full" in (shape.text or "") for shape in sweep.layout.annotations)  # the topline

@@ -25,9 +25,6 @@ from backend.traces.store import TraceStore, get_or_compute
 LIMIT = 1 * 2**20
 LARGE = 150_000  # above diskcache's disk_min_file_size: stored in a .val file
 SMALL = 1_000  # stored inside SQLite
-# What SQLite adds on top of diskcache's volume() for these small workloads:
-# the WAL and its index (the database file itself is counted by volume()).
-SQLITE_OVERHEAD = 512 * 2**10
 ENTRY = LARGE + store_mod._HEADER.size
 
 
@@ -88,7 +85,7 @@ def assert_uncached(st: TraceStore) -> None:
     """A no-op store: misses, stores nothing, never raises."""
     assert not st.available
     assert st.disabled_reason
-    st.put("k", b"data")
+    assert st.put("k", b"data") is False
     assert st.get("k") is None
     assert "k" not in st
     assert st.volume() == 0
@@ -336,7 +333,7 @@ def test_damage_while_open_is_survived(tmp_path, caplog, how, fresh_connection):
         for key, data in values.items():
             assert st.get(key) in (None, data)
     assert len(set_aside(directory)) <= 1
-    assert dir_bytes(directory) <= 4 * LIMIT + ENTRY + SQLITE_OVERHEAD
+    assert dir_bytes(directory) <= 4 * LIMIT + ENTRY
     st.close()
 
 
@@ -452,7 +449,7 @@ def test_full_disk_put_is_not_cached(tmp_path, caplog, monkeypatch, failure, siz
     monkeypatch.setattr(owner, name, replacement)
 
     with caplog.at_level(logging.WARNING, logger="backend.traces.store"):
-        st.put("k0" if "update" in failure else "new", payload(size, seed=7))  # returns normally
+        assert st.put("k0" if "update" in failure else "new", payload(size, seed=7)) is False  # no raise
     (log_line,) = warnings(caplog)
     assert "not cached" in log_line
     assert value_files(directory) == files  # no partial or unreferenced file left behind
@@ -462,6 +459,7 @@ def test_full_disk_put_is_not_cached(tmp_path, caplog, monkeypatch, failure, siz
     assert get_or_compute(st, "other", lambda: b"computed") == (b"computed", False)
 
     monkeypatch.undo()  # space again
+    assert st.put("new", payload(size, seed=7)) is True
     assert_works(st)
     st.close()
 
@@ -486,7 +484,7 @@ def test_read_only_database_still_serves_reads(tmp_path, caplog, monkeypatch):
         for key, data in values.items():
             assert st.get(key) == data
         assert warnings(caplog) == []
-        st.put("new", payload(LARGE, seed=5))
+        assert st.put("new", payload(LARGE, seed=5)) is False
         assert sum("not cached" in line for line in warnings(caplog)) == 1
     assert st.get("new") is None
     assert len(value_files(directory)) == 2  # the refused value's file was removed
@@ -643,9 +641,22 @@ def test_only_old_unreferenced_value_files_are_reclaimed(tmp_path):
     assert outside.read_bytes() == b"outside"
 
 
+def test_size_limit_counts_every_file_of_the_store(tmp_path):
+    directory = tmp_path / "store"
+    st = TraceStore(directory, size_limit=LIMIT)
+    for i in range(1200):  # small entries live in the database: SQLite's write-ahead log grows with them
+        st.put(f"s{i}", payload(SMALL, seed=i))
+    fill(st, 12)
+    assert dir_bytes(directory) <= LIMIT + ENTRY
+    assert st.volume() <= LIMIT + ENTRY
+    assert_works(st)
+    assert dir_bytes(directory) <= LIMIT + ENTRY
+    st.close()
+
+
 def test_size_bound_holds_through_damage_and_rebuild(tmp_path):
     directory = tmp_path / "store"
-    bound = LIMIT + ENTRY + SQLITE_OVERHEAD
+    bound = LIMIT + ENTRY  # every file, the write-ahead log included
 
     def check(st):
         assert st.volume() <= LIMIT + ENTRY

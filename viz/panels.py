@@ -353,6 +353,9 @@ def figures_html(run, layer: str, head: str, step: int, alpha: float,
 
 
 def share_markdown(run) -> str:
+    if not getattr(run, "stored", True):  # no link the store cannot keep
+        return ("**This run is not stored here** (the trace store cannot keep it), so it has no share link; "
+                "the zip below holds its traces.")
     link = f"?run={run.run_id}"
     return (f"**Share this run:** [{html.escape(link)}]({link}) reopens it from the store (add it to this page's "
             f"address).\n\nRun id: `{run.run_id}`")

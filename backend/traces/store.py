@@ -19,11 +19,12 @@ payload length, sha256 of the payload). :meth:`TraceStore.get` checks all of it;
 on any mismatch it deletes the entry and returns ``None``, so the caller
 recomputes. It never raises on a corrupt entry.
 
-Size: the store is bounded by ``size_limit`` (bytes, as diskcache counts them:
-the SQLite file plus the value files) and evicts least-recently-used entries one
-at a time after each write, so ``volume()`` stays within ``size_limit`` plus at
-most one entry. A value whose stored form is larger than ``size_limit`` is not
-stored at all.
+Size: the store is bounded by ``size_limit`` (bytes of every file of the store:
+the SQLite database, its write-ahead log and index, and the value files). After
+each write that goes over it, the write-ahead log is checkpointed and cut to
+nothing, then least-recently-used entries are evicted one at a time, so
+``volume()`` stays within ``size_limit`` plus at most one entry. A value whose
+stored form is larger than ``size_limit`` is not stored at all.
 
 Failures: the store is only a cache, so it never takes its caller down. Apart
 from a bad ``size_limit`` or ``$KVLENS_STORE_MB`` (``ValueError``), nothing in it
@@ -39,8 +40,9 @@ raises for the state of the disk, and each event below logs one warning:
   a path that is not ours to move), it runs uncached: ``get`` misses, ``put``
   does nothing, and :attr:`TraceStore.available` is ``False``, with
   :attr:`TraceStore.disabled_reason` saying why.
-- A full disk or read-only database makes ``put`` log "not cached" and return;
-  ``get`` still returns stored data (it then skips marking the entry as used).
+- A full disk or read-only database makes ``put`` log "not cached" and return
+  False (``put`` says whether it stored); ``get`` still returns stored data (it
+  then skips marking the entry as used).
 - Value files that no row refers to (a database cut short or deleted, a writer
   that died) are deleted when the store is opened, once they are a few minutes
   old (younger ones may be another process's write in progress).
@@ -87,6 +89,8 @@ _HEX_DIR = re.compile(r"[0-9a-f]{2}")
 _VALUE_NAME = re.compile(r"[0-9a-f]{28}\.val")
 
 _DB_NAME = "cache.db"  # diskcache's database file
+_SIDE_FILES = ("-wal", "-shm", "-journal")  # SQLite's files beside it, counted in the size limit
+_WAL_SHARE = 8  # over the limit, a log larger than 1/8 of it is checkpointed rather than entries evicted
 # What a store directory holds: the database (with its WAL and journal files)
 # and the two-hex-digit folders of value files.
 _STORE_ENTRY = re.compile(r"cache\.db(-wal|-shm|-journal)?|[0-9a-f]{2}")
@@ -259,8 +263,9 @@ def _default_directory() -> str:
     return os.environ.get(ENV_DIR) or os.path.join("~", ".cache", "kvlens", "store")
 
 
-def _default_size_limit() -> int:
-    text = os.environ.get(ENV_MB)
+def size_limit_from_env(environ=os.environ) -> int:
+    """The size limit in bytes from ``$KVLENS_STORE_MB`` (default 300 MB); ValueError names a malformed one."""
+    text = environ.get(ENV_MB)
     if not text:
         return DEFAULT_SIZE_MB * 2**20
     try:
@@ -306,7 +311,7 @@ class TraceStore:
             directory = _default_directory()
         self.directory = os.path.abspath(os.path.expanduser(os.fspath(directory)))
         if size_limit is None:
-            size_limit = _default_size_limit()
+            size_limit = size_limit_from_env()
         if isinstance(size_limit, bool) or not isinstance(size_limit, int) or size_limit <= 0:
             raise ValueError(f"size_limit must be a positive int (bytes), not {size_limit!r}")
         self.size_limit = size_limit
@@ -502,19 +507,20 @@ class TraceStore:
 
     # -- writing ------------------------------------------------------------
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes) -> bool:
         """Store ``data`` (exactly ``bytes``; anything else raises ``TypeError``)
         under ``key``, replacing any entry, then evict least-recently-used
-        entries until the store fits its size limit. A value larger than the
-        size limit is not stored. If the store cannot be written (full disk,
-        read-only), logs "not cached" and returns."""
+        entries until the store fits its size limit. Returns whether the value
+        is stored: False when the store runs uncached, for a value larger than
+        the size limit, and when the store cannot be written (full disk,
+        read-only: logs "not cached")."""
         _check_key(key)
         if type(data) is not bytes:
             raise TypeError(f"TraceStore stores bytes only, not {type(data).__name__}")
         blob = _pack(data)
         cache = self._live()
         if cache is None:
-            return
+            return False
         try:
             if len(blob) > self.size_limit:
                 log.warning(
@@ -523,23 +529,53 @@ class TraceStore:
                     self.size_limit,
                 )
                 cache.delete(key)  # don't leave an older value behind
-                return
+                return False
             _set(cache, key, blob)
             self._evict(cache)
         except _STORE_ERRORS as exc:
             self._failed(cache, exc, "could not store %s; not cached", key)
+            return False
+        return True
+
+    def _side_bytes(self) -> int:
+        """Bytes of SQLite's files beside the database (the write-ahead log and
+        its index), which diskcache's volume does not count; the log grows to
+        megabytes between checkpoints."""
+        side = 0
+        for suffix in _SIDE_FILES:
+            try:
+                side += os.stat(self._db_path + suffix).st_size
+            except OSError:
+                pass
+        return side
+
+    def _footprint(self, cache: diskcache.Cache) -> int:
+        """Bytes of every file of the store: the database, the value files and SQLite's side files."""
+        return cache.volume() + self._side_bytes()
 
     def _evict(self, cache: diskcache.Cache) -> None:
-        # diskcache's own culling removes up to ten entries at once (which can
-        # include the value just written when few large entries fit); here the
-        # least-recently-used entry goes, one per transaction, until the volume
-        # fits, and the last entry left is kept. Uses diskcache's internal
-        # _transact/_cull (diskcache is pinned to 5.6.3 in requirements.txt).
+        # Over the limit, a large write-ahead log goes back into the database
+        # and is cut to nothing (a checkpoint costs an fsync, so not for a
+        # small one). Then the least-recently-used entry goes, one per
+        # transaction, until every file fits, and the last entry left is kept
+        # (diskcache's own culling removes up to ten at once, which can include
+        # the value just written, and stops at its own volume, which leaves
+        # the log out). Uses diskcache's internal _transact (diskcache is
+        # pinned to 5.6.3 in requirements.txt).
+        checkpointed = False
         for _ in range(len(cache) + 1):
-            if cache.volume() <= self.size_limit or len(cache) <= 1:
+            if self._footprint(cache) <= self.size_limit:
+                return
+            if not checkpointed and self._side_bytes() > self.size_limit // _WAL_SHARE:
+                cache._sql("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+                checkpointed = True
+                continue
+            if len(cache) <= 1:
                 return
             with cache._transact() as (sql, cleanup):
-                cache._cull(time.time(), sql, cleanup, limit=1)
+                for rowid, filename in sql("SELECT rowid, filename FROM Cache ORDER BY access_time LIMIT 1").fetchall():
+                    sql("DELETE FROM Cache WHERE rowid = ?", (rowid,))
+                    cleanup(filename)
 
     def clear(self) -> int:
         """Remove every entry; return how many were removed (0 if the store
@@ -554,13 +590,14 @@ class TraceStore:
             return 0
 
     def volume(self) -> int:
-        """Estimated bytes on disk (SQLite file plus value files); 0 when the
-        store runs uncached or cannot be read."""
+        """Bytes on disk of every file of the store (the database, its
+        write-ahead log and index, the value files); 0 when the store runs
+        uncached or cannot be read."""
         cache = self._live()
         if cache is None:
             return 0
         try:
-            return cache.volume()
+            return self._footprint(cache)
         except _STORE_ERRORS as exc:
             self._failed(cache, exc, "could not measure %s", self.directory)
             return 0
