@@ -462,7 +462,7 @@ def build() -> gr.Blocks:
                                      label="h2o / tova / a2sf / oracle: decide per KV head or per layer")
                     custom = gr.Textbox(label="More policies, one spec per line", lines=2,
                                         placeholder="tova:budget=32,heads=head\nh2o:budget=32,recent=8")
-                    model = gr.Dropdown(list(api.ALLOWED_MODELS), value=api.DEFAULT_MODEL, label="Model",
+                    model = gr.Dropdown(list(LIMITS.models), value=api.DEFAULT_MODEL, label="Model",
                                         info="Hub models load only where the Space has internet.")
                 run_button = gr.Button("Run", variant="primary", elem_id="run")
                 status = gr.Markdown(elem_id="status")

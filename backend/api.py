@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from .engine.allocator import give_back
-from .engine.models import ALLOWED_MODELS, DEFAULT_MODEL, LoadedModel, ModelError, shared_model
+from .engine.models import DEFAULT_MODEL, DEVICES, DTYPES, LoadedModel, ModelError, shared_model
 from .engine.runner import Progress, default_record_layers
 from .experiments.grid import GridError, run_grid
 from .experiments.needle import NEW_TOKENS, needle_frame, needle_jobs
@@ -52,10 +52,10 @@ class RequestError(ValueError):
     """The request cannot run; the message (one line) is shown to the user as is."""
 
 
-def get_model(name: str = DEFAULT_MODEL) -> LoadedModel:
-    """The loaded model (once per process), or RequestError; the load itself checks the allow-list."""
+def get_model(name: str = DEFAULT_MODEL, device: str = "cpu", dtype: str = "float32") -> LoadedModel:
+    """The loaded model (once per process), or RequestError (the request's checks said who may name it)."""
     try:
-        return shared_model(name)
+        return shared_model(name, device, dtype)
     except ModelError as err:
         raise RequestError(str(err)) from None
     except OSError as err:  # a hub model without internet, for example
@@ -71,6 +71,8 @@ class RunRequest:
     model: str = DEFAULT_MODEL
     chat: bool = True
     max_tokens: int | None = None  # keep the first max_tokens tokens (<= the limit); None refuses longer texts
+    device: str = "cpu"  # cpu, cuda or auto (the command line's choice; the Space runs on its own)
+    dtype: str = "float32"
 
 
 @dataclass
@@ -84,6 +86,8 @@ class SweepRequest:
     model: str = DEFAULT_MODEL
     chat: bool = False
     max_tokens: int | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
     record: bool = False  # record the app's layers too, so a run at one of the budgets replays
     max_rows: int = MAX_ROWS
 
@@ -114,12 +118,18 @@ def _check_text(request, limits: Limits) -> None:
             or not 1 <= new <= limits.new_tokens:
         raise RequestError(f"Max new tokens must be a whole number from 1 to {limits.new_tokens}.")
     request.max_new_tokens = int(new)
-    _check_model_name(request.model)
+    _check_model_name(request.model, limits)
+    if request.device not in DEVICES or request.dtype not in DTYPES:
+        raise RequestError(f"Device must be one of {', '.join(DEVICES)} and dtype one of {', '.join(DTYPES)}.")
+    if limits.models is not None and (request.device, request.dtype) != ("cpu", "float32"):
+        raise RequestError("This server runs its models on its CPU in float32.")
 
 
-def _check_model_name(model) -> None:
-    if model not in ALLOWED_MODELS:
-        raise RequestError(f"unknown model {str(model)[:80]!r}; allowed: {', '.join(ALLOWED_MODELS)}")
+def _check_model_name(model, limits: Limits) -> None:
+    if not isinstance(model, str) or not model.strip():
+        raise RequestError("Name a model.")
+    if limits.models is not None and model not in limits.models:
+        raise RequestError(f"unknown model {str(model)[:80]!r}; offered here: {', '.join(limits.models)}")
 
 
 def _parse(specs: list[str]) -> list[Policy]:
@@ -222,7 +232,7 @@ def run(request: RunRequest, store: TraceStore | None, progress: Progress | None
     """Run (or replay) a request through the store and give it a share link; ``Run.stored`` says whether the
     store holds the run and its link (False without a store, or one that cannot write)."""
     policies = check_run(request, limits)
-    lm = get_model(request.model)
+    lm = get_model(request.model, request.device, request.dtype)
     ids = _tokens(lm, request, policies, limits)
     _check_cost(lm, policies, ids, request, limits.row_tokens, "This run")
     extra = {} if chunk is None else {"chunk": chunk}
@@ -243,7 +253,7 @@ def sweep(request: SweepRequest, store: TraceStore | None, progress: Progress | 
           limits: Limits = LIMITS) -> pd.DataFrame:
     """The sweep's table (``experiments.sweep``), every trace through the store."""
     policies = check_sweep(request, limits)
-    lm = get_model(request.model)
+    lm = get_model(request.model, request.device, request.dtype)
     ids = _tokens(lm, request, policies, limits)
     _check_cost(lm, policies, ids, request, limits.sweep_row_tokens, "This sweep")
     record = default_record_layers(lm) if request.record else ()
@@ -330,7 +340,7 @@ def check_needle(specs: Sequence[str], lengths: Sequence, model: str, limits: Li
         if value not in chosen:
             chosen.append(value)
     specs, policies = _check_specs(["full", *specs], limits)
-    _check_model_name(model)
+    _check_model_name(model, limits)
     for length in chosen:
         _check_row_tokens(policies, length, limits.row_tokens, f"A {length}-token cell",
                           "pick fewer policies or a shorter length")

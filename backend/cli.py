@@ -20,15 +20,20 @@ from pathlib import Path
 import pandas as pd
 
 from .analysis import metrics
-from .engine.models import ALLOWED_MODELS, DEFAULT_MODEL
+from .engine.models import DEFAULT_MODEL, DEVICES, DTYPES, PACKAGED
 from .policies import PluginError, SpecError, describe, load_plugins, policy_table
 from .engine.runner import DEFAULT_CHUNK
 from . import api
-from .api import LIMITS, RequestError, RunRequest, SweepRequest, check_run, check_sweep
+from .api import RequestError, RunRequest, SweepRequest, check_run, check_sweep
+from .limits import Limits
 from .traces.store import TraceStore
 from .experiments.sweep import (DEFAULT_BUDGETS, DEFAULT_POLICIES, MAX_ROWS, budget_jobs, parse_budgets, split_policies, summarize,
                     write_tables)
 from .traces.trace import file_stem
+
+
+# The command line's user owns the machine: any model it can load, limits that fit its memory (limits.py).
+LIMITS = Limits.for_machine()
 
 
 class CliError(Exception):
@@ -99,13 +104,14 @@ def progress_printer():
 def cmd_run(args: argparse.Namespace) -> int:
     text = read_text(args.text)
     request = RunRequest(prompt=text, specs=list(args.policy), mode=args.mode, max_new_tokens=args.max_new_tokens,
-                         model=args.model, chat=args.chat, max_tokens=args.max_tokens)
+                         model=args.model, chat=args.chat, max_tokens=args.max_tokens, device=args.device,
+                         dtype=args.dtype)
     if args.chunk < 1:
         raise CliError("--chunk must be >= 1")
-    check_run(request)
+    check_run(request, LIMITS)
     out = writable_dir(args.out)
     store = open_store(args.no_cache)
-    run = api.run(request, store, progress_printer(), chunk=args.chunk)
+    run = api.run(request, store, progress_printer(), LIMITS, chunk=args.chunk)
     if sys.stderr.isatty():
         print(file=sys.stderr)
     summary = {}
@@ -150,14 +156,15 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         raise CliError(f"--budgets: {err}") from None
     docs = _documents(args)
     models = args.model or [DEFAULT_MODEL]
-    requests = [SweepRequest(prompt=text, jobs=jobs, model=model, max_tokens=args.max_tokens, max_rows=args.max_rows)
+    requests = [SweepRequest(prompt=text, jobs=jobs, model=model, max_tokens=args.max_tokens, max_rows=args.max_rows,
+                             device=args.device, dtype=args.dtype)
                 for model in models for _, text in docs]
     for request in requests:
-        check_sweep(request)
+        check_sweep(request, LIMITS)
     out = writable_dir(args.out)
     if len(requests) == 1 and args.ray is None:  # one text, one model: in this process, as the app runs it
         store = open_store(args.no_cache)
-        df = api.sweep(requests[0], store, progress_printer())
+        df = api.sweep(requests[0], store, progress_printer(), LIMITS)
         if sys.stderr.isatty():
             print(file=sys.stderr)
         df.insert(0, "document", docs[0][0])
@@ -186,9 +193,9 @@ def _sweep_grid(args, jobs, docs, models, out: Path) -> pd.DataFrame:
     from .experiments.grid import GridError, run_grid, stderr_progress
     from .runs import ENGINE_VERSION
 
-    grid = [{"kind": "sweep", "model": model, "engine": ENGINE_VERSION,
-             "payload": {"document": name, "text": text, "jobs": [list(j) for j in jobs],
-                         "max_tokens": args.max_tokens, "max_rows": args.max_rows}}
+    grid = [_on_device({"kind": "sweep", "model": model, "engine": ENGINE_VERSION,
+                        "payload": {"document": name, "text": text, "jobs": [list(j) for j in jobs],
+                                    "max_tokens": args.max_tokens, "max_rows": args.max_rows}}, args)
             for model in models for name, text in docs]
     try:
         results = run_grid(grid, address=args.ray, workers=args.workers, checkpoint=out / "documents.jsonl",
@@ -227,6 +234,7 @@ def cmd_needle(args: argparse.Namespace) -> int:
         raise CliError("--depths are fractions of the haystack, 0 to 1")
     try:  # the same jobs as the app's grid (needle.needle_jobs)
         jobs = needle_jobs(args.model, args.policy, lengths, depths, seeds, args.new_tokens)
+        jobs = [_on_device(job, args) for job in jobs]
     except SpecError as err:
         raise CliError(str(err)) from None
     out = writable_dir(args.out)
@@ -247,20 +255,33 @@ def cmd_needle(args: argparse.Namespace) -> int:
     return 0
 
 
+def _on_device(job: dict, args: argparse.Namespace) -> dict:
+    """A grid job that names where its model runs, when that is not the CPU in float32 (grid.Worker reads it)."""
+    if (args.device, args.dtype) == ("cpu", "float32"):
+        return job
+    return {**job, "device": args.device, "dtype": args.dtype}
+
+
 def cmd_policies(args: argparse.Namespace) -> int:
     print(policy_table())
     return 0
 
 
+MODEL_HELP = (f"a packaged model ({', '.join(PACKAGED)}; default {DEFAULT_MODEL}), a local model directory, a "
+              f"local .gguf file, or a hub id (with internet)")
+
+
 def _common(p: argparse.ArgumentParser, many_models: bool = False) -> None:
     p.add_argument("--out", required=True, help="output directory")
     if many_models:
-        p.add_argument("--model", action="append", help=f"one of: {', '.join(ALLOWED_MODELS)} (default "
-                                                        f"{DEFAULT_MODEL}); repeat for several")
+        p.add_argument("--model", action="append", help=MODEL_HELP + "; repeat for several")
     else:
-        p.add_argument("--model", default=DEFAULT_MODEL, help=f"one of: {', '.join(ALLOWED_MODELS)}")
-    p.add_argument("--max-tokens", type=int, default=LIMITS.prompt_tokens,
-                   help=f"keep the first N tokens of a longer text (2 to {LIMITS.prompt_tokens}, the default)")
+        p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
+    p.add_argument("--device", choices=DEVICES, default="cpu", help="where the model runs (auto: a GPU if any)")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="the model's weights and activations")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="keep the first N tokens of a longer text (default: the whole text, up to the model's "
+                        "context)")
     p.add_argument("--no-cache", action="store_true",
                    help="recompute even if the trace store (KVLENS_STORE_DIR) holds this run")
 
@@ -275,7 +296,9 @@ def _ray_options(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m backend", description="KV Lens: run KV-cache policies on a real model.",
-        epilog=f"Limits (as in the app; KVLENS_MAX_<NAME> changes one): {LIMITS}")
+        epilog=f"Limits here (they fit this machine's memory; KVLENS_MAX_<NAME> changes one): "
+               f"{LIMITS.row_tokens:,} row-tokens a run, {LIMITS.policies} policies, {LIMITS.new_tokens} new tokens; "
+               f"Full is free")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="run policies on a text and write traces",
                        formatter_class=argparse.RawDescriptionHelpFormatter,

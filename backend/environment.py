@@ -31,14 +31,11 @@ def runs_per_address(environ=os.environ) -> int:
 def check_environment(environ=os.environ) -> None:
     """Check every ``KVLENS_*`` variable and import the operator's plugins (``KVLENS_PLUGINS``); SettingError
     names the first that is malformed or unknown."""
-    from dataclasses import fields
-
-    from .limits import Limits
+    from .limits import MODELS_ENV, Limits
     from .policies import PluginError, load_plugins
     from .traces.store import ENV_MB, size_limit_from_env
 
-    limits = {f"KVLENS_MAX_{field.name.upper()}" for field in fields(Limits)}
-    known = {*limits, *FREE_FORM, RUNS_PER_ADDRESS, ENV_MB, "KVLENS_PLUGINS", "KVLENS_MMAP_THRESHOLD"}
+    known = {*Limits.settings(), *FREE_FORM, MODELS_ENV, RUNS_PER_ADDRESS, ENV_MB, "KVLENS_PLUGINS", "KVLENS_MMAP_THRESHOLD"}
     for name in sorted(n for n in environ if n.startswith("KVLENS_")):
         if name not in known:
             raise SettingError(f"{name} is not a KV Lens setting; known: {', '.join(sorted(known))}")

@@ -1,4 +1,5 @@
-"""The one set of limits every front end (app, CLI, sweep) enforces, so a public Space stays responsive.
+"""The limits every request meets: the Space's, which keep a shared 2-vCPU server responsive, and the command
+line's, which fit the machine its user owns.
 
 Texts may fill the default model's context (8192 tokens). What a run may cost is bounded in
 **row-tokens**: each policy's row costs its length in tokens (twice for KVzip, whose reconstruction pass
@@ -6,13 +7,20 @@ re-reads the text), and a row that reads every key for every query (oracle, Spar
 costs more as the text grows, ``length * length / SELECTION_UNIT`` when that is more. On a 2-vCPU Space,
 32k row-tokens is four eviction policies at 8k
 tokens (or eight at 4k, or one selection policy at 5.8k): a few minutes of work and under 6 GB, so the
-queue moves. An operator may change any limit with an environment variable ``KVLENS_MAX_<FIELD>``
-(e.g. ``KVLENS_MAX_ROW_TOKENS=100000`` on a workstation); visitors cannot.
+queue moves. The Space's visitors pick among the packaged models and the operator's ``KVLENS_MODELS``.
+
+The command line (``Limits.for_machine``) lets its user name any model and bounds a run by the machine's
+memory instead: row-tokens as many as ``ROW_TOKEN_BYTES`` each fit in it, texts as long as the model reads.
+Either way an operator may change a limit with ``KVLENS_MAX_<FIELD>`` (e.g. ``KVLENS_MAX_ROW_TOKENS=100000``);
+visitors cannot. Full is free everywhere: it is the reference row every run computes anyway.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, fields, replace
+
+MODELS_ENV = "KVLENS_MODELS"  # the operator's models for the Space, comma-separated (hub ids or local paths)
+ROW_TOKEN_BYTES = 192 * 1024  # peak memory one row-token takes, measured at 8k (32k row-tokens peak under 6 GB)
 
 
 @dataclass(frozen=True)
@@ -23,12 +31,38 @@ class Limits:
     policies: int = 8  # policies side by side in one run
     row_tokens: int = 32 * 1024  # one run: the sum of its rows' costs (row_cost)
     sweep_row_tokens: int = 64 * 1024  # one sweep: the same over its (policy, budget) pairs
+    models: tuple[str, ...] | None = None  # the models a request may name; None: any the machine can load
+
+    @classmethod
+    def settings(cls) -> list[str]:
+        """The ``KVLENS_MAX_<FIELD>`` variable of every numeric limit."""
+        return [f"KVLENS_MAX_{field.name.upper()}" for field in fields(cls) if field.type == "int"]
 
     @classmethod
     def from_env(cls, environ=os.environ) -> "Limits":
-        """Defaults, with ``KVLENS_MAX_<FIELD>`` overrides; ValueError names a malformed one."""
+        """The Space's limits: defaults with ``KVLENS_MAX_<FIELD>`` overrides, and the packaged models plus
+        ``KVLENS_MODELS``; ValueError names a malformed variable."""
+        from .engine.models import PACKAGED
+
+        operator = tuple(m.strip() for m in environ.get(MODELS_ENV, "").split(",") if m.strip())
+        return cls._overridden(cls(models=tuple(dict.fromkeys([*PACKAGED, *operator]))), environ)
+
+    @classmethod
+    def for_machine(cls, environ=os.environ) -> "Limits":
+        """The command line's limits: any model, texts up to the model's context, and as many row-tokens as the
+        machine's memory holds; ``KVLENS_MAX_<FIELD>`` still overrides."""
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        row_tokens = max(cls.row_tokens, memory // ROW_TOKEN_BYTES)
+        machine = cls(prompt_tokens=2 ** 31 - 1, text_chars=16 * 2 ** 20, new_tokens=4096, policies=64,
+                      row_tokens=row_tokens, sweep_row_tokens=2 * row_tokens, models=None)
+        return cls._overridden(machine, environ)
+
+    @classmethod
+    def _overridden(cls, limits: "Limits", environ) -> "Limits":
         changes = {}
         for field in fields(cls):
+            if field.type != "int":
+                continue
             name = f"KVLENS_MAX_{field.name.upper()}"
             text = environ.get(name)
             if text is None:
@@ -36,7 +70,7 @@ class Limits:
             if not text.strip().isdigit() or int(text) < 1:
                 raise ValueError(f"{name}={text!r} must be a positive integer")
             changes[field.name] = int(text)
-        return replace(cls(), **changes)
+        return replace(limits, **changes)
 
 
 SELECTION_UNIT = 1024  # a selection row costs length * length / SELECTION_UNIT row-tokens when that is more

@@ -1,4 +1,5 @@
 """End to end on the default model (SmolLM2-135M-Instruct from the packaged GGUF)."""
+import dataclasses
 import numpy as np
 import torch
 
@@ -51,13 +52,15 @@ def test_without_the_package_the_default_model_comes_from_the_hub(monkeypatch):
 
     tiny = make_tiny(dtype=torch.float32)
     asked = []
-    monkeypatch.setattr(models, "gguf_path", lambda: None)
+    packaged = models.PACKAGED[models.DEFAULT_MODEL]
+    hub_id = packaged.hub_id
+    monkeypatch.setitem(models.PACKAGED, models.DEFAULT_MODEL, dataclasses.replace(packaged, gguf=lambda: None))
     monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained",
                         lambda source, **kw: asked.append(source) or tiny.model)
     monkeypatch.setattr(models.AutoTokenizer, "from_pretrained", lambda source, **kw: tiny.tokenizer)
     lm = load_model()
-    assert asked == [models.DEFAULT_HUB_MODEL] and lm.name == models.DEFAULT_MODEL
-    assert lm.fingerprint.startswith(models.DEFAULT_HUB_MODEL + "@")
+    assert asked == [hub_id] and lm.name == models.DEFAULT_MODEL
+    assert lm.fingerprint.startswith(hub_id + "@")
 
     def offline(source, **kw):
         raise OSError(f"We couldn't connect to 'https://huggingface.co' to load {source}.\nmore")

@@ -124,7 +124,7 @@ def test_the_visitor_grid_refuses_what_is_over_its_bounds_before_it_queues(monke
 def test_the_visitor_grid_follows_the_operators_limits():
     with pytest.raises(RequestError, match="longer than the 600 tokens allowed here"):
         api.check_needle(["tova:budget=64"], [1024], DEFAULT_MODEL, Limits(prompt_tokens=600))
-    with pytest.raises(RequestError, match="more than the 1,000 one run may use"):
+    with pytest.raises(RequestError, match="more than the 1,000 row-tokens one request may use"):
         api.check_needle(["tova:budget=64", "h2o:budget=64"], [512], DEFAULT_MODEL, Limits(row_tokens=1000))
     most = api.check_needle(["window:budget=64", "tova:budget=64", "sparq:budget=64"], [512, 1024, 512],
                                      DEFAULT_MODEL)

