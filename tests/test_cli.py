@@ -67,7 +67,7 @@ def test_missing_file_and_unknown_model_are_one_line_errors(text_file, tmp_path)
     result = cli("run", "--text", str(tmp_path / "nope.txt"), "--policy", "full", "--out", str(tmp_path))
     assert result.returncode == 2 and "text file not found" in result.stderr
     result = cli("run", "--text", str(text_file), "--policy", "full", "--model", "../etc/passwd", "--out", str(tmp_path))
-    assert result.returncode == 2 and "unknown model" in result.stderr and "Traceback" not in result.stderr
+    assert result.returncode == 2 and "no such model" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_bad_store_size_and_out_path_are_one_line_errors(text_file, tmp_path, monkeypatch):
