@@ -27,7 +27,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kernels.reattention import reattention_select_reference, reattention_select_triton
+from kernels.reattention import reattention_select_reference
+from kernels.reattention_triton import reattention_select_triton
 from kernels.sparq import sparq_attention_reference, sparq_transfer_bytes
 from kernels.sparq_triton import sparq_attention_triton, triton_enabled
 
