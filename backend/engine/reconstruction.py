@@ -3,10 +3,11 @@
 A policy with ``rereads`` (KVzip) scores its cache by what the model attends to while it re-reads its
 context after a repeat prompt. The runner cuts its forward calls at every step where such a row compresses
 (``cuts``) and, after each, calls ``reread``: for each row due, the row's unscored context goes through the
-model again, piece by piece, over a one-row cache (``RereadCache``) that starts from the row's keys and
-values, the policy stores each position's score (``record``), and every layer compresses
-(``RowLayerState.compress_now``). The tokens of the pass are the method's cost: the cache counts them per
-row (``PolicyCache.extra_pass_tokens``) and traces report them.
+model again, piece by piece (``pieces``, ``prompt``, from ``rereads_from``), over a one-row cache
+(``RereadCache``) that starts from the row's keys and values, inside ``PolicyCache.side_pass`` so the text's
+captured pre-RoPE vectors stay as they were; the policy stores each position's score (``record``), and
+every layer compresses (``RowLayerState.compress_now``). The tokens of the pass are the method's cost: the
+cache counts them per row (``PolicyCache.extra_pass_tokens``) and traces report them.
 """
 from __future__ import annotations
 

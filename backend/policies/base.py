@@ -10,7 +10,10 @@ call the same code. When it acts is its kind:
   N decoding steps; in prompt mode every ``interval`` tokens): it scores the whole cache from a
   ``CacheView`` (the attention of a window of recent queries, the keys and values, the step, the
   prompt length, the layer) and keeps any number of tokens per head (``keep``);
-* a **selection** policy chooses, before query t reads, which positions it reads (``select``).
+* a **selection** policy chooses, before query t reads, which positions it reads (``select``); one that
+  ``attends`` computes a block of queries' attention output itself (``attend_block``).
+
+Every hook the engine and the runner may ask a policy is declared on ``Policy``, with its default.
 
 Arrays are numpy, one row per KV head; ``attn`` is the mean softmax row of the query heads that share
 that KV head (GQA), over positions ``0..t`` (zero where a token is not read).
@@ -58,8 +61,8 @@ class Policy:
     reads_every_key: ClassVar[bool] = False
     extra_passes: ClassVar[int] = 0
 
-    # The hooks the engine and the runner ask every policy; each kind's class adds its own (``step``,
-    # ``keep``, ``select``, ``attend_block``). Declared here so one class lists them all.
+    # The hooks the engine and the runner ask every policy, declared here so one class lists them all; each
+    # kind's class below adds what that kind gives (``step``, ``keep``, ``select``).
 
     # Plain class attributes, not annotated: a policy with a budget or a choice of heads declares its own
     # dataclass field of that name, and a base field would move it to the front of the parameter order.
@@ -480,9 +483,6 @@ class AttendingPolicy(SelectionPolicy):
     def cut_reach(self) -> int:
         # ReAttention's chunks start within its budget; the other attending policies claim theirs too.
         return self.budget
-
-    def attend_block(self, state: State, block: Block) -> tuple[State, BlockResult]:
-        raise NotImplementedError
 
 
 PREFILLS = ("select", "dense")  # an attending policy's ``prefill``: how the prompt of a generate-mode run is read
