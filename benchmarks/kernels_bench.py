@@ -27,13 +27,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kernels.reattention import reattention_select_reference, reattention_select_triton
-from kernels.sparq import (
-    sparq_attention_reference,
-    sparq_attention_triton,
-    sparq_transfer_bytes,
-    triton_enabled,
-)
+from kernels.reattention import reattention_select_reference
+from kernels.reattention_triton import reattention_select_triton
+from kernels.sparq import sparq_attention_reference, sparq_transfer_bytes
+from kernels.sparq_triton import sparq_attention_triton, triton_enabled
 
 H_Q, H_KV, D = 9, 3, 64
 K_SEL, R, L_WIN = 128, 16, 32
@@ -239,8 +236,8 @@ def _profile_graph(fn, reps=20):
 def tune_sparq(baseline=None, best_out=None, S=16384, B=64, r=R):
     """Block sizes and warps of the Triton SparQ step at one shape (float16, K_t given):
     CUDA-graph replay time, agreement with the reference, registers and spills, and a per-kernel
-    profile of the fastest (and of the baseline, a sparq.py given by path)."""
-    from kernels import sparq
+    profile of the fastest (and of the baseline, a sparq_triton.py given by path)."""
+    from kernels import sparq_triton as sparq
 
     cuda = torch.cuda.is_available()  # CPU (TRITON_INTERPRET=1): a dry run of this function
     dev, dtype = ("cuda", torch.float16) if cuda else ("cpu", torch.float32)
@@ -307,12 +304,12 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer configurations")
     ap.add_argument("--sparq-only", action="store_true", help="skip the ReAttention table")
     ap.add_argument("--tune", action="store_true", help="SparQ block-size / warps sweep (CUDA)")
-    ap.add_argument("--baseline", help="with --tune: a sparq.py to time as the baseline")
+    ap.add_argument("--baseline", help="with --tune: a sparq_triton.py to time as the baseline")
     ap.add_argument("--best-out", help="with --tune: write the fastest settings here (JSON)")
-    ap.add_argument("--launch", help="JSON file of kernels.sparq._LAUNCH settings to use")
+    ap.add_argument("--launch", help="JSON file of kernels.sparq_triton._LAUNCH settings to use")
     opts = ap.parse_args()
     if opts.launch:
-        from kernels import sparq
+        from kernels import sparq_triton as sparq
 
         sparq._LAUNCH.update(json.load(open(opts.launch)))
         print("SparQ launch settings:", sparq._LAUNCH)

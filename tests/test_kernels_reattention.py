@@ -5,17 +5,12 @@ Run the Triton part on CPU with TRITON_INTERPRET=1 (it is skipped without CUDA o
 import pytest
 import torch
 
-from kernels import reattention
-from kernels.reattention import (
-    reattention_layout,
-    reattention_select,
-    reattention_select_reference,
-    reattention_select_triton,
-    rerotate_positions,
-)
+from kernels import reattention, reattention_triton
+from kernels.reattention import reattention_layout, reattention_select_reference, rerotate_positions
+from kernels.reattention_triton import reattention_select, reattention_select_triton
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-HAS_KERNEL = reattention.HAS_TRITON and (torch.cuda.is_available()
+HAS_KERNEL = reattention_triton.HAS_TRITON and (torch.cuda.is_available()
                                          or __import__("os").environ.get("TRITON_INTERPRET") == "1")
 needs_triton = pytest.mark.skipif(not HAS_KERNEL, reason="needs CUDA or TRITON_INTERPRET=1")
 
@@ -172,14 +167,14 @@ def test_triton_half_inputs():
 
 def test_dispatch(monkeypatch):
     calls = []
-    monkeypatch.setattr(reattention, "reattention_select_reference", lambda *a: calls.append("ref"))
-    monkeypatch.setattr(reattention, "reattention_select_triton", lambda *a: calls.append("triton"))
+    monkeypatch.setattr(reattention_triton, "reattention_select_reference", lambda *a: calls.append("ref"))
+    monkeypatch.setattr(reattention_triton, "reattention_select_triton", lambda *a: calls.append("triton"))
     q, K = (t.cpu() for t in line_example())
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     reattention_select(q, K, 2, 2, 1, 1)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     reattention_select(q, K, 2, 2, 1, 1)
-    assert calls == ["ref", "triton" if reattention.HAS_TRITON else "ref"]
+    assert calls == ["ref", "triton" if reattention_triton.HAS_TRITON else "ref"]
 
 
 def test_rerotate_and_layout():

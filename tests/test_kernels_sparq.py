@@ -7,14 +7,9 @@ import math
 import pytest
 import torch
 
-from kernels import sparq
-from kernels.sparq import (
-    sparq_attention,
-    sparq_attention_reference,
-    sparq_attention_triton,
-    sparq_transfer_bytes,
-    triton_enabled,
-)
+from kernels import sparq, sparq_triton
+from kernels.sparq import sparq_attention_reference, sparq_transfer_bytes
+from kernels.sparq_triton import sparq_attention, sparq_attention_triton, triton_enabled
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(not triton_enabled(torch.empty(0, device=DEV)),
@@ -226,15 +221,15 @@ def test_head_without_mass_on_components_gets_tau_one():
 
 def test_dispatch(monkeypatch):
     calls = []
-    monkeypatch.setattr(sparq, "sparq_attention_reference", lambda *a, **k: calls.append("ref"))
-    monkeypatch.setattr(sparq, "sparq_attention_triton", lambda *a, **k: calls.append("triton"))
+    monkeypatch.setattr(sparq_triton, "sparq_attention_reference", lambda *a, **k: calls.append("ref"))
+    monkeypatch.setattr(sparq_triton, "sparq_attention_triton", lambda *a, **k: calls.append("triton"))
     q, K, V, vm = (t.cpu() for t in worked_example())
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     sparq_attention(q, K, V, vm, 3, 1, 1)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     sparq_attention(q, K, V, vm, 3, 1, 1)
     sparq_attention(q.double(), K.double(), V.double(), vm.double(), 3, 1, 1)
-    assert calls == ["ref", "triton" if sparq.HAS_TRITON else "ref", "ref"]
+    assert calls == ["ref", "triton" if sparq_triton.HAS_TRITON else "ref", "ref"]
 
 
 def test_transfer_bytes_app_c():
@@ -255,14 +250,14 @@ def test_rejects_bad_arguments():
         sparq_attention_reference(q[:, :, :3], K, V, vm, k=2, r=1, l=0)
 
 
-if sparq.HAS_TRITON:
+if sparq_triton.HAS_TRITON:
     import triton
     import triton.language as tl
 
     @triton.jit
     def _top_n_probe(bits_ptr, out_ptr, n, N: tl.constexpr):
         offs = tl.arange(0, N)
-        sel = sparq._top_n_mask(tl.load(bits_ptr + offs), offs, n)
+        sel = sparq_triton._top_n_mask(tl.load(bits_ptr + offs), offs, n)
         tl.store(out_ptr + offs, sel.to(tl.int32))
 
 

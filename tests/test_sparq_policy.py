@@ -8,7 +8,8 @@ import torch
 from backend.policies import SparQ, parse_spec
 from backend.policies.base import Block
 from backend.engine.runner import compute_traces, score_text
-from kernels.sparq import sparq_attention_reference, sparq_attention_triton, triton_enabled
+from kernels.sparq import sparq_attention_reference
+from kernels.sparq_triton import sparq_attention_triton, triton_enabled
 from tests.conftest import make_tiny
 
 

@@ -16,8 +16,10 @@ text on the prompt path; the code is the same), for each batch row:
   GPU, kernels/eviction_walk_triton.py, so decisions stay on the device), deciding what query ``t``
   reads; an eviction policy drops a token per KV head once the cache is full, a compression policy keeps
   its budget when its schedule says so. One masked softmax gives the block's output.
-* **Selection** rows (oracle, SparQ, ReAttention) need every key for every query: that is their cost.
-  They hold one block's masks at a time and record what each query read as spans (spans.py).
+* **Selection** rows choose what each query reads among every earlier token and record it as spans
+  (spans.py), holding one block's masks at a time. Oracle chooses from each query's exact softmax row,
+  which the engine computes over every key: that is its cost. The policies that ``attend`` (SparQ, Quest,
+  ReAttention, StreamingLLM) compute the block's output themselves (``attend_block``).
 
 Dropped tokens leave the row's columns (their keys stay in the shared tensor for the other rows): the
 attention is the same as if they had been removed (TOVA App. D computes it the same way), and every
@@ -26,7 +28,8 @@ token keeps its own RoPE position (gaps, no shifts).
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -39,7 +42,7 @@ from kernels import eviction_walk, eviction_walk_triton
 
 from .cache_layer import GrowingLayer
 from ..policies import Policy
-from ..policies.base import AttendingPolicy, Block, CacheView, RunningScore
+from ..policies.base import Block, CacheView, RunningScore
 from ..traces.recorded import TopAttention
 from ..traces.spans import ReadSpans, SpanRecorder
 
@@ -93,9 +96,10 @@ def compiled_running_score(policy: Policy) -> RunningScore | None:
     running = policy.running_score()
     if running is None:
         return None
-    owner = next(cls for cls in type(policy).__mro__ if "running_score" in vars(cls))
-    same = all(getattr(type(policy), name) is getattr(owner, name) for name in ("update", "score", "protected", "step"))
-    return running if same else None
+    mro = type(policy).__mro__
+    owner = next(i for i, cls in enumerate(mro) if "running_score" in vars(cls))
+    changed = any(name in vars(cls) for cls in mro[:owner] for name in ("update", "score", "protected", "step"))
+    return None if changed else running
 
 
 def _block_weights(scores: torch.Tensor, alive: np.ndarray | torch.Tensor, held: int) -> torch.Tensor:
@@ -110,6 +114,20 @@ def _block_weights(scores: torch.Tensor, alive: np.ndarray | torch.Tensor, held:
         s[..., :held].masked_fill_(unseen[:, None, None], float("-inf"))
     s -= s.amax(-1, keepdim=True)
     return s.exp_()
+
+
+def _block_start(columns: np.ndarray | torch.Tensor, n: int) -> tuple[int, np.ndarray | torch.Tensor,
+                                                                     np.ndarray | torch.Tensor]:
+    """What a walk starts a block of n queries from, as numpy or torch like ``columns`` [H, C] (the held
+    columns, -1 pads, then the block's): held = C - n; alive: the held columns that hold a token (a block's
+    column comes alive with its query); dropped_at: n (not dropped) for those and the block's, -1 for pads."""
+    where = torch.where if isinstance(columns, torch.Tensor) else np.where
+    held = columns.shape[1] - n
+    alive = columns >= 0
+    alive[:, held:] = False
+    dropped_at = where(alive, n, -1)
+    dropped_at[:, held:] = n
+    return held, alive, dropped_at
 
 
 def _causal(first: int, n: int, total: int, device) -> torch.Tensor:
@@ -220,11 +238,8 @@ class RowLayerState:
     def _walk_compiled(self, scores: torch.Tensor, columns: np.ndarray, first: int):
         """The walk of a running-score policy in one compiled call (kernels/eviction_walk.py)."""
         n_heads, _, n, width = scores.shape
-        held, running = width - n, self.running
-        alive = np.zeros((n_heads, width), bool)
-        alive[:, :held] = columns[:, :held] >= 0
-        dropped_at = np.where(alive, n, -1)
-        dropped_at[:, held:] = n
+        running = self.running
+        held, alive, dropped_at = _block_start(columns, n)
         score = np.zeros((n_heads, width))
         if running.state is not None:
             score[:, :held] = self.state[running.state]
@@ -244,12 +259,9 @@ class RowLayerState:
         to the host between steps; the block's outcome (who was dropped when, the running score) comes back
         once, for the row's bookkeeping."""
         n_heads, _, n, width = scores.shape
-        held, running, device = width - n, self.running, scores.device
+        running, device = self.running, scores.device
         where = torch.from_numpy(columns).to(device)
-        alive = torch.zeros((n_heads, width), dtype=torch.bool, device=device)
-        alive[:, :held] = where[:, :held] >= 0
-        dropped_at = torch.where(alive, n, -1)
-        dropped_at[:, held:] = n
+        held, alive, dropped_at = _block_start(where, n)
         score = torch.zeros((n_heads, width), dtype=torch.float64, device=device)
         if running.state is not None:
             score[:, :held] = torch.from_numpy(self.state[running.state]).to(device)
@@ -275,12 +287,8 @@ class RowLayerState:
         the step each column was dropped at.
         """
         n_heads, group, n, width = scores.shape
-        held = width - n
         policy, compression = self.policy, self.policy.kind == "compression"
-        alive = np.zeros((n_heads, width), bool)
-        alive[:, :held] = columns[:, :held] >= 0
-        dropped_at = np.where(alive, n, -1)  # the step of the block after which each column was dropped
-        dropped_at[:, held:] = n
+        held, alive, dropped_at = _block_start(columns, n)  # dropped_at: the step after which a column left
         weights = None
         if policy.uses_attention or self.top is not None:
             weights = _block_weights(scores, alive, held).cpu().numpy()
@@ -427,7 +435,8 @@ class PolicyCache(DynamicCache):
         self.policies = list(policies)
         self.record_layers = tuple(record_layers)
         self.rope = rope  # rope(x, positions): the model's RoPE, for policies that re-rotate keys
-        self.needs_prerope = any(getattr(p, "needs_prerope", False) for p in self.policies)
+        self.needs_prerope = any(p.needs_prerope for p in self.policies)
+        self.capturing = True  # False during a side pass (``side_pass``)
         self.prerope_q: dict[int, torch.Tensor] = {}  # layer -> this block's queries before RoPE
         self.prerope_k: dict[int, torch.Tensor] = {}  # layer -> every key so far, before RoPE
         self.recorded_k: dict[int, list[torch.Tensor]] = {}  # recorded layer -> blocks of keys before RoPE
@@ -447,7 +456,7 @@ class PolicyCache(DynamicCache):
         first = total - n
         outputs = []
         for b, state in enumerate(self.rows[layer]):
-            if isinstance(state.policy, AttendingPolicy):
+            if state.policy.attends:
                 block = Block(q=query[b], k=key[b], v=value[b], first=first, scaling=scaling, rope=self.rope,
                               decoding=self.decoding, layer=layer, n_layers=len(self.rows), n_prompt=self.n_prompt,
                               q_pre=self.prerope_q[layer][b] if self.needs_prerope else None,
@@ -519,9 +528,19 @@ class PolicyCache(DynamicCache):
 
     def feed(self, ids: torch.Tensor, start: int) -> None:
         """Remember ids [B, n] fed at positions start.. when a row's policy re-reads its context."""
-        if any(getattr(p, "rereads", False) for p in self.policies):
+        if any(p.rereads for p in self.policies):
             past = ids[:, :0].cpu() if self.fed is None else self.fed[:, :start]
             self.fed = torch.cat([past, ids.cpu()], 1)
+
+    @contextmanager
+    def side_pass(self) -> Iterator[None]:
+        """While active, forward calls through the model are not part of the text: PreRopeCapture's hooks,
+        which fire on every forward, leave this cache's captured queries and keys alone."""
+        self.capturing = False
+        try:
+            yield
+        finally:
+            self.capturing = True
 
     def add_extra_pass(self, row: int, tokens: int) -> None:
         counts = list(self.extra_pass_tokens) or [0] * len(self.policies)
@@ -542,6 +561,8 @@ class PreRopeCapture:
         cache = self.cache
 
         def store(_module, _inputs, output):
+            if not cache.capturing:
+                return
             batch, n = output.shape[:2]
             x = output.reshape(batch, n, n_heads, -1).transpose(1, 2)  # [B, H, n, d]
             if which == "q":

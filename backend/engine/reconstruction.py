@@ -3,10 +3,11 @@
 A policy with ``rereads`` (KVzip) scores its cache by what the model attends to while it re-reads its
 context after a repeat prompt. The runner cuts its forward calls at every step where such a row compresses
 (``cuts``) and, after each, calls ``reread``: for each row due, the row's unscored context goes through the
-model again, piece by piece, over a one-row cache (``RereadCache``) that starts from the row's keys and
-values, the policy stores each position's score (``record``), and every layer compresses
-(``RowLayerState.compress_now``). The tokens of the pass are the method's cost: the cache counts them per
-row (``PolicyCache.extra_pass_tokens``) and traces report them.
+model again, piece by piece (``pieces``, ``prompt``, from ``rereads_from``), over a one-row cache
+(``RereadCache``) that starts from the row's keys and values, inside ``PolicyCache.side_pass`` so the text's
+captured pre-RoPE vectors stay as they were; the policy stores each position's score (``record``), and
+every layer compresses (``RowLayerState.compress_now``). The tokens of the pass are the method's cost: the
+cache counts them per row (``PolicyCache.extra_pass_tokens``) and traces report them.
 """
 from __future__ import annotations
 
@@ -84,7 +85,7 @@ def assistant_turn(lm: LoadedModel, fallback: str) -> list[int]:
 
 
 def _rereading(cache: PolicyCache) -> list[int]:
-    return [row for row, p in enumerate(cache.policies) if getattr(p, "rereads", False)]
+    return [row for row, p in enumerate(cache.policies) if p.rereads]
 
 
 def cuts(cache: PolicyCache, start: int, n: int) -> set[int]:
@@ -108,25 +109,19 @@ def reread(lm: LoadedModel, cache: PolicyCache, t: int) -> None:
         if not policy.compresses_after(t, cache.n_prompt) or not _pass_needed(cache, row, t):
             continue
         states = [layer[row] for layer in cache.rows]
-        lo = int(states[0].state["scored"][0])
+        lo = policy.rereads_from(states[0].state)
         ids = cache.fed[row, : t + 1].tolist()
         suffix = assistant_turn(lm, policy.NO_TEMPLATE)
         for a, b in policy.pieces(lo, t + 1):
             tokens = policy.prompt(ids, a, b, lambda text: _encode(lm, text), suffix)
             side = RereadCache([layer.keys[row: row + 1, :, : t + 1] for layer in cache.layers],
                                [layer.values[row: row + 1, :, : t + 1] for layer in cache.layers],
-                               [s.alive[:, : t + 1] for s in states], a, b, policy.sinks)
+                               [s.alive[:, : t + 1] for s in states], a, b, policy.pass_sinks())
             device = lm.model.device
             positions = torch.arange(t + 1, t + 1 + len(tokens), device=device)[None]
-            # PreRopeCapture's hooks fire on every forward through the model and read these two attributes of
-            # the cache they serve: the pass must leave that cache's captured queries and keys alone.
-            saved = cache.needs_prerope, cache.record_layers
-            cache.needs_prerope, cache.record_layers = False, ()
-            try:
+            with cache.side_pass():
                 lm.model.model(input_ids=torch.tensor([tokens], device=device), position_ids=positions,
                                past_key_values=side, use_cache=True, kv_lens=side)
-            finally:
-                cache.needs_prerope, cache.record_layers = saved
             for state, score in zip(states, side.scores):
                 policy.record(state.state, a, b, score)
             cache.add_extra_pass(row, len(tokens))

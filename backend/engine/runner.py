@@ -77,13 +77,11 @@ def block_ends(chunk: int, n: int, rows: Sequence[Policy]) -> list[int]:
     place: the block then ends at the reach, past both rows' first global + local tokens, and their later
     chunks are cut there, as any block end cuts them, rather than growing the block to the whole
     prompt (O(T^2) memory for every other row)."""
-    cutting = [p for p in rows if hasattr(p, "may_cut")]
-
     def ok(end: int) -> bool:
-        return end == n or all(p.may_cut(end) for p in cutting)
+        return end == n or all(p.may_cut(end) for p in rows)
 
     # A ReAttention row may cut every `chunk` of its own after its first global + local tokens (< budget).
-    reach = REACH * max([chunk] + [getattr(p, "budget", 0) for p in cutting])
+    reach = REACH * max([chunk] + [p.cut_reach() for p in rows])
     ends, lo = [], 0
     while lo < n:
         aim = min(lo + chunk, n)
@@ -305,7 +303,7 @@ def compute_traces(lm: LoadedModel, specs: Sequence[str], policies: Sequence[Pol
         generated = {} if continuations is None else {"generated_ids": np.array(continuations[row], np.int32)}
         scored = ids if continuations is None else ids + continuations[0]
         meta = {**_meta(lm, spec, policy, mode, own, len(ids), record), "attention_top_k": cache.record_top_k if record else 0}
-        if getattr(policy, "rereads", False):  # a second pass through the model (KVzip's): its cost
+        if policy.rereads:  # a second pass through the model (KVzip's): its cost
             meta["extra_pass_tokens"] = cache.extra_pass_tokens[row] if cache.extra_pass_tokens else 0
         return Trace(meta=meta, tokens=np.array(own, np.int32),
                      scored_ids=np.array(scored, np.int32), **{k: v[row] for k, v in stats.items()},

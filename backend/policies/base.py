@@ -10,7 +10,10 @@ call the same code. When it acts is its kind:
   N decoding steps; in prompt mode every ``interval`` tokens): it scores the whole cache from a
   ``CacheView`` (the attention of a window of recent queries, the keys and values, the step, the
   prompt length, the layer) and keeps any number of tokens per head (``keep``);
-* a **selection** policy chooses, before query t reads, which positions it reads (``select``).
+* a **selection** policy chooses, before query t reads, which positions it reads (``select``); one that
+  ``attends`` computes a block of queries' attention output itself (``attend_block``).
+
+Every hook the engine and the runner may ask a policy is declared on ``Policy``, with its default.
 
 Arrays are numpy, one row per KV head; ``attn`` is the mean softmax row of the query heads that share
 that KV head (GQA), over positions ``0..t`` (zero where a token is not read).
@@ -39,7 +42,9 @@ def grow(a: np.ndarray, length: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Policy:
-    """Base of all policies: a name for the registry and parameter checks."""
+    """Base of all policies: a name for the registry, parameter checks, and every hook the engine and the
+    runner may ask a policy, each with its default (a plugin reads this class to learn them all; each kind's
+    class below adds the methods that kind must give)."""
 
     name: ClassVar[str]
     kind: ClassVar[str]
@@ -56,11 +61,28 @@ class Policy:
     reads_every_key: ClassVar[bool] = False
     extra_passes: ClassVar[int] = 0
 
+    # The hooks the engine and the runner ask every policy, declared here so one class lists them all; each
+    # kind's class below adds what that kind gives (``step``, ``keep``, ``select``).
+
+    # Plain class attributes, not annotated: a policy with a budget or a choice of heads declares its own
+    # dataclass field of that name, and a base field would move it to the front of the parameter order.
+    budget = None  # tokens the policy holds or reads per KV head; None: it has no budget (Full)
+    heads = "head"  # "head": one decision per KV head; "layer": one for the layer (the heads' mean score)
+
+    # Computes its own attention output for a block of queries (``attend_block``) instead of the engine's.
+    attends: ClassVar[bool] = False
+    # Reads queries and keys before RoPE (``Block.q_pre``, ``Block.k_pre``): the engine then captures them.
+    needs_prerope: ClassVar[bool] = False
+    # A compression policy that scores its cache from an extra pass over the text, which the runner feeds it
+    # before it compresses (backend/engine/reconstruction.py; KVzip); the pass asks CompressionPolicy's
+    # ``rereads_from``, ``pieces``, ``prompt``, ``pass_sinks``, ``record`` and ``NO_TEMPLATE``.
+    rereads: ClassVar[bool] = False
+
     def __post_init__(self) -> None:
-        budget = getattr(self, "budget", None)
+        budget = self.budget
         if budget is not None and (not isinstance(budget, int) or budget < 1):
             raise ValueError(f"{self.name}: budget must be an integer >= 1, got {budget!r}")
-        heads = getattr(self, "heads", "head")
+        heads = self.heads
         if heads not in HEAD_MODES:
             raise ValueError(f"{self.name}: heads must be one of {HEAD_MODES}, got {heads!r}")
 
@@ -86,7 +108,22 @@ class Policy:
         """Raise ValueError when the parameters do not fit the model (checked once the model is known)."""
 
     def init_state(self, n_heads: int) -> State:
+        """The policy's state in one layer of one batch row before the first token (arrays [H, ...])."""
         return {}
+
+    def may_cut(self, end: int) -> bool:
+        """May a forward call on a prompt end before position ``end``? ReAttention says no inside one of its
+        chunks, whose queries vote together; the runner moves its block ends to where every row says yes."""
+        return True
+
+    def cut_reach(self) -> int:
+        """How many tokens past its start a prompt block may grow to end where every row may cut (0: no claim;
+        the runner takes ``REACH`` times the largest of these and of its chunk)."""
+        return 0
+
+    def attend_block(self, state: State, block: "Block") -> "tuple[State, BlockResult]":
+        """(state, a block of queries) -> (new state, its output and what it read), for a policy that ``attends``."""
+        raise NotImplementedError(f"{self.name} does not compute its own attention")
 
 
 @dataclass(frozen=True)
@@ -158,7 +195,7 @@ class EvictionPolicy(Policy):
         if kept.shape[-1] < self.budget or kept.sum(-1).max() < self.budget:
             return state, None
         score = np.asarray(self.score(state, attn, t, positions), dtype=np.float64)
-        if score.ndim == 2 and getattr(self, "heads", "head") == "layer":
+        if score.ndim == 2 and self.heads == "layer":
             # Layer-wise: one decision for the layer, from the score averaged over heads (= score.mean(0)).
             score = np.add.reduce(score, axis=0) / len(score)
         droppable = kept
@@ -268,6 +305,56 @@ class CompressionPolicy(Policy):
     def keep(self, view: CacheView) -> np.ndarray:
         """Bool [H, t+1]: the ``recent`` latest cached tokens, then the best others up to the layer's budget."""
         return keep_top(self.score(view), view.kept, self.layer_budget(view), self.recent)
+
+    # --- the extra pass of a policy that ``rereads`` (backend/engine/reconstruction.py; KVzip) -------------
+
+    # The assistant turn after the pass's prompt for a model with no chat template.
+    NO_TEMPLATE: ClassVar[str] = ""
+
+    def rereads_from(self, state: State) -> int:
+        """Where the context the pass has not scored yet starts: the pass re-reads positions from there on."""
+        return 0
+
+    def pieces(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """The pieces [a, b) the pass re-reads positions lo..hi-1 in, one forward call each."""
+        return [(lo, hi)]
+
+    def prompt(self, ids: list[int], a: int, b: int, encode: Callable, suffix: list[int]) -> list[int]:
+        """The pass's tokens for piece [a, b) of ``ids`` (the row's tokens so far), ``suffix`` being the
+        model's assistant turn; ``encode(text)`` gives token ids."""
+        return list(suffix) + list(ids[a:b])
+
+    def pass_sinks(self) -> int:
+        """The first positions the pass's scores are normalised over besides the piece (KVzip: its sinks)."""
+        return 0
+
+    def record(self, state: State, a: int, b: int, score: np.ndarray) -> None:
+        """Store the pass's scores [H, b - a] of positions a..b-1 in ``state``."""
+
+
+@dataclass(frozen=True)
+class WindowedCompression(CompressionPolicy):
+    """A compression policy with an observation window (SnapKV, R-KV): the ``window`` latest queries' attention
+    scores the cache, and the ``window`` latest tokens are always kept."""
+
+    window: int = 8
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0 <= self.window < self.budget:
+            raise ValueError(f"{self.name}: need 0 <= window < budget, got window={self.window}, budget={self.budget}")
+
+    @classmethod
+    def for_budget(cls, budget: int):
+        return cls(budget=budget, window=min(8, budget // 2))  # small budgets: the window takes at most half
+
+    @property
+    def recent(self) -> int:
+        return self.window
+
+    @property
+    def window_queries(self) -> int:
+        return self.window
 
 
 def latest(kept: np.ndarray, n: int) -> np.ndarray:
@@ -391,15 +478,11 @@ class AttendingPolicy(SelectionPolicy):
     """A selection policy that computes the attention output itself, a block of queries at a time
     (SparQ mixes in the mean value vector; ReAttention re-rotates the keys it selects)."""
 
-    needs_prerope: ClassVar[bool] = False
+    attends: ClassVar[bool] = True
 
-    def may_cut(self, end: int) -> bool:
-        """May a forward call on a prompt end before position ``end``? ReAttention says no inside one of its
-        chunks, whose queries vote together; the runner moves its block ends to where every row says yes."""
-        return True
-
-    def attend_block(self, state: State, block: Block) -> tuple[State, BlockResult]:
-        raise NotImplementedError
+    def cut_reach(self) -> int:
+        # ReAttention's chunks start within its budget; the other attending policies claim theirs too.
+        return self.budget
 
 
 PREFILLS = ("select", "dense")  # an attending policy's ``prefill``: how the prompt of a generate-mode run is read
@@ -410,16 +493,25 @@ def check_prefill(name: str, prefill: str) -> None:
         raise ValueError(f"{name}: prefill must be one of {PREFILLS}, got {prefill!r}")
 
 
+def masked_attention(block: Block, read: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
+    """The block's softmax attention over the keys ``read`` marks (bool, broadcast to [H_kv, G, n, M]):
+    (out [n, H_q, d], weights [H_kv, G, n, M])."""
+    n_q_heads, n, dim = block.q.shape
+    n_kv_heads = block.k.shape[0]
+    q = block.q.view(n_kv_heads, n_q_heads // n_kv_heads, n, dim)
+    scores = (q @ block.k.transpose(-1, -2)[:, None]) * block.scaling  # [H_kv, G, n, M]
+    weights = torch.softmax(scores.masked_fill(~read, float("-inf")), dim=-1)
+    return (weights @ block.v[:, None]).permute(2, 0, 1, 3).reshape(n, n_q_heads, dim), weights
+
+
 def dense_attention(block: Block) -> tuple["torch.Tensor", np.ndarray, np.ndarray]:
     """Exact causal attention of the block over everything cached (a prefill read densely):
     (out [n, H_q, d], reads [H_kv, n, M], attn [H_kv, n, M], the mean of each group's weights)."""
-    n_q_heads, n, dim = block.q.shape
+    n = block.q.shape[1]
     n_kv_heads, total, _ = block.k.shape
-    q = block.q.view(n_kv_heads, n_q_heads // n_kv_heads, n, dim)
-    causal = torch.arange(total, device=q.device)[None, :] <= torch.arange(block.first, block.first + n,
-                                                                           device=q.device)[:, None]
-    scores = (q @ block.k.transpose(-1, -2)[:, None]) * block.scaling  # [H_kv, G, n, M]
-    weights = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
-    out = (weights @ block.v[:, None]).permute(2, 0, 1, 3).reshape(n, n_q_heads, dim)
+    device = block.q.device
+    causal = torch.arange(total, device=device)[None, :] <= torch.arange(block.first, block.first + n,
+                                                                         device=device)[:, None]
+    out, weights = masked_attention(block, causal)
     reads = np.broadcast_to(causal.cpu().numpy(), (n_kv_heads, n, total)).copy()
     return out, reads, weights.mean(1).float().cpu().numpy()

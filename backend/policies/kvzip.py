@@ -73,6 +73,12 @@ class KVzip(CompressionPolicy):
         # positions (0..scored-1) have one.
         return {"score": np.zeros((n_heads, 0)), "scored": np.zeros(1, np.int64)}
 
+    def rereads_from(self, state) -> int:
+        return int(state["scored"][0])
+
+    def pass_sinks(self) -> int:
+        return self.sinks
+
     def pieces(self, lo: int, hi: int) -> list[tuple[int, int]]:
         """The pieces [a, b) that re-read positions lo..hi-1."""
         return [(a, min(a + self.chunk, hi)) for a in range(lo, hi, self.chunk)]

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .base import AttendingPolicy, BlockResult, check_prefill
+from .base import AttendingPolicy, BlockResult, check_prefill, masked_attention
 from .registry import register
 
 GROUPS = ("sum", "each")
@@ -117,9 +117,7 @@ class Quest(AttendingPolicy):
             chosen = self.choose_pages(q.to(precise), block.k.to(precise), block.first)  # [H_kv, 1|G, n, P]
             read = chosen.repeat_interleave(self.page_size, dim=-1)[..., :total] & causal
             pages_read = chosen.any(1).sum(-1).T.float().cpu()  # [n, H_kv]
-        scores = (q @ block.k.transpose(-1, -2)[:, None]) * block.scaling  # [H_kv, G, n, M]
-        weights = torch.softmax(scores.masked_fill(~read, float("-inf")), dim=-1)
-        out = (weights @ block.v[:, None]).permute(2, 0, 1, 3).reshape(n, n_q_heads, dim)
+        out, weights = masked_attention(block, read)
         reads = read.any(1).cpu().numpy()
         attn = weights.mean(1).float().cpu().numpy()
         stats = {"pages_read": np.ascontiguousarray(pages_read.numpy(), dtype=np.float32)}

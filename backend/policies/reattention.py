@@ -5,7 +5,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.reattention import reattention_select, reattention_select_reference
+from kernels.reattention import reattention_select_reference
+from kernels.reattention_triton import reattention_select
 
 from .base import AttendingPolicy, BlockResult
 from .registry import register

@@ -3,7 +3,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import CacheView, CompressionPolicy, latest
+from .base import CacheView, WindowedCompression, latest
 from .registry import register
 from .snapkv import pool
 
@@ -35,7 +35,7 @@ def redundancy(keys: np.ndarray, threshold: float, retain: int) -> np.ndarray:
 
 @register
 @dataclass(frozen=True)
-class RKV(CompressionPolicy):
+class RKV(WindowedCompression):
     """Keep the tokens that are important and not redundant: score = lambda x importance - (1 - lambda) x
     redundancy; the ``window`` latest tokens (the observation window) are always kept.
 
@@ -72,7 +72,6 @@ class RKV(CompressionPolicy):
     color = "#EE8866"
     interval: int = 128
     every: int = 128
-    window: int = 8
     mix_lambda: float = 0.1
     threshold: float = 0.5
     retain: int = 1
@@ -80,8 +79,6 @@ class RKV(CompressionPolicy):
 
     def __post_init__(self):
         super().__post_init__()
-        if not 0 <= self.window < self.budget:
-            raise ValueError(f"{self.name}: need 0 <= window < budget, got window={self.window}, budget={self.budget}")
         if not 0.0 <= self.mix_lambda <= 1.0:
             raise ValueError(f"{self.name}: mix_lambda must be in [0, 1], got {self.mix_lambda}")
         if not -1.0 <= self.threshold <= 1.0 or self.retain < 1:
@@ -89,18 +86,6 @@ class RKV(CompressionPolicy):
                              f"{self.threshold}, retain={self.retain}")
         if self.kernel < 1 or self.kernel % 2 == 0:
             raise ValueError(f"{self.name}: kernel must be an odd number >= 1, got {self.kernel}")
-
-    @classmethod
-    def for_budget(cls, budget: int):
-        return cls(budget=budget, window=min(8, budget // 2))
-
-    @property
-    def recent(self) -> int:
-        return self.window
-
-    @property
-    def window_queries(self) -> int:
-        return self.window
 
     def score(self, view: CacheView) -> np.ndarray:
         """Per KV head, over its cached tokens: lambda x importance - (1 - lambda) x redundancy."""

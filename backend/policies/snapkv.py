@@ -3,7 +3,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import CacheView, CompressionPolicy
+from .base import CacheView, WindowedCompression
 from .registry import register
 
 
@@ -17,7 +17,7 @@ def pool(x: np.ndarray, kernel: int, how: str) -> np.ndarray:
 
 @register
 @dataclass(frozen=True)
-class SnapKV(CompressionPolicy):
+class SnapKV(WindowedCompression):
     """Keep the observation window (the last ``window`` tokens) and the prompt tokens its queries attend to.
 
     Score of a cached token: the attention it draws from the ``window`` latest queries, summed, then
@@ -36,30 +36,15 @@ class SnapKV(CompressionPolicy):
     summary = "once the prompt is read, keep the tokens the last `window` queries attend to (pooled) + the window"
     paper = "Li et al., 2024, *SnapKV*, Sec. 4, Alg. 1"
     color = "#6699CC"
-    window: int = 8
     kernel: int = 7
     pooling: str = "max"
 
     def __post_init__(self):
         super().__post_init__()
-        if not 0 <= self.window < self.budget:
-            raise ValueError(f"{self.name}: need 0 <= window < budget, got window={self.window}, budget={self.budget}")
         if self.kernel < 1 or self.kernel % 2 == 0:
             raise ValueError(f"{self.name}: kernel must be an odd number >= 1, got {self.kernel}")
         if self.pooling not in ("max", "avg"):
             raise ValueError(f"{self.name}: pooling must be 'max' or 'avg', got {self.pooling!r}")
-
-    @classmethod
-    def for_budget(cls, budget: int):
-        return cls(budget=budget, window=min(8, budget // 2))  # small budgets: the window takes at most half
-
-    @property
-    def recent(self) -> int:
-        return self.window
-
-    @property
-    def window_queries(self) -> int:
-        return self.window
 
     def score(self, view: CacheView) -> np.ndarray:
         votes = view.attn_window.sum(1)  # [H, t+1]

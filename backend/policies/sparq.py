@@ -4,7 +4,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.sparq import sparq_attention, sparq_attention_block, sparq_transfer_bytes
+from kernels.sparq import sparq_attention_block, sparq_transfer_bytes
+from kernels.sparq_triton import sparq_attention
 
 from .base import AttendingPolicy, BlockResult, check_prefill, dense_attention
 from .registry import register
@@ -15,7 +16,7 @@ from .registry import register
 class SparQ(AttendingPolicy):
     """Approximate scores from the r largest query components pick the k positions each query reads.
 
-    Per step and KV head (kernels/sparq.py holds the algorithm, a torch reference and Triton kernels):
+    Per step and KV head (kernels/sparq.py holds the algorithm and a torch reference, kernels/sparq_triton.py the Triton kernels):
     1. the r components of largest summed |q| over the group; approximate scores
        softmax(q[i1] . K[:, i1] / tau) with tau of Eq. D2;
     2. the ``local`` most recent positions plus the best others by group-summed approximate score,
@@ -65,7 +66,7 @@ class SparQ(AttendingPolicy):
 
     def attend_block(self, state, block):
         """On a GPU the Triton kernels, one decode-shaped call per query that fits its cache in the budget and
-        one for the rest; on the CPU the whole block in one torch call (kernels/sparq.py): the same algorithm,
+        one for the rest (kernels/sparq_triton.py); on the CPU the whole block in one torch call (kernels/sparq.py): the same algorithm,
         tests/test_sparq_policy.py holds them equal."""
         if self.prefill == "dense" and block.in_prompt:
             return state, self.attend_densely(block)
