@@ -27,7 +27,7 @@ import pandas as pd
 
 from .engine.allocator import give_back
 from .engine.models import DEFAULT_MODEL, DEVICES, DTYPES, LoadedModel, ModelError, shared_model
-from .engine.runner import Progress, default_record_layers
+from .engine.runner import Progress, check_fits, default_record_layers
 from .experiments.grid import GridError, run_grid
 from .experiments.needle import NEW_TOKENS, needle_frame, needle_jobs
 from .experiments.sweep import MAX_ROWS, sweep as sweep_budgets
@@ -185,6 +185,7 @@ def _tokens(lm: LoadedModel, request, policies: list[Policy], limits: Limits) ->
     for policy in policies:
         try:
             policy.check_model(head_dim=lm.head_dim, n_layers=lm.n_layers)
+            check_fits(lm, policy)
         except ValueError as err:
             raise RequestError(f"Policy: {err}") from None
     # Truncating: the first text_chars characters hold far more than max_tokens tokens of real text.

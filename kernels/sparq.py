@@ -229,7 +229,7 @@ def _top_earliest(score: torch.Tensor, m: int) -> torch.Tensor:
     return above | (tie & (tie.cumsum(-1) <= need))
 
 
-def sparq_attention_block(q, K, V, first, k, r, l):
+def sparq_attention_block(q, K, V, first, k, r, l, scale=None):
     """SparQ for a block of consecutive queries over one cache (a prompt's queries), in plain torch.
 
     q: [H_q, n, d], the queries at positions first .. first + n - 1; K, V: [H_kv, S', d], S' >= first + n.
@@ -238,7 +238,9 @@ def sparq_attention_block(q, K, V, first, k, r, l):
     block at once and without a copy of the cache per query. Step 1 keeps the r components as a 0/1 mask
     on q, so the approximate logits of every query are one matmul per KV head (the other components add
     exact zeros). Ties as in the reference: the lower component index, the earlier position.
-    Computation in float32 (float64 for float64 inputs). Returns a :class:`SparQBlock`.
+    Computation in float32 (float64 for float64 inputs). ``scale``: the model's attention scale where it is
+    not the paper's ``1/sqrt(d)`` (Gemma's ``query_pre_attn_scalar``, Granite's multiplier); the approximate
+    logits' temperature scales with it. Returns a :class:`SparQBlock`.
     """
     _check_params(k, r, l)
     H_q, n, d = q.shape
@@ -256,6 +258,8 @@ def sparq_attention_block(q, K, V, first, k, r, l):
     kept = torch.zeros(n, H_kv, d, dtype=acc, device=q.device).scatter_(-1, i1, 1.0)
     q_hat = qg * kept.permute(1, 0, 2)[:, None]  # [H_kv, G, n, d]
     logits = (q_hat @ K[:, None].transpose(-1, -2)) / tau.permute(1, 2, 0)[..., None]
+    if scale is not None:
+        logits = logits * (scale * math.sqrt(d))
     s_hat = torch.softmax(logits.masked_fill_(~exists, float("-inf")), dim=-1)  # [H_kv, G, n, S]
 
     # Step 2: the local window plus the best earlier positions by the group's summed s_hat; a query
@@ -268,7 +272,8 @@ def sparq_attention_block(q, K, V, first, k, r, l):
     reads = (picked & candidate) | ((position[None, :] >= start[:, None]) & exists) | (whole[:, None] & exists)
 
     # Step 3: exact attention over what was read (Eq. D3), mixed with the mean value by alpha (Eq. D4, D5).
-    exact_logits = (qg @ K[:, None].transpose(-1, -2)) / math.sqrt(d)  # [H_kv, G, n, S]
+    exact_logits = (qg @ K[:, None].transpose(-1, -2))  # [H_kv, G, n, S]
+    exact_logits = exact_logits / math.sqrt(d) if scale is None else exact_logits * scale
     weights = torch.softmax(exact_logits.masked_fill(~reads[:, None], float("-inf")), dim=-1)
     exact = torch.softmax(exact_logits.masked_fill_(~exists, float("-inf")), dim=-1)
     alpha = torch.where(whole, torch.ones((), dtype=acc, device=q.device), (s_hat * reads[:, None]).sum(-1))

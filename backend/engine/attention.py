@@ -28,7 +28,7 @@ token keeps its own RoPE position (gaps, no shifts).
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Sequence, Iterator
 from contextlib import contextmanager
 
 import numpy as np
@@ -41,8 +41,9 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from kernels import eviction_walk, eviction_walk_triton
 
 from .cache_layer import GrowingLayer
+from .features import Capture, ModelFeatures, read_features
 from ..policies import Policy
-from ..policies.base import Block, CacheView, RunningScore
+from ..policies.base import attention_logits, visible_keys, Block, CacheView, RunningScore
 from ..traces.recorded import TopAttention
 from ..traces.spans import ReadSpans, SpanRecorder
 
@@ -155,6 +156,8 @@ class RowLayerState:
         self.top = TopRecorder(record_top_k) if record_top_k else None
         self.stat_rows: dict[str, list[np.ndarray]] = {}  # attending policies: per-step numbers
         self.running = compiled_running_score(policy)  # not None: the walk runs compiled
+        self.softcap: float | None = None  # the layer's, as the last block was attended
+        self.window: int | None = None
 
     def _extend(self, total: int) -> None:
         new = total - self.evicted_at.shape[1]
@@ -166,9 +169,14 @@ class RowLayerState:
     # --- one block of queries -------------------------------------------------------------------------
 
     def attend(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, first: int, scaling: float,
-               n_prompt: int | None) -> torch.Tensor:
-        """q [H_kv, G, n, d] (query head h*G + g uses KV head h), key/value [H_kv, M, d] -> out [H_kv, G, n, d]."""
+               n_prompt: int | None, softcap: float | None = None, window: int | None = None) -> torch.Tensor:
+        """q [H_kv, G, n, d] (query head h*G + g uses KV head h), key/value [H_kv, M, d] -> out [H_kv, G, n, d].
+
+        ``softcap`` and ``window`` are the layer's (Gemma's): logits are soft-capped, and on a sliding-window
+        layer a query reads only the latest ``window`` keys, whatever its policy holds (the model's own
+        eviction; docs/policies.md)."""
         self._extend(key.shape[1])
+        self.softcap, self.window = softcap, window
         kind = self.policy.kind
         if kind == "full":
             return self._attend_full(q, key, value, first, scaling)
@@ -176,8 +184,19 @@ class RowLayerState:
             return self._attend_selection(q, key, value, first, scaling)
         return self._attend_cached(q, key, value, first, scaling, n_prompt)
 
+    def _limited(self, total: int) -> bool:
+        """Does this layer cap its logits or hide keys beyond its window from a block over ``total`` keys?"""
+        return self.softcap is not None or (self.window is not None and self.window < total)
+
     def _attend_full(self, q, key, value, first, scaling):
         n, total = q.shape[2], key.shape[1]
+        if self._limited(total):
+            visible = visible_keys(first, n, total, self.window, q.device)
+            scores = attention_logits(q, key[:, None], scaling, self.softcap)
+            weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1)
+            if self.top is not None:
+                self.top.add(weights.mean(1), torch.arange(total).expand(self.n_kv_heads, -1))
+            return weights @ value[:, None]
         mask = None if first == 0 and n == total else _causal(first, n, total, q.device)
         # One batch of H_kv * G query heads over H_kv KV heads (enable_gqa): SDPA's fused kernels take this
         # layout; broadcasting the keys over the group instead falls back to a kernel 3x slower at 8k.
@@ -193,12 +212,14 @@ class RowLayerState:
 
     def _attend_selection(self, q, key, value, first, scaling):
         n, total = q.shape[2], key.shape[1]
-        scores = (q @ key[:, None].transpose(-1, -2)) * scaling  # [H, G, n, M]
-        causal = _causal(first, n, total, q.device)
+        scores = attention_logits(q, key[:, None], scaling, self.softcap)  # [H, G, n, M]
+        causal = visible_keys(first, n, total, self.window, q.device)
         # The policy sees each query's exact softmax row (float64, mean over the group's query heads).
         s = scores.double().cpu().masked_fill(~causal.cpu(), float("-inf"))
         attn_full = torch.softmax(s, -1).mean(1).numpy()
         self.state, reads = self.policy.select_block(self.state, attn_full, first)
+        if self._limited(total):  # nothing beyond the layer's window is read, whatever the policy picked
+            reads = reads & causal.cpu().numpy()
         self.spans.add(reads, first)
         unread = torch.from_numpy(~reads).to(scores.device)[:, None]
         probs = torch.softmax(scores.masked_fill_(unread, float("-inf")), dim=-1)
@@ -213,7 +234,11 @@ class RowLayerState:
         at = torch.from_numpy(np.maximum(columns, 0)).to(key.device)
         heads = torch.arange(n_heads, device=key.device)[:, None]
         keys, values = key[heads, at], value[heads, at]  # [H, C, d]
-        scores = (q @ keys[:, None].transpose(-1, -2)) * scaling  # [H, G, n, C]
+        scores = attention_logits(q, keys[:, None], scaling, self.softcap)  # [H, G, n, C]
+        if self.window is not None and self.window < key.shape[1]:  # held keys the layer's window has passed
+            steps = torch.arange(first, first + n, device=scores.device)
+            passed = torch.from_numpy(columns).to(scores.device)[:, None, :] <= steps[None, :, None] - self.window
+            scores.masked_fill_(passed[:, None], float("-inf"))
         probs, attn_rows = self._walk(scores, columns, first, key, value, n_prompt, q)
         if self.top is not None:
             self.top.add(torch.from_numpy(attn_rows), torch.from_numpy(columns))
@@ -429,12 +454,18 @@ class PolicyCache(DynamicCache):
     """A DynamicCache whose batch row ``b`` is governed by ``policies[b]`` in every layer."""
 
     def __init__(self, policies: list[Policy], n_layers: int, n_kv_heads: int, record_layers: tuple[int, ...] = (),
-                 rope: Callable | None = None, record_top_k: int = 0):
+                 rope: Callable | Sequence[Callable] | None = None, record_top_k: int = 0,
+                 features: ModelFeatures | None = None):
+        """``rope``: the model's RoPE, one for every layer or one per layer (Gemma 3 rotates its local and global
+        layers apart; a NoPE layer not at all); ``features``: the model's (features.py), where the queries and
+        keys before RoPE are captured."""
         super().__init__()
+        self.features = features
+        ropes = list(rope) if isinstance(rope, (list, tuple)) else [rope] * n_layers
         self.layer_class_to_replicate = GrowingLayer  # each layer appends in place (cache_layer.py)
         self.policies = list(policies)
         self.record_layers = tuple(record_layers)
-        self.rope = rope  # rope(x, positions): the model's RoPE, for policies that re-rotate keys
+        self.ropes = ropes  # per layer rope(x, positions): the model's RoPE, for policies that re-rotate keys
         self.needs_prerope = any(p.needs_prerope for p in self.policies)
         self.capturing = True  # False during a side pass (``side_pass``)
         self.prerope_q: dict[int, torch.Tensor] = {}  # layer -> this block's queries before RoPE
@@ -442,13 +473,13 @@ class PolicyCache(DynamicCache):
         self.recorded_k: dict[int, list[torch.Tensor]] = {}  # recorded layer -> blocks of keys before RoPE
         self.record_top_k = record_top_k  # entries kept of each recorded attention row
         self.rows = [[RowLayerState(p, n_kv_heads, record_top_k if layer in self.record_layers else 0, layer,
-                                    n_layers, rope) for p in self.policies]
+                                    n_layers, ropes[layer]) for p in self.policies]
                      for layer in range(n_layers)]
         self.decoding = False  # True: the next blocks' queries are decoding steps (see Block.decoding)
         self.n_prompt: int | None = None  # generate mode: where the prompt ends (compression policies act there)
 
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               scaling: float) -> torch.Tensor:
+               scaling: float, softcap: float | None = None, window: int | None = None) -> torch.Tensor:
         """query [B, H, n, d], key/value [B, H_kv, M, d] (every token so far) -> output [B, n, H, d]."""
         batch, n_q_heads, n, dim = query.shape
         n_kv_heads, total = key.shape[1], key.shape[2]
@@ -457,7 +488,8 @@ class PolicyCache(DynamicCache):
         outputs = []
         for b, state in enumerate(self.rows[layer]):
             if state.policy.attends:
-                block = Block(q=query[b], k=key[b], v=value[b], first=first, scaling=scaling, rope=self.rope,
+                block = Block(q=query[b], k=key[b], v=value[b], first=first, scaling=scaling, rope=self.ropes[layer],
+                              softcap=softcap, window=window,
                               decoding=self.decoding, layer=layer, n_layers=len(self.rows), n_prompt=self.n_prompt,
                               q_pre=self.prerope_q[layer][b] if self.needs_prerope else None,
                               k_pre=self.prerope_k[layer][b] if self.needs_prerope else None)
@@ -465,7 +497,7 @@ class PolicyCache(DynamicCache):
                 continue
             # Query head h shares KV head h // group (transformers' repeat_kv order).
             q = query[b].view(n_kv_heads, group, n, dim)
-            out = state.attend(q, key[b], value[b], first, scaling, self.n_prompt)
+            out = state.attend(q, key[b], value[b], first, scaling, self.n_prompt, softcap, window)
             outputs.append(out.reshape(n_q_heads, n, dim).transpose(0, 1))
         return torch.stack(outputs).contiguous()
 
@@ -555,7 +587,7 @@ class PreRopeCapture:
     def __init__(self, model, cache: PolicyCache):
         self.model, self.cache, self.handles = model, cache, []
 
-    def _hook(self, layer: int, which: str, module):
+    def _hook(self, layer: int, which: str, capture: Capture):
         n_heads_attr = "num_attention_heads" if which == "q" else "num_key_value_heads"
         n_heads = getattr(self.model.config, n_heads_attr)
         cache = self.cache
@@ -563,8 +595,7 @@ class PreRopeCapture:
         def store(_module, _inputs, output):
             if not cache.capturing:
                 return
-            batch, n = output.shape[:2]
-            x = output.reshape(batch, n, n_heads, -1).transpose(1, 2)  # [B, H, n, d]
+            x = capture.heads(which, output, n_heads)  # [B, H, n, d]
             if which == "q":
                 cache.prerope_q[layer] = x
                 return
@@ -574,18 +605,15 @@ class PreRopeCapture:
             if layer in cache.record_layers:
                 cache.recorded_k.setdefault(layer, []).append(x.to(torch.float16))
 
-        return module.register_forward_hook(store)
+        return (capture.q_module if which == "q" else capture.k_module).register_forward_hook(store)
 
     def __enter__(self):
-        for layer, block in enumerate(self.model.model.layers):
-            attn = block.self_attn
-            # Qwen3-style models normalise q and k after the projection: RoPE comes after that.
-            q_mod = getattr(attn, "q_norm", None) or attn.q_proj
-            k_mod = getattr(attn, "k_norm", None) or attn.k_proj
+        features = self.cache.features or read_features(self.model)
+        for layer, feature in enumerate(features.layers):
             if self.cache.needs_prerope:
-                self.handles.append(self._hook(layer, "q", q_mod))
+                self.handles.append(self._hook(layer, "q", feature.capture))
             if self.cache.needs_prerope or layer in self.cache.record_layers:
-                self.handles.append(self._hook(layer, "k", k_mod))
+                self.handles.append(self._hook(layer, "k", feature.capture))
         return self
 
     def __exit__(self, *exc):
@@ -595,12 +623,39 @@ class PreRopeCapture:
 
 
 def kvlens_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers calls this for every attention layer; ``kv_lens`` (a PolicyCache) makes the call
+    instrumented, anything else is the plain model. The module hands over its features with the call: its
+    ``scaling``, and ``softcap`` and ``sliding_window`` where it has them (Gemma)."""
     cache = kwargs.pop("kv_lens", None)
+    softcap = kwargs.get("softcap")
     if cache is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask,
-                                      scaling=scaling, dropout=dropout, **kwargs)
+        if softcap is None:
+            return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                          scaling=scaling, dropout=dropout, **kwargs)
+        return _capped_attention(query, key, value, attention_mask, scaling, softcap,
+                                 kwargs.get("sliding_window")), None
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return cache.attend(module.layer_idx, query, key, value, scaling), None
+    window = kwargs.get("sliding_window")
+    return cache.attend(module.layer_idx, query, key, value, scaling, softcap, window), None
+
+
+def _capped_attention(query, key, value, attention_mask, scaling, softcap, window) -> torch.Tensor:
+    """The plain model's attention with soft-capped logits (SDPA has no soft-capping): [B, n, H, d]. The mask is
+    the one transformers builds for this implementation, or causal (and the layer's window) where it built none."""
+    batch, n_q_heads, n, dim = query.shape
+    total = key.shape[2]
+    group = n_q_heads // key.shape[1]
+    q = query.view(batch, key.shape[1], group, n, dim)
+    scores = attention_logits(q, key[:, :, None], scaling if scaling is not None else dim ** -0.5, softcap)
+    if attention_mask is None:
+        mask = visible_keys(total - n, n, total, window, query.device)[None, None, None]
+    elif attention_mask.dtype == torch.bool:
+        mask = attention_mask[:, :, None, :, -total:]
+    else:
+        mask = attention_mask[:, :, None, :, -total:] == 0
+    scores = scores.masked_fill(~mask, float("-inf"))
+    out = torch.softmax(scores, -1) @ value[:, :, None]
+    return out.reshape(batch, n_q_heads, n, dim).transpose(1, 2).contiguous()
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, kvlens_attention)

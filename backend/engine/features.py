@@ -19,6 +19,7 @@ cannot serve gets ``UnsupportedModel`` naming the missing feature.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import sys
 from collections.abc import Callable
@@ -36,13 +37,25 @@ Rope = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # rope(x [H, L, d],
 
 @dataclass(frozen=True)
 class Capture:
-    """Where one layer's queries and keys are read before RoPE: a module's output, and the slice of its last
-    dimension that holds them (a fused QKV projection holds both, and the values)."""
+    """Where one layer's queries and keys are read before RoPE: a module's output, the slice of its last
+    dimension that holds them (a fused QKV projection holds both, and the values), and the output's layout:
+    "flat" [B, n, H*d] or [B, n, H, d], "heads" [B, H, n, d] (a norm applied after the heads are split off)."""
 
     q_module: torch.nn.Module
     k_module: torch.nn.Module
     q_slice: slice | None = None  # None: the whole output
     k_slice: slice | None = None
+    q_layout: str = "flat"
+    k_layout: str = "flat"
+
+    def heads(self, which: str, output: torch.Tensor, n_heads: int) -> torch.Tensor:
+        """The captured output as [B, H, n, d]."""
+        part = self.q_slice if which == "q" else self.k_slice
+        x = output if part is None else output[..., part]
+        if (self.q_layout if which == "q" else self.k_layout) == "heads":
+            return x
+        batch, n = x.shape[:2]
+        return x.reshape(batch, n, n_heads, -1).transpose(1, 2)
 
 
 @dataclass(frozen=True)
@@ -58,6 +71,7 @@ class ModelFeatures:
     logit_scale: float = 1.0  # the LM head's output is multiplied by this (Cohere)
     logits_scaling: float = 1.0  # ... and divided by this (Granite)
     final_softcap: float | None = None  # ... then soft-capped (Gemma 2, Gemma 3)
+    softcap: float | None = None  # attention logits are soft-capped (Gemma 2; each call hands its cap over)
 
     @property
     def windows(self) -> list[int | None]:
@@ -99,9 +113,13 @@ def read_features(model) -> ModelFeatures:
         window = config.sliding_window if layer_types[index] == "sliding_attention" else None
         layers.append(LayerFeatures(window=window, rope=_layer_rope(model, attention, layer_types[index]),
                                     capture=_capture(config, attention)))
+    layouts = _layouts(model, layers[0].capture)
+    layers = [dataclasses.replace(layer, capture=dataclasses.replace(layer.capture, q_layout=layouts[0],
+                                                                     k_layout=layouts[1])) for layer in layers]
     return ModelFeatures(layers=tuple(layers), logit_scale=float(getattr(model, "logit_scale", 1.0) or 1.0),
                          logits_scaling=float(getattr(config, "logits_scaling", 1.0) or 1.0),
-                         final_softcap=getattr(config, "final_logit_softcapping", None))
+                         final_softcap=getattr(config, "final_logit_softcapping", None),
+                         softcap=getattr(config, "attn_logit_softcapping", None))
 
 
 def _layer_rope(model, attention, layer_type: str) -> Rope:
@@ -137,3 +155,27 @@ def _capture(config, attention) -> Capture:
         keys = config.num_key_value_heads * head_dim
         return Capture(fused, fused, slice(0, queries), slice(queries, queries + keys))
     raise UnsupportedModel(f"{config.model_type}: its attention has neither q_proj/k_proj nor a fused qkv_proj")
+
+
+def _layouts(model, capture: Capture) -> tuple[str, str]:
+    """The layout of the captured queries' and keys' outputs, from one short plain forward: whether a norm runs
+    before or after the heads are moved in front of the positions is the modeling code's choice (Qwen 3: before,
+    Gemma 3: after), visible only in the shapes."""
+    config = model.config
+    n = config.num_attention_heads + config.num_key_value_heads + 1  # a length no head count equals
+    shapes = {}
+
+    def hook(which: str):
+        def remember(_module, _inputs, output) -> None:  # returns None: the output goes on unchanged
+            shapes.setdefault(which, output.shape)
+        return remember
+
+    hooks = [module.register_forward_hook(hook(which))
+             for which, module in (("q", capture.q_module), ("k", capture.k_module))]
+    try:
+        with torch.inference_mode():
+            model.model(input_ids=torch.zeros((1, n), dtype=torch.long, device=model.device))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return tuple("heads" if len(shapes[w]) == 4 and shapes[w][2] == n else "flat" for w in ("q", "k"))

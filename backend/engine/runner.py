@@ -16,7 +16,6 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
-from transformers.models.llama.modeling_llama import rotate_half
 
 from .allocator import give_back
 from .attention import PolicyCache
@@ -51,21 +50,28 @@ def _rows(policies: Sequence[Policy], reference: bool = True) -> tuple[list[Poli
     return rows, index
 
 
-def rope_function(lm: LoadedModel) -> Callable:
-    """rope(x [H, L, d], positions [L]) -> x rotated as the model rotates keys at those positions."""
-    rotary = lm.model.model.rotary_emb
+def rope_function(lm: LoadedModel, layer: int = 0) -> Callable:
+    """rope(x [H, L, d], positions [L]) -> x rotated as the model rotates keys at those positions in ``layer``."""
+    return lm.features.layers[layer].rope
 
-    def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos, sin = rotary(x, positions[None])
-        return x * cos + rotate_half(x) * sin
 
-    return rope
+def check_fits(lm: LoadedModel, policy: Policy) -> None:
+    """ValueError when the policy cannot run on this model's layers: one that computes its own attention must
+    honour sliding windows and soft-capping where the model has them (``Policy.honours_layer_limits``)."""
+    features = lm.features
+    if policy.honours_layer_limits or not (features.softcap or any(features.windows)):
+        return
+    what = "soft-capped attention logits" if features.softcap else "sliding-window layers"
+    raise ValueError(f"{policy.name} computes its own attention and does not honour this model's {what} yet")
 
 
 def new_cache(lm: LoadedModel, rows: Sequence[Policy], record_layers: Sequence[int], length: int) -> PolicyCache:
     """A cache for ``rows`` on a text of up to ``length`` tokens (which sizes the recorded attention)."""
+    for policy in rows:
+        check_fits(lm, policy)
     top_k = choose_top_k(length, len(record_layers), lm.n_kv_heads)
-    return PolicyCache(list(rows), lm.n_layers, lm.n_kv_heads, tuple(record_layers), rope_function(lm), top_k)
+    return PolicyCache(list(rows), lm.n_layers, lm.n_kv_heads, tuple(record_layers),
+                       [layer.rope for layer in lm.features.layers], top_k, features=lm.features)
 
 
 def block_ends(chunk: int, n: int, rows: Sequence[Policy]) -> list[int]:
@@ -104,7 +110,7 @@ def _forward(lm: LoadedModel, cache: PolicyCache, ids: torch.Tensor, start: int)
 
 
 def _log_softmax(lm: LoadedModel, hidden: torch.Tensor) -> torch.Tensor:
-    return torch.log_softmax(lm.model.lm_head(hidden).float(), dim=-1)
+    return torch.log_softmax(lm.features.logits(lm.model.lm_head(hidden)).float(), dim=-1)
 
 
 def _predictions(lm: LoadedModel, hidden: torch.Tensor, next_ids: torch.Tensor) -> dict[str, np.ndarray]:
@@ -164,7 +170,7 @@ def _decode(lm: LoadedModel, cache: PolicyCache, hidden: torch.Tensor, position:
     outputs: list[list[int]] = [[] for _ in cache.policies]
     done = np.zeros(len(outputs), bool)
     for step in range(max_new_tokens):
-        next_ids = lm.model.lm_head(hidden).argmax(-1)
+        next_ids = lm.features.logits(lm.model.lm_head(hidden)).argmax(-1)
         for row, token in enumerate(next_ids.tolist()):
             if not done[row]:
                 outputs[row].append(token)
@@ -245,10 +251,14 @@ def _recorded(lm: LoadedModel, cache: PolicyCache, row: int, length: int) -> dic
     own length."""
     if not cache.record_layers:
         return {}
-    rope = lm.model.model.rotary_emb
+    rotary = lm.model.model.rotary_emb
+    # One model-wide RoPE for the t-SNE of keys after RoPE; a model with per-layer RoPE (Gemma 3) gives its
+    # global layers'.
+    inv_freq = getattr(rotary, "inv_freq", None)
+    inv_freq = getattr(rotary, "full_attention_inv_freq", None) if inv_freq is None else inv_freq
     where = key_positions(length)
     return {"attention": cache.recorded_attention(row, length), "keys": cache.recorded_keys(row, where),
-            "key_positions": where, "rope_inv_freq": rope.inv_freq.float().cpu().numpy().astype(np.float32)}
+            "key_positions": where, "rope_inv_freq": inv_freq.float().cpu().numpy().astype(np.float32)}
 
 
 def _meta(lm: LoadedModel, spec: str, policy: Policy, mode: str, tokens: Sequence[int], n_prompt: int,
@@ -261,6 +271,7 @@ def _meta(lm: LoadedModel, spec: str, policy: Policy, mode: str, tokens: Sequenc
         "token_texts": [lm.tokenizer.decode([t]) for t in tokens],
         "recorded_layers": list(record_layers),
         "rope_attention_scaling": float(getattr(lm.model.model.rotary_emb, "attention_scaling", 1.0)),
+        **({"layer_windows": lm.features.windows} if any(lm.features.windows) else {}),
     }
 
 

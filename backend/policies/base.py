@@ -73,6 +73,9 @@ class Policy:
     attends: ClassVar[bool] = False
     # Reads queries and keys before RoPE (``Block.q_pre``, ``Block.k_pre``): the engine then captures them.
     needs_prerope: ClassVar[bool] = False
+    # Runs on sliding-window and soft-capped layers (Gemma): the engine applies both for every policy it attends
+    # for; one that ``attends`` itself must honour ``Block.window`` and ``Block.softcap`` to say True.
+    honours_layer_limits: ClassVar[bool] = True
     # A compression policy that scores its cache from an extra pass over the text, which the runner feeds it
     # before it compresses (backend/engine/reconstruction.py; KVzip); the pass asks CompressionPolicy's
     # ``rereads_from``, ``pieces``, ``prompt``, ``pass_sinks``, ``record`` and ``NO_TEMPLATE``.
@@ -454,6 +457,16 @@ class Block:
     layer: int = 0
     n_layers: int = 1
     n_prompt: int | None = None
+    softcap: float | None = None  # the layer's logit soft-capping (attention_logits)
+    window: int | None = None  # a sliding-window layer: query t reads keys t - window + 1..t only
+
+    def logits(self, q: "torch.Tensor", k: "torch.Tensor") -> "torch.Tensor":
+        """The layer's attention logits of queries ``q`` against keys ``k`` (scaled, soft-capped)."""
+        return attention_logits(q, k, self.scaling, self.softcap)
+
+    def visible(self) -> "torch.Tensor":
+        """bool [n, M]: the keys each query of the block may read (causal, within the layer's window)."""
+        return visible_keys(self.first, self.q.shape[1], self.k.shape[1], self.window, self.q.device)
 
     @property
     def in_prompt(self) -> bool:
@@ -479,6 +492,7 @@ class AttendingPolicy(SelectionPolicy):
     (SparQ mixes in the mean value vector; ReAttention re-rotates the keys it selects)."""
 
     attends: ClassVar[bool] = True
+    honours_layer_limits: ClassVar[bool] = False
 
     def cut_reach(self) -> int:
         # ReAttention's chunks start within its budget; the other attending policies claim theirs too.
@@ -499,7 +513,9 @@ def masked_attention(block: Block, read: "torch.Tensor") -> tuple["torch.Tensor"
     n_q_heads, n, dim = block.q.shape
     n_kv_heads = block.k.shape[0]
     q = block.q.view(n_kv_heads, n_q_heads // n_kv_heads, n, dim)
-    scores = (q @ block.k.transpose(-1, -2)[:, None]) * block.scaling  # [H_kv, G, n, M]
+    scores = block.logits(q, block.k[:, None])  # [H_kv, G, n, M]
+    if block.window is not None:
+        read = read & block.visible()
     weights = torch.softmax(scores.masked_fill(~read, float("-inf")), dim=-1)
     return (weights @ block.v[:, None]).permute(2, 0, 1, 3).reshape(n, n_q_heads, dim), weights
 
@@ -509,9 +525,26 @@ def dense_attention(block: Block) -> tuple["torch.Tensor", np.ndarray, np.ndarra
     (out [n, H_q, d], reads [H_kv, n, M], attn [H_kv, n, M], the mean of each group's weights)."""
     n = block.q.shape[1]
     n_kv_heads, total, _ = block.k.shape
-    device = block.q.device
-    causal = torch.arange(total, device=device)[None, :] <= torch.arange(block.first, block.first + n,
-                                                                         device=device)[:, None]
+    causal = block.visible()
     out, weights = masked_attention(block, causal)
     reads = np.broadcast_to(causal.cpu().numpy(), (n_kv_heads, n, total)).copy()
     return out, reads, weights.mean(1).float().cpu().numpy()
+
+
+def attention_logits(q: "torch.Tensor", k: "torch.Tensor", scaling: float, softcap: float | None = None
+                     ) -> "torch.Tensor":
+    """q . k scaled, then soft-capped (Gemma 2's ``attn_logit_softcapping``: cap * tanh(logit / cap)) where the
+    layer caps; k is given transposable as [..., M, d]."""
+    scores = (q @ k.transpose(-1, -2)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    return scores
+
+
+def visible_keys(first: int, n: int, total: int, window: int | None, device=None) -> "torch.Tensor":
+    """bool [n, total]: query first + i reads keys 0..first + i, and on a sliding-window layer only the latest
+    ``window`` of them (transformers' sliding window: key j is visible to query t when t - window < j <= t)."""
+    keys = torch.arange(total, device=device)[None]
+    queries = torch.arange(first, first + n, device=device)[:, None]
+    visible = keys <= queries
+    return visible if window is None else visible & (keys > queries - window)

@@ -1,5 +1,6 @@
 """Quest (Tang et al., 2024, Sec. 3.4, Alg. 1): query-aware page selection; nothing is evicted."""
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -45,6 +46,8 @@ class Quest(AttendingPolicy):
     group: "sum" (one choice per KV head) or "each" (one per query head, union recorded).
     prefill: "select" (every prompt query selects) or "dense" (the prompt is read exactly; see above).
     """
+
+    honours_layer_limits: ClassVar[bool] = True  # it reads through masked_attention
 
     name = "quest"
     summary = ('pages of `page_size` tokens; each query reads its own page and the pages whose min/max keys bound '
@@ -108,7 +111,7 @@ class Quest(AttendingPolicy):
         device = block.q.device
         q = block.q.view(n_kv_heads, group, n, dim)
         steps = torch.arange(block.first, block.first + n, device=device)
-        causal = torch.arange(total, device=device)[None, :] <= steps[:, None]  # [n, M]
+        causal = block.visible()  # [n, M]: causal, and within a sliding-window layer's window
         if block.layer < self.dense_layers or (self.prefill == "dense" and block.in_prompt):
             read = causal.expand(n_kv_heads, 1, n, total)
             pages_read = ((steps // self.page_size + 1).float().cpu()[:, None]).expand(n, n_kv_heads)

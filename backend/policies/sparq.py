@@ -70,12 +70,14 @@ class SparQ(AttendingPolicy):
         tests/test_sparq_policy.py holds them equal."""
         if self.prefill == "dense" and block.in_prompt:
             return state, self.attend_densely(block)
-        if block.k.is_cuda:
-            return state, self.attend_rows(block, sparq_attention)
         n_q_heads, n, dim = block.q.shape
         n_kv_heads, total, _ = block.k.shape
+        # The paper's 1/sqrt(d), unless the model scales its attention otherwise (the kernels take the paper's).
+        scale = None if block.scaling == dim ** -0.5 else block.scaling
+        if block.k.is_cuda and scale is None:
+            return state, self.attend_rows(block, sparq_attention)
         steps = torch.arange(block.first, block.first + n)
-        res = sparq_attention_block(block.q, block.k, block.v, block.first, self.budget, self.r, self.window)
+        res = sparq_attention_block(block.q, block.k, block.v, block.first, self.budget, self.r, self.window, scale)
         width = res.reads.shape[-1]
         reads = np.zeros((n_kv_heads, n, total), bool)
         reads[..., :width] = res.reads.numpy()
