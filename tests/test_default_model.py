@@ -10,9 +10,22 @@ from backend.engine.runner import compute_traces
 import pytest
 
 
-def test_unknown_model_is_refused_before_any_download():
-    with pytest.raises(ModelError, match="unknown model"):
-        load_model("someone/any-model")
+def test_the_space_refuses_a_model_its_operator_did_not_offer_before_any_download():
+    from backend.api import RequestError, RunRequest, check_run
+    from backend.limits import Limits
+
+    request = RunRequest(prompt="Hello.", specs=["tova"], model="someone/any-model")
+    with pytest.raises(RequestError, match="unknown model 'someone/any-model'; offered here: smollm2"):
+        check_run(request, Limits.from_env({}))
+    assert "someone/any-model" in Limits.from_env({"KVLENS_MODELS": "someone/any-model"}).models
+    check_run(request, Limits.for_machine({}))  # the command line's user may name any model
+
+
+def test_a_path_that_names_no_model_is_one_line():
+    with pytest.raises(ModelError, match="no such model"):
+        load_model("./no/such/model")
+    with pytest.raises(ModelError, match="no such GGUF file"):
+        load_model("/nowhere/model.gguf")
 
 
 def test_default_model_shape(default_lm):

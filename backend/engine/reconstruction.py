@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from ..policies.base import attention_logits, visible_keys
 from .attention import PolicyCache
 from .models import LoadedModel
 
@@ -39,8 +40,9 @@ class RereadCache(DynamicCache):
         self.scores: list[np.ndarray | None] = [None] * len(keys)
 
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               scaling: float) -> torch.Tensor:
-        """query [1, H_q, L, d], key/value [1, H, M, d] (the row's M - L tokens, then the pass's) -> [1, L, H_q, d]."""
+               scaling: float, softcap: float | None = None, window: int | None = None) -> torch.Tensor:
+        """query [1, H_q, L, d], key/value [1, H, M, d] (the row's M - L tokens, then the pass's) -> [1, L, H_q, d].
+        The layer's soft-capping and sliding window apply as in the engine (``PolicyCache.attend``)."""
         _, n_q_heads, n, dim = query.shape
         n_heads, total = key.shape[1], key.shape[2]
         held = total - n
@@ -56,7 +58,9 @@ class RereadCache(DynamicCache):
         for lo in range(0, n, QUERY_BLOCK):
             hi = min(lo + QUERY_BLOCK, n)
             own = torch.arange(n, device=k.device)[None] <= torch.arange(lo, hi, device=k.device)[:, None]  # [m, n]
-            s = (q[:, :, lo:hi] @ k[:, None].transpose(-1, -2)) * scaling  # [H, G, m, M]
+            s = attention_logits(q[:, :, lo:hi], k[:, None], scaling, softcap)  # [H, G, m, M]
+            if window is not None:  # the pass's queries stand at positions held + lo.. in this layer's window
+                s = s.masked_fill(~visible_keys(held + lo, hi - lo, total, window, k.device), float("-inf"))
             reads = torch.cat([alive[:, None, :].expand(-1, hi - lo, -1), own.expand(n_heads, -1, -1)], -1)
             out.append(torch.softmax(s.masked_fill(~reads[:, None], float("-inf")), -1) @ v[:, None])
             spans = torch.cat([scored[:, None, :].expand(-1, hi - lo, -1), own.expand(n_heads, -1, -1)], -1)

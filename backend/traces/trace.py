@@ -74,10 +74,19 @@ class Trace:
             return self.spans.window(layer, slice(s0, s1), slice(p0, p1))
         t = np.arange(s0, max(s0, s1))[:, None]
         j = np.arange(p0, max(p0, p1))[None, :]
+        visible = j <= t
+        window = self.window(layer)
+        if window is not None:  # the model's own eviction: a sliding-window layer reads its latest keys only
+            visible = visible & (j > t - window)
         if self.evicted_at is None:  # full attention
-            return np.broadcast_to(j <= t, (self.meta["n_kv_heads"], t.shape[0], j.shape[1]))
+            return np.broadcast_to(visible, (self.meta["n_kv_heads"], t.shape[0], j.shape[1]))
         gone = self.evicted_at[layer][:, None, p0:max(p0, p1)]
-        return (j <= t)[None] & ((gone < 0) | (t[None] < gone))
+        return visible[None] & ((gone < 0) | (t[None] < gone))
+
+    def window(self, layer: int) -> int | None:
+        """The layer's sliding window (Gemma's local layers), None where it reads every key its policy keeps."""
+        windows = self.meta.get("layer_windows")
+        return None if not windows else windows[layer]
 
     def reads_at(self, layer: int, step: int) -> np.ndarray:
         """bool [H_kv, T]: the tokens query ``step`` read in this layer."""

@@ -1,0 +1,129 @@
+"""Every policy on every common decoder family, each a tiny random-weight model built from its transformers
+config with the feature that sets it apart: Full equals the plain model, a budget at or above the length
+equals Full, and the prompt path equals token-by-token decoding."""
+import numpy as np
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from backend.engine.attention import ATTN_IMPLEMENTATION
+from backend.engine.features import UnsupportedModel, read_features
+from backend.engine.models import LoadedModel
+from backend.engine.runner import compute_traces, score_text
+from backend.policies import POLICIES
+from tests.conftest import TinyTokenizer
+
+COMMON = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, pad_token_id=0,
+              bos_token_id=1, eos_token_id=2)
+# Each family with what sets it apart, small enough to matter on a 20-token text.
+FAMILIES = {
+    "llama": {},
+    "qwen2": {},
+    "qwen3": {"head_dim": 16},  # QK-norm before RoPE
+    "mistral": {},
+    "gemma2": {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24,  # scale, soft-capping, windows
+               "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0},
+    "gemma3_text": {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24,  # local and global RoPE
+                    "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]},
+    "phi3": {},  # a fused QKV projection
+    "olmo2": {},  # QK-norm over all heads at once
+    "cohere": {"use_qk_norm": True, "logit_scale": 0.5},  # interleaved RoPE, parallel blocks, scaled logits
+    "glm": {"head_dim": 16, "partial_rotary_factor": 0.5},  # partial, interleaved RoPE
+    "granite": {"attention_multiplier": 0.3, "logits_scaling": 2.0},  # its own attention and logit scales
+    "smollm3": {"no_rope_layers": [1, 0, 1]},  # a NoPE layer
+}
+IDS = torch.randint(3, 101, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+NAMES = [name for name in POLICIES if POLICIES[name].__module__.startswith("backend.")]
+
+
+def tiny_family(family: str) -> LoadedModel:
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(family, **COMMON, **FAMILIES[family])
+    config._attn_implementation = ATTN_IMPLEMENTATION
+    model = AutoModelForCausalLM.from_config(config).to(torch.float64).eval()
+    with torch.no_grad():  # sharper attention than the default init, so the policies' choices matter
+        for layer in model.model.layers:
+            projection = getattr(layer.self_attn, "q_proj", None) or layer.self_attn.qkv_proj
+            projection.weight.mul_(4.0)
+    return LoadedModel(name=family, model=model, tokenizer=TinyTokenizer(), fingerprint=family)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def lm(request) -> LoadedModel:
+    return tiny_family(request.param)
+
+
+def refused(lm: LoadedModel, name: str) -> bool:
+    """A policy that computes its own attention and cannot yet honour this model's windows or soft-capping."""
+    features = lm.features
+    return not POLICIES[name].honours_layer_limits and bool(features.softcap or any(features.windows))
+
+
+def test_full_equals_the_plain_model(lm):
+    with torch.inference_mode():
+        plain = torch.log_softmax(lm.model(torch.tensor([IDS])).logits[0].float(), -1)
+    expected = plain[:-1].gather(-1, torch.tensor(IDS[1:])[:, None])[:, 0].numpy()
+    (full,), _ = compute_traces(lm, ["full"], [POLICIES["full"]()], IDS, record_layers=())
+    np.testing.assert_allclose(full.logprobs, expected, atol=2e-5)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_budget_at_least_the_length_equals_full(lm, name):
+    policy = POLICIES[name].for_budget(64)
+    if refused(lm, name):
+        with pytest.raises(ValueError, match="does not honour this model's"):
+            compute_traces(lm, [name], [policy], IDS, record_layers=())
+        return
+    (trace,), full = compute_traces(lm, [name], [policy], IDS, mode="generate", max_new_tokens=4, record_layers=())
+    np.testing.assert_allclose(trace.logprobs, full.logprobs, atol=1e-9)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_prompt_path_equals_token_by_token_decoding(lm, name):
+    if refused(lm, name):
+        return
+    policy = POLICIES[name].for_budget(6)
+    whole, s_whole, _ = score_text(lm, IDS, [policy], chunk=len(IDS))
+    single, s_single, _ = score_text(lm, IDS, [policy], chunk=1)
+    np.testing.assert_allclose(s_whole["logprobs"], s_single["logprobs"], atol=1e-9)
+    if policy.kind in ("eviction", "compression"):
+        np.testing.assert_array_equal(whole.evicted_at(1), single.evicted_at(1))
+
+
+def test_a_sliding_window_layer_reads_only_its_window():
+    """Gemma's local layers: whatever a policy keeps, a query reads at most the latest `window` keys there."""
+    lm = tiny_family("gemma3_text")
+    (trace,), full = compute_traces(lm, ["window"], [POLICIES["window"](budget=64)], IDS, record_layers=(0, 2))
+    assert full.meta["layer_windows"] == [8, 8, None]
+    reads = full.reads(0)  # [H, T, T] in a sliding layer
+    assert reads.sum(-1).max() == 8 and reads[:, -1, : len(IDS) - 8].sum() == 0
+    assert full.reads(2)[:, -1].all()  # the global layer reads everything
+
+
+def test_the_features_are_read_from_the_config_and_the_modules():
+    gemma = read_features(tiny_family("gemma2").model)
+    assert gemma.windows == [8, None, 8] and gemma.softcap == 5.0 and gemma.final_softcap == 3.0
+    assert read_features(tiny_family("cohere").model).logit_scale == 0.5
+    assert read_features(tiny_family("granite").model).logits_scaling == 2.0
+    phi = read_features(tiny_family("phi3").model).layers[0].capture
+    assert phi.q_module is phi.k_module and phi.k_slice == slice(64, 96)  # q: 4 heads x 16, k: 2 x 16
+    smol = read_features(tiny_family("smollm3").model).layers
+    x, positions = torch.randn(2, 3, 16, dtype=torch.float64), torch.arange(3)
+    assert torch.equal(smol[1].rope(x, positions), x) and not torch.equal(smol[0].rope(x, positions), x)
+
+
+def test_a_model_the_engine_cannot_serve_is_one_line_naming_the_feature():
+    config = AutoConfig.for_model("t5", vocab_size=101, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4)
+    from transformers import T5ForConditionalGeneration
+
+    with pytest.raises(UnsupportedModel, match="encoder-decoder"):
+        read_features(T5ForConditionalGeneration(config))
+
+
+def test_bfloat16_runs_on_the_cpu():
+    lm = tiny_family("llama")
+    lm.model.to(torch.bfloat16)
+    (trace,), full = compute_traces(lm, ["tova"], [POLICIES["tova"](budget=6)], IDS, record_layers=())
+    assert np.isfinite(trace.logprobs).all() and np.isfinite(full.logprobs).all()
+    assert trace.evicted_at.max() > 0  # it evicted
