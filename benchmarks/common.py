@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from backend.engine.models import load_model
+from backend.engine.models import DEFAULT_MODEL, load_model
 from backend.texts import inaugural  # noqa: F401  a long real text that ships in the repo
 
 
@@ -21,6 +21,6 @@ def best_of(fn, repeat: int = 3) -> float:
     return statistics.median(times)
 
 
-def model():
+def model(name: str = DEFAULT_MODEL):
     torch.set_grad_enabled(False)
-    return load_model()
+    return load_model(name)

@@ -2,7 +2,7 @@
 at each length, against one plain SDPA forward of the same text measured in the same process.
 
     python -m benchmarks.scaling [--lengths 1024,2048,4096,8192] [--policies sinks,h2o,tova,a2sf] [--budget 256]
-                                 [--record] [--chunk 256]
+                                 [--record] [--chunk 256] [--model gemma3-270m]
 
 Each length runs in its own child process, so its peak RSS is its own. Reported per length: the run's wall
 time, the plain forward's, their ratio (and per row), the child's peak RSS and the bytes of the traces as
@@ -25,6 +25,8 @@ from backend.policies import parse_spec
 from backend.engine.runner import DEFAULT_CHUNK, compute_traces, default_record_layers
 from backend.texts import corpus_files, corpus_text
 
+from backend.engine.models import DEFAULT_MODEL
+
 from .common import model
 
 
@@ -45,9 +47,9 @@ def _bare_bytes(trace) -> int:
     return len(bare.to_bytes())
 
 
-def measure(length: int, policies: list[str], budget: int, record: bool, chunk: int) -> dict:
+def measure(length: int, policies: list[str], budget: int, record: bool, chunk: int, name: str) -> dict:
     """One length, in this process: plain forward, then the instrumented run."""
-    lm = model()
+    lm = model(name)
     ids = lm.tokenizer(long_text()).input_ids[:length]
     specs = [f"{name}:budget={budget}" for name in policies]
     with torch.inference_mode():
@@ -77,20 +79,22 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=256)
     parser.add_argument("--record", action="store_true", help="also record the app's layers (attention, keys)")
     parser.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help="prompt tokens per forward call")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="a packaged model, a model directory or a .gguf")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # the child: measure one length, print JSON
     args = parser.parse_args()
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if args.one:
-        print(json.dumps(measure(args.one, policies, args.budget, args.record, args.chunk)))
+        print(json.dumps(measure(args.one, policies, args.budget, args.record, args.chunk, args.model)))
         return
-    print(f"{', '.join(policies)} + Full at budget {args.budget}, prompt mode"
+    print(f"{args.model}: {', '.join(policies)} + Full at budget {args.budget}, prompt mode"
           f"{', recording the app layers' if args.record else ''} (torch threads: {torch.get_num_threads()})")
     print("| T | run | plain forward | ratio | per row | peak RSS | Full trace | each policy trace "
           "| largest policy trace, unrecorded (goal) | recorded (run) |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for length in (int(x) for x in args.lengths.split(",")):
         child = [sys.executable, "-m", "benchmarks.scaling", "--one", str(length), "--policies", args.policies,
-                 "--budget", str(args.budget), "--chunk", str(args.chunk)] + (["--record"] if args.record else [])
+                 "--budget", str(args.budget), "--chunk", str(args.chunk), "--model", args.model] + \
+            (["--record"] if args.record else [])
         result = subprocess.run(child, capture_output=True, text=True)
         if result.returncode != 0:
             print(f"| {length} | failed: {result.stderr.strip().splitlines()[-1] if result.stderr else result.returncode} |")

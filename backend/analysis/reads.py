@@ -28,10 +28,15 @@ def intervals(trace: Trace, layer: int, heads: Sequence[int] | None = None) -> t
         return tuple(np.concatenate([np.zeros(0, np.int64)] + [p[i].astype(np.int64) for p in parts]) for i in range(3))
     pos = np.tile(np.arange(n, dtype=np.int64), len(heads))
     if trace.evicted_at is None:  # Full: every token from its arrival on
-        return pos, pos.copy(), np.full(len(pos), n, np.int64)
-    gone = trace.evicted_at[layer][list(heads)].astype(np.int64).ravel()
-    # max(): a token dropped on arrival was never read (an empty interval, not a negative one).
-    return pos, pos.copy(), np.maximum(np.where(gone < 0, n, gone), pos)
+        end = np.full(len(pos), n, np.int64)
+    else:
+        gone = trace.evicted_at[layer][list(heads)].astype(np.int64).ravel()
+        # max(): a token dropped on arrival was never read (an empty interval, not a negative one).
+        end = np.maximum(np.where(gone < 0, n, gone), pos)
+    window = trace.window(layer)
+    if window is not None:  # a sliding-window layer: token j is read by queries j .. j + window - 1 at most
+        end = np.minimum(end, pos + window)
+    return pos, pos.copy(), end
 
 
 def per_step(start: np.ndarray, end: np.ndarray, n: int) -> np.ndarray:
