@@ -1,5 +1,6 @@
 """The front door: the app, the CLI, the sweep, the needle grid and the app's needle tab all come in here, with
-one set of limits and one validation. Without any UI code it checks a request, runs it through the store
+one validation and the limits of whoever asks (``limits.Limits``: the Space's by default, the machine's from
+the command line). Without any UI code it checks a request, runs it through the store
 (``runs.replay_or_compute``), gives it a share link, reopens it later, and exports it.
 
 Checks come cheapest first: ``check_run`` / ``check_sweep`` / ``check_needle`` look only at the request
@@ -37,7 +38,7 @@ from .runs import Run, replay_or_compute
 from .traces.store import TraceStore, load_trace, run_key
 from .traces.trace import Trace, file_stem
 
-LIMITS = Limits.from_env()
+LIMITS = Limits.from_env()  # the Space's: what a request meets unless its caller passes others
 MODES = ("generate", "prompt")
 RUN_ID = re.compile(r"[0-9a-f]{32}")
 

@@ -32,6 +32,7 @@ from ..texts import corpus_files, corpus_text
 
 NEEDLE = "The secret number is {number}."
 QUESTION = "What is the secret number mentioned in the text above? Answer with the number only."
+BASE_CUE = "\nAnswer: The secret number is"  # a base model (no chat template) completes the answer instead
 NEW_TOKENS = 16  # the greedy answer: enough for a 7-digit number and a few words around it
 COLUMNS = ["policy", "budget", "spec", "length", "depth", "found", "answer", "number", "tokens", "seed"]
 
@@ -71,7 +72,7 @@ def haystack(lm: LoadedModel, cell: Cell, new_tokens: int = NEW_TOKENS) -> tuple
         filler = [sentences[(start + i) % len(sentences)] for i in range(count)]
         at = round(cell.depth * count)
         body = " ".join(filler[:at] + [NEEDLE.format(number=cell.number())] + filler[at:])
-        text = f"{body}\n\n{QUESTION}"
+        text = f"{body}\n\n{QUESTION}" + ("" if lm.chat else BASE_CUE)
         return text, lm.encode(text, chat=True)
 
     # The most whole sentences that fit: double until too long, then bisect (a dozen encodes at 8k tokens).
