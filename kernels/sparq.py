@@ -229,7 +229,7 @@ def _top_earliest(score: torch.Tensor, m: int) -> torch.Tensor:
     return above | (tie & (tie.cumsum(-1) <= need))
 
 
-def sparq_attention_block(q, K, V, first, k, r, l, scale=None):
+def sparq_attention_block(q, K, V, first, k, r, l, scale=None, window=None, softcap=None):
     """SparQ for a block of consecutive queries over one cache (a prompt's queries), in plain torch.
 
     q: [H_q, n, d], the queries at positions first .. first + n - 1; K, V: [H_kv, S', d], S' >= first + n.
@@ -240,7 +240,9 @@ def sparq_attention_block(q, K, V, first, k, r, l, scale=None):
     exact zeros). Ties as in the reference: the lower component index, the earlier position.
     Computation in float32 (float64 for float64 inputs). ``scale``: the model's attention scale where it is
     not the paper's ``1/sqrt(d)`` (Gemma's ``query_pre_attn_scalar``, Granite's multiplier); the approximate
-    logits' temperature scales with it. Returns a :class:`SparQBlock`.
+    logits' temperature scales with it. ``window``: a sliding-window layer's, whose queries read only their
+    latest ``window`` positions (their cache, and the mean value over it); ``softcap``: the layer's logit
+    soft-capping, applied to the exact logits. Returns a :class:`SparQBlock`.
     """
     _check_params(k, r, l)
     H_q, n, d = q.shape
@@ -251,6 +253,8 @@ def sparq_attention_block(q, K, V, first, k, r, l, scale=None):
     position = torch.arange(S, device=q.device)
     length = torch.arange(first + 1, S + 1, device=q.device)  # [n]: each query's cache
     exists = position[None, :] < length[:, None]  # [n, S]
+    if window is not None:
+        exists = exists & (position[None, :] >= length[:, None] - window)
     qg = q.to(acc).reshape(H_kv, G, n, d)
 
     # Step 1 (Eq. D1, D2): components per query and KV head, as a mask on the query.
@@ -267,17 +271,26 @@ def sparq_attention_block(q, K, V, first, k, r, l, scale=None):
     local = min(l, k)
     start = length - local  # [n]: first position of each query's local window
     candidate = position[None, :] < start[:, None]
+    cached = length
+    if window is not None:  # only what the window holds is a candidate, and the cache is that long
+        candidate, cached = candidate & exists, length.clamp(max=window)
     picked = _top_earliest(s_hat.sum(1).masked_fill(~candidate, float("-inf")), min(k - local, S))
-    whole = length <= k  # [n]
+    whole = cached <= k  # [n]
     reads = (picked & candidate) | ((position[None, :] >= start[:, None]) & exists) | (whole[:, None] & exists)
 
     # Step 3: exact attention over what was read (Eq. D3), mixed with the mean value by alpha (Eq. D4, D5).
     exact_logits = (qg @ K[:, None].transpose(-1, -2))  # [H_kv, G, n, S]
     exact_logits = exact_logits / math.sqrt(d) if scale is None else exact_logits * scale
+    if softcap is not None:
+        exact_logits = torch.tanh(exact_logits / softcap) * softcap
     weights = torch.softmax(exact_logits.masked_fill(~reads[:, None], float("-inf")), dim=-1)
     exact = torch.softmax(exact_logits.masked_fill_(~exists, float("-inf")), dim=-1)
     alpha = torch.where(whole, torch.ones((), dtype=acc, device=q.device), (s_hat * reads[:, None]).sum(-1))
-    v_mean = V.cumsum(1)[:, first:S] / length[None, :, None].to(acc)  # [H_kv, n, d]
+    if window is None:
+        v_mean = V.cumsum(1)[:, first:S] / length[None, :, None].to(acc)  # [H_kv, n, d]
+    else:  # the mean over each query's window
+        summed = torch.cat([torch.zeros_like(V[:, :1]), V.cumsum(1)], 1)  # [H_kv, S + 1, d]
+        v_mean = (summed[:, length] - summed[:, length - cached]) / cached[None, :, None].to(acc)
     out = alpha[..., None] * (weights @ V[:, None]) + (1 - alpha[..., None]) * v_mean[:, None]
     return SparQBlock(out=out.permute(2, 0, 1, 3).reshape(n, H_q, d).to(q.dtype), reads=reads,
                       alpha=alpha.permute(2, 0, 1).reshape(n, H_q), scores=s_hat, weights=weights, exact=exact)

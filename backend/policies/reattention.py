@@ -1,6 +1,7 @@
 """ReAttention (Liu et al., 2024, Sec. 2, App. A): position-agnostic top-k selection, then RoPE on
 the selected cache renumbered 0..L-1, so the attention scope stays small however long the text."""
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -30,6 +31,8 @@ class ReAttention(AttendingPolicy):
     topk: k', centres per KV head.
     chunk: prompt tokens per selection (must not exceed local, Sec. 4.1).
     """
+
+    honours_layer_limits: ClassVar[bool] = True  # Block.window and Block.softcap
 
     name = "reattention"
     summary = 'global + top-k spans by position-agnostic scores + local, re-rotated to positions 0..L-1'
@@ -136,8 +139,12 @@ def _attend_rerotated(block, kept: torch.Tensor, valid: torch.Tensor, s: int, e:
     q = block.rope(q_pre.transpose(0, 1).reshape(group, n_kv_heads * n_c, dim), own.flatten().to(device))
     q = q.reshape(group, n_kv_heads, n_c, dim).transpose(0, 1)  # [H_kv, G, n_c, d]
     visible = valid[:, None, :] & (kept[:, None, :] <= positions[None, :, None])  # causal within the chunk
-    scores = (q @ keys[:, None].transpose(-1, -2) * block.scaling).masked_fill(
-        ~visible[:, None].to(device), float("-inf"))
+    if block.window is not None:  # a sliding-window layer: keys the model's window has passed are not read
+        visible = visible & (kept[:, None, :] > positions[None, :, None] - block.window)
+    logits = q @ keys[:, None].transpose(-1, -2) * block.scaling
+    if block.softcap is not None:
+        logits = torch.tanh(logits / block.softcap) * block.softcap
+    scores = logits.masked_fill(~visible[:, None].to(device), float("-inf"))
     weights = torch.softmax(scores, dim=-1)  # [H_kv, G, n_c, L]
     values = block.v[heads, at]  # [H_kv, L, d]
     out = (weights @ values[:, None]).permute(2, 0, 1, 3).reshape(n_c, n_kv_heads * group, dim)

@@ -1,5 +1,6 @@
 """SparQ Attention (Ribar et al., 2024, Sec. 3, App. B-D): read a few cached rows, chosen cheaply."""
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -35,6 +36,8 @@ class SparQ(AttendingPolicy):
         question-answering runs serve a prompt (SparQ speeds up generation, not the prefill); the first
         answer token is then Full's. Prompt mode has no prompt, so there every token selects.
     """
+
+    honours_layer_limits: ClassVar[bool] = True  # Block.window and Block.softcap
 
     name = "sparq"
     summary = 'each query reads `budget` positions picked by approximate scores from `r` query components, mixed with the mean value'
@@ -74,10 +77,12 @@ class SparQ(AttendingPolicy):
         n_kv_heads, total, _ = block.k.shape
         # The paper's 1/sqrt(d), unless the model scales its attention otherwise (the kernels take the paper's).
         scale = None if block.scaling == dim ** -0.5 else block.scaling
-        if block.k.is_cuda and scale is None:
+        plain = scale is None and block.window is None and block.softcap is None
+        if block.k.is_cuda and plain:
             return state, self.attend_rows(block, sparq_attention)
         steps = torch.arange(block.first, block.first + n)
-        res = sparq_attention_block(block.q, block.k, block.v, block.first, self.budget, self.r, self.window, scale)
+        res = sparq_attention_block(block.q, block.k, block.v, block.first, self.budget, self.r, self.window, scale,
+                                    block.window, block.softcap)
         width = res.reads.shape[-1]
         reads = np.zeros((n_kv_heads, n, total), bool)
         reads[..., :width] = res.reads.numpy()

@@ -1,6 +1,7 @@
 """StreamingLLM as its paper runs it (Xiao et al., 2023, Sec. 3.2): attention sinks plus a recent window, the keys
 rotated by their place in the cache rather than in the text."""
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -31,6 +32,8 @@ class StreamingLLM(AttendingPolicy):
     budget: tokens each query reads, its own included (the cache size).
     sinks: how many initial tokens (attention sinks) stay; must be < budget.
     """
+
+    honours_layer_limits: ClassVar[bool] = True  # Block.window and Block.softcap
 
     name = "streamingllm"
     summary = 'first `sinks` tokens + recent window, keys re-rotated to their place in the cache (0..budget-1)'
@@ -77,11 +80,18 @@ class StreamingLLM(AttendingPolicy):
         sink_ok = torch.arange(sinks, device=device)[None, :] <= steps[:, None]  # [n, sinks]
         earliest = torch.clamp(steps - window + 1, min=sinks)  # [n]: each query's first window position
         near_ok = (near[None, :] >= earliest[:, None]) & (near[None, :] <= steps[:, None])
+        if block.window is not None:  # a sliding-window layer: keys the model's window has passed are not read
+            sink_ok = sink_ok & (torch.arange(sinks, device=device)[None, :] > steps[:, None] - block.window)
+            near_ok = near_ok & (near[None, :] > steps[:, None] - block.window)
         q_text = block.q.view(n_kv_heads, group, n, dim)  # at its position in the text
         q_cache = block.rope(block.q_pre, steps - slid).view(n_kv_heads, group, n, dim)  # at its place in the cache
-        scores = torch.cat([(q_cache @ block.k[:, None, :sinks].transpose(-1, -2)).masked_fill(~sink_ok, float("-inf")),
-                            (q_text @ block.k[:, None, lo:].transpose(-1, -2)).masked_fill(~near_ok, float("-inf"))],
-                           -1) * block.scaling
+        if block.softcap is None:
+            scores = torch.cat([(q_cache @ block.k[:, None, :sinks].transpose(-1, -2)).masked_fill(~sink_ok, float("-inf")),
+                                (q_text @ block.k[:, None, lo:].transpose(-1, -2)).masked_fill(~near_ok, float("-inf"))],
+                               -1) * block.scaling
+        else:  # capped first: a capped -inf would be finite
+            scores = torch.cat([block.logits(q_cache, block.k[:, None, :sinks]), block.logits(q_text, block.k[:, None, lo:])],
+                               -1).masked_fill(~torch.cat([sink_ok, near_ok], -1), float("-inf"))
         weights = torch.softmax(scores, dim=-1)  # [H_kv, G, n, sinks + near]
         values = torch.cat([block.v[:, :sinks], block.v[:, lo:]], 1)
         out = (weights @ values[:, None]).permute(2, 0, 1, 3).reshape(n, n_q_heads, dim)
