@@ -82,7 +82,6 @@ def free_port() -> int:
 def tiny_session(tiny, tmp_path, monkeypatch):
     """The app's session with the tiny model standing in for the default one, and a private store."""
     import app
-    from backend import api
     from backend.engine.models import DEFAULT_MODEL
     from backend.traces.store import TraceStore
 

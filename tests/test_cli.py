@@ -138,7 +138,7 @@ def test_cheap_mistakes_are_reported_before_the_model_loads(text_file, tmp_path,
 
 
 def test_a_one_token_generate_prompt_without_chat_is_a_one_line_error(tiny, tmp_path, monkeypatch, capsys):
-    from backend import api, cli
+    from backend import cli
     from backend.engine.models import DEFAULT_MODEL
     monkeypatch.setitem(models.LOADED, DEFAULT_MODEL, tiny)
     path = tmp_path / "one.txt"

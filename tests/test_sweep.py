@@ -9,7 +9,6 @@ import torch
 from backend.engine import models
 from backend.analysis import metrics
 
-from backend import api
 
 from backend.experiments import sweep as sweep_module
 from backend.cli import CliError, build_parser
