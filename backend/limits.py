@@ -1,8 +1,8 @@
 """The limits every request meets: the Space's, which keep a shared 2-vCPU server responsive, and the command
 line's, which fit the machine its user owns.
 
-Texts may fill the default model's context (8192 tokens). What a run may cost is bounded in
-**row-tokens**: each policy's row costs its length in tokens (twice for KVzip, whose reconstruction pass
+Texts may fill the model's context (8,192 tokens for the default model, 32,768 for Gemma 3 270M). What a
+run may cost is bounded in **row-tokens**: each policy's row costs its length in tokens (twice for KVzip, whose reconstruction pass
 re-reads the text), and a row that reads every key for every query (oracle, SparQ, ReAttention, Quest)
 costs more as the text grows, ``length * length / SELECTION_UNIT`` when that is more. On a 2-vCPU Space,
 32k row-tokens is four eviction policies at 8k
@@ -25,8 +25,8 @@ ROW_TOKEN_BYTES = 192 * 1024  # peak memory one row-token takes, measured at 8k 
 
 @dataclass(frozen=True)
 class Limits:
-    prompt_tokens: int = 8192  # tokens of the text (chat template included); the model's context bounds it too
-    text_chars: int = 64 * 1024  # characters, checked before tokenizing (8192 tokens of English take ~40k)
+    prompt_tokens: int = 32768  # tokens of the text (chat template included); the model's context bounds it too
+    text_chars: int = 192 * 1024  # characters, checked before tokenizing (32k tokens of English take ~160k)
     new_tokens: int = 256  # generate mode
     policies: int = 8  # policies side by side in one run
     row_tokens: int = 32 * 1024  # one run: the sum of its rows' costs (row_cost)

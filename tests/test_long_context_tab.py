@@ -143,7 +143,8 @@ def test_the_app_and_the_cli_build_the_same_jobs(tmp_path, monkeypatch):
                   **job["payload"]["cell"], "found": False, "answer": "", "number": "1", "tokens": 1}
                  for spec in job["payload"]["specs"]] for job in jobs]
 
-    monkeypatch.setattr("backend.api.run_grid", fake_grid)
+    monkeypatch.setattr("backend.experiments.grid.run_grid", fake_grid)  # the command line's grid
+    monkeypatch.setattr("backend.api.run_grid", fake_grid)  # the app's
     policies = [arg for spec in ["full", *specs] for arg in ("--policy", spec)]
     assert cli.main(["needle", "--lengths", "512,1024", "--depths", "0,0.5,1", *policies, "--out", str(tmp_path)]) == 0
     assert seen == mine

@@ -262,3 +262,29 @@ def test_a_compression_view_shows_the_last_querys_attention_on_every_token_it_ho
     one, _, _ = score_text(lm, ids, [policy], chunk=1)
     blocks, _, _ = score_text(lm, ids, [policy], chunk=7)
     np.testing.assert_array_equal(one.evicted_at(1), blocks.evicted_at(1))
+
+
+def test_an_explicit_full_costs_nothing(tiny_session):
+    """Full is the reference row every run computes: asking for it adds no row-tokens."""
+    from backend import api
+    from backend.api import RequestError, RunRequest
+    from backend.limits import Limits
+
+    limits = Limits(row_tokens=2 * 200)  # two eviction rows of 200 tokens
+    api.run(RunRequest(prompt="ab" * 100, specs=["full", "tova:budget=8", "h2o:budget=8"], mode="prompt"),
+            tiny_session, limits=limits)
+    with pytest.raises(RequestError, match="3 policies x 200 tokens come to 600 row-tokens"):
+        api.run(RunRequest(prompt="ab" * 100, specs=["full", "tova:budget=8", "h2o:budget=8", "a2sf:budget=8"],
+                           mode="prompt"), tiny_session, limits=limits)
+
+
+def test_the_command_line_may_name_any_model_and_fits_its_limits_to_the_machine():
+    import os
+
+    from backend.limits import ROW_TOKEN_BYTES, Limits
+
+    machine, space = Limits.for_machine({}), Limits.from_env({})
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert machine.models is None and machine.row_tokens == max(space.row_tokens, memory // ROW_TOKEN_BYTES)
+    assert machine.policies > space.policies and machine.new_tokens > space.new_tokens
+    assert Limits.for_machine({"KVLENS_MAX_ROW_TOKENS": "5000"}).row_tokens == 5000  # the operator decides

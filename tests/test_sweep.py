@@ -133,7 +133,7 @@ def test_missing_text_and_unknown_model_are_cli_errors(text_file, tmp_path):
     with pytest.raises(CliError, match="text file not found"):
         ns.func(ns)
     ns = parse("--text", str(text_file), "--out", str(tmp_path / "o"), "--model", "gpt-5")
-    with pytest.raises(RequestError, match="unknown model"):
+    with pytest.raises(RequestError, match="gpt-5: no such model, model directory or file"):
         ns.func(ns)
 
 

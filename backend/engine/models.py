@@ -23,8 +23,7 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -89,11 +88,12 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     fingerprint: str  # identifies the weights (and a dtype or device other than float32 on a CPU), for cache keys
     chat: bool = True  # generate mode may wrap the prompt in the tokenizer's chat template
+    # What the engine needs to know about this model family (features.py), read once as the model is wrapped;
+    # UnsupportedModel for a model the engine cannot serve.
+    features: ModelFeatures = field(init=False, repr=False)
 
-    @cached_property
-    def features(self) -> ModelFeatures:
-        """What the engine needs to know about this model family, read once (features.py)."""
-        return read_features(self.model)
+    def __post_init__(self) -> None:
+        self.features = read_features(self.model)
 
     @property
     def n_layers(self) -> int:
@@ -234,12 +234,10 @@ def load_model(name: str = DEFAULT_MODEL, device: str = "cpu", dtype: str = "flo
     if device != "cpu":
         fingerprint += f"@{device}"
     model.to(device).eval()
-    lm = LoadedModel(name=name, model=model, tokenizer=tokenizer, fingerprint=fingerprint, chat=chat)
     try:
-        lm.features  # noqa: B018  a family the engine cannot serve is refused here, in one line
-    except UnsupportedModel as err:
+        return LoadedModel(name=name, model=model, tokenizer=tokenizer, fingerprint=fingerprint, chat=chat)
+    except UnsupportedModel as err:  # a family the engine cannot serve, in one line
         raise ModelError(str(err)) from None
-    return lm
 
 
 LOADED: dict[str, LoadedModel] = {}  # the models this process has loaded, by name
