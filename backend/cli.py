@@ -280,7 +280,7 @@ def _common(p: argparse.ArgumentParser, many_models: bool = False) -> None:
     p.add_argument("--device", choices=DEVICES, default="cpu", help="where the model runs (auto: a GPU if any)")
     p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="the model's weights and activations")
     p.add_argument("--max-tokens", type=int, default=None,
-                   help="keep the first N tokens of a longer text (default: the whole text, up to the model's "
+                   help="keep the first N tokens of a longer text (default: the whole text, which must fit the model's "
                         "context)")
     p.add_argument("--no-cache", action="store_true",
                    help="recompute even if the trace store (KVLENS_STORE_DIR) holds this run")
