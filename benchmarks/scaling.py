@@ -2,7 +2,7 @@
 at each length, against one plain SDPA forward of the same text measured in the same process.
 
     python -m benchmarks.scaling [--lengths 1024,2048,4096,8192] [--policies sinks,h2o,tova,a2sf] [--budget 256]
-                                 [--record] [--chunk 256] [--model gemma3-270m]
+                                 [--record] [--chunk 256] [--model gemma3-270m] [--plain-head last]
 
 Each length runs in its own child process, so its peak RSS is its own. Reported per length: the run's wall
 time, the plain forward's, their ratio (and per row), the child's peak RSS and the bytes of the traces as
@@ -47,17 +47,22 @@ def _bare_bytes(trace) -> int:
     return len(bare.to_bytes())
 
 
-def measure(length: int, policies: list[str], budget: int, record: bool, chunk: int, name: str) -> dict:
-    """One length, in this process: plain forward, then the instrumented run."""
+def measure(length: int, policies: list[str], budget: int, record: bool, chunk: int, name: str,
+            plain_head: str = "all") -> dict:
+    """One length, in this process: plain forward, then the instrumented run.
+
+    The plain forward computes the logits of every position (`plain_head="all"`), or of the last only ("last",
+    as generate()'s prefill does), for a vocabulary whose logits at every position would not fit in memory."""
+    keep = {"all": 0, "last": 1}[plain_head]
     lm = model(name)
     ids = lm.tokenizer(long_text()).input_ids[:length]
     specs = [f"{name}:budget={budget}" for name in policies]
     with torch.inference_mode():
-        lm.model(torch.tensor([ids[:64]]))  # warm-up
+        lm.model(torch.tensor([ids[:64]]), logits_to_keep=keep)  # warm-up
         plain = float("inf")
         for _ in range(2):  # the better of two
             start = time.perf_counter()
-            lm.model(torch.tensor([ids]))
+            lm.model(torch.tensor([ids]), logits_to_keep=keep)
             plain = min(plain, time.perf_counter() - start)
     start = time.perf_counter()
     traces, full = compute_traces(lm, specs, [parse_spec(s) for s in specs], ids, mode="prompt", chunk=chunk,
@@ -80,20 +85,25 @@ def main() -> None:
     parser.add_argument("--record", action="store_true", help="also record the app's layers (attention, keys)")
     parser.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help="prompt tokens per forward call")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="a packaged model, a model directory or a .gguf")
+    parser.add_argument("--plain-head", choices=("all", "last"), default="all",
+                        help="the plain forward's logits: every position's, or the last one's (as generate's prefill)")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # the child: measure one length, print JSON
     args = parser.parse_args()
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if args.one:
-        print(json.dumps(measure(args.one, policies, args.budget, args.record, args.chunk, args.model)))
+        print(json.dumps(measure(args.one, policies, args.budget, args.record, args.chunk, args.model,
+                                 args.plain_head)))
         return
-    print(f"{args.model}: {', '.join(policies)} + Full at budget {args.budget}, prompt mode"
+    print(f"{args.model}: {', '.join(policies)} + Full at budget {args.budget}, prompt mode, plain forward with "
+          f"{args.plain_head} logits"
           f"{', recording the app layers' if args.record else ''} (torch threads: {torch.get_num_threads()})")
     print("| T | run | plain forward | ratio | per row | peak RSS | Full trace | each policy trace "
           "| largest policy trace, unrecorded (goal) | recorded (run) |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for length in (int(x) for x in args.lengths.split(",")):
         child = [sys.executable, "-m", "benchmarks.scaling", "--one", str(length), "--policies", args.policies,
-                 "--budget", str(args.budget), "--chunk", str(args.chunk), "--model", args.model] + \
+                 "--budget", str(args.budget), "--chunk", str(args.chunk), "--model", args.model,
+                 "--plain-head", args.plain_head] + \
             (["--record"] if args.record else [])
         result = subprocess.run(child, capture_output=True, text=True)
         if result.returncode != 0:
