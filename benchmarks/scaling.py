@@ -47,22 +47,32 @@ def _bare_bytes(trace) -> int:
     return len(bare.to_bytes())
 
 
+def plain_forward(model, ids: list[int], head: str) -> None:
+    """One plain forward of ``ids``, its logits computed as ``head`` says (see ``measure``)."""
+    if head != "chunked":
+        model(torch.tensor([ids]), logits_to_keep={"all": 0, "last": 1}[head])
+        return
+    hidden = model.model(torch.tensor([ids])).last_hidden_state
+    for start in range(0, len(ids), 64):
+        model.lm_head(hidden[:, start:start + 64])
+
+
 def measure(length: int, policies: list[str], budget: int, record: bool, chunk: int, name: str,
             plain_head: str = "all") -> dict:
     """One length, in this process: plain forward, then the instrumented run.
 
-    The plain forward computes the logits of every position (`plain_head="all"`), or of the last only ("last",
-    as generate()'s prefill does), for a vocabulary whose logits at every position would not fit in memory."""
-    keep = {"all": 0, "last": 1}[plain_head]
+    The plain forward computes the logits of every position at once (`plain_head="all"`), or 64 positions at a
+    time ("chunked": the same work, for a vocabulary whose logits at every position would not fit in memory),
+    or of the last position only ("last", as generate()'s prefill does)."""
     lm = model(name)
     ids = lm.tokenizer(long_text()).input_ids[:length]
     specs = [f"{name}:budget={budget}" for name in policies]
     with torch.inference_mode():
-        lm.model(torch.tensor([ids[:64]]), logits_to_keep=keep)  # warm-up
+        plain_forward(lm.model, ids[:64], plain_head)  # warm-up
         plain = float("inf")
         for _ in range(2):  # the better of two
             start = time.perf_counter()
-            lm.model(torch.tensor([ids]), logits_to_keep=keep)
+            plain_forward(lm.model, ids, plain_head)
             plain = min(plain, time.perf_counter() - start)
     start = time.perf_counter()
     traces, full = compute_traces(lm, specs, [parse_spec(s) for s in specs], ids, mode="prompt", chunk=chunk,
@@ -85,8 +95,9 @@ def main() -> None:
     parser.add_argument("--record", action="store_true", help="also record the app's layers (attention, keys)")
     parser.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help="prompt tokens per forward call")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="a packaged model, a model directory or a .gguf")
-    parser.add_argument("--plain-head", choices=("all", "last"), default="all",
-                        help="the plain forward's logits: every position's, or the last one's (as generate's prefill)")
+    parser.add_argument("--plain-head", choices=("all", "chunked", "last"), default="all",
+                        help="the plain forward's logits: every position's at once, or 64 at a time, or the last "
+                             "one's (as generate's prefill)")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # the child: measure one length, print JSON
     args = parser.parse_args()
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
