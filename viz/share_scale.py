@@ -31,7 +31,7 @@ STOPS_PER_DECADE = 8
 NOTHING_COLOR = EVICTED_COLOR  # exactly nothing read
 # Teal (few read) -> dark navy (all read). YlGnBu's pale start is cut so that the lightest colour stands
 # apart from the rose of nothing read and from the white of tokens not yet arrived.
-RAMP = pcolors.sequential.YlGnBu[3:]
+RAMP = tuple(pcolors.sequential.YlGnBu[3:])
 HOVER = "%{z:.2~p}"  # d3 format: a percentage to two significant digits (0.035%, 3.1%, 100%)
 _NOTHING_BAND = 0.5  # decades of the colour bar given to "nothing read"
 
