@@ -86,3 +86,89 @@ def test_reach_at_equals_the_dense_row_of_every_kind_of_trace():
         padded[..., :31] = masks
         expected = padded.reshape(4, 8, 4).sum(-1) / np.array([4] * 7 + [3])
         np.testing.assert_allclose(at.shares, expected, rtol=1e-6)
+
+
+def small_run(n=600, window=None):
+    """Full, sinks (token 0 + the last 31) and a policy keeping the last 32 tokens and, in layer 1 head 1 only,
+    tokens 10 and 50 for ever; 2 layers x 2 KV heads, layer 0 with the model's ``window`` when given."""
+    from types import SimpleNamespace
+
+    j = np.arange(n)
+    shape = dict(n_layers=2, n_kv_heads=2)
+    recent = np.broadcast_to(np.where(j + 32 < n, j + 32, -1), (2, 2, n)).copy()
+    recent[1, 1, [10, 50]] = -1
+    sinks = np.broadcast_to(np.where((j > 0) & (j + 31 < n), j + 31, -1), (2, 2, n))
+    traces = [make_trace(n, policy="full", **shape), make_trace(n, evicted_at=sinks, policy="sinks", **shape),
+              make_trace(n, evicted_at=recent, policy="<b>tova</b>", **shape)]
+    if window:
+        for trace in traces:
+            windowed(trace, [window, None])
+    return SimpleNamespace(run_id="small", traces=traces, full=traces[0])
+
+
+def test_cache_reach_shows_every_layer_and_head_and_greys_what_lies_beyond_the_window():
+    from viz import panels, share_scale
+
+    run = small_run(window=100)
+    picture, _ = panels.cache_reach(run, 10_000)  # past the end: the last step
+    cells = [t for t in picture.data if isinstance(t, go.Heatmap)]
+    assert [t.name for t in cells] == ["full", "sinks", "&lt;b&gt;tova&lt;/b&gt;"]  # names escaped
+    assert list(cells[0].y) == ["L0 H0", "L0 H1", "L1 H0", "L1 H1"] and len(cells[0].x) == 300  # 600 in 2s
+    assert cells[0].x[0].startswith("0–1 ") and cells[0].x[-1].startswith("598–599 ")
+    full, sinks, tova = (np.asarray(t.z, float) for t in cells)
+    # Layer 0 sees positions 500..599 from step 599: columns 0..249 lie wholly beyond its window (NaN: grey).
+    beyond = np.zeros((4, 300), bool)
+    beyond[:2, :250] = True
+    for z in (full, sinks, tova):
+        np.testing.assert_array_equal(np.isnan(z), beyond)
+    np.testing.assert_array_equal(full[~beyond], 1.0)
+    np.testing.assert_array_equal(sinks[2:, 0], 0.5)  # token 0 of the column {0, 1}
+    np.testing.assert_array_equal(sinks[2:, 1:284], 0.0)  # then nothing until the last 31 tokens (569..599)
+    assert (sinks[:, 285:] == 1).all()
+    np.testing.assert_array_equal(tova[3, [5, 25]], 0.5)  # tokens 10 and 50, kept in layer 1 head 1 only
+    np.testing.assert_array_equal(tova[2, :284], 0.0)
+    assert share_scale.HOVER in cells[0].hovertemplate and "query 599" in cells[0].hovertemplate
+    assert picture.layout.coloraxis.colorscale[0][1] == share_scale.NOTHING_COLOR
+    bar = picture.layout.coloraxis2.colorbar
+    assert bar.ticktext[:2] == ("beyond window", "nothing") and bar.ticktext[-1] == "100%"
+    assert picture.layout.plot_bgcolor == "#A8A8A8"  # what the NaN cells show
+    assert "2 tokens per column" in picture.layout.title.text
+    # Without a window nothing is grey and the bar has no band for it.
+    plain, _ = panels.cache_reach(small_run(), 300)
+    assert not any(np.isnan(np.asarray(t.z, float)).any() for t in plain.data if isinstance(t, go.Heatmap))
+    assert plain.layout.coloraxis2.colorbar.ticktext[0] == "nothing"
+    assert len(next(t for t in plain.data if isinstance(t, go.Heatmap)).x) == 301  # positions 0..300, one each
+
+
+def test_distance_lines_read_full_as_one_sinks_near_zero_and_a_kept_tail():
+    from viz import panels
+
+    run = small_run()
+    _, lines = panels.cache_reach(run, 0)
+    by_name = {t.name: t for t in lines.data}
+    assert list(by_name) == ["full", "sinks", "&lt;b&gt;tova&lt;/b&gt;"]
+    for name, trace in zip(by_name, run.traces):
+        edges, share = reach.share_by_distance(trace)
+        np.testing.assert_array_equal(trace_x := np.asarray(by_name[name].x), edges[:-1])
+        np.testing.assert_array_equal(np.asarray(by_name[name].customdata), edges[1:] - 1)
+        np.testing.assert_allclose(np.asarray(by_name[name].y, float), np.where(share > 0, share, np.nan), rtol=1e-6)
+        assert trace_x[0] == 1
+    full, sinks, tova = (np.asarray(by_name[k].y, float) for k in by_name)
+    x, x_last = np.asarray(by_name["full"].x), np.asarray(by_name["full"].customdata)
+    np.testing.assert_allclose(full, 1.0)
+
+    def pooled(read_per_distance, first, last):  # read pairs over the 4 heads' pairs (600 - d each) of a bin
+        d = np.arange(first, last + 1)
+        return read_per_distance(d).sum() / (4 * (600 - d)).sum()
+
+    # sinks reads distances 0..30 (its window); past them only token 0, once per head: 4 pairs at each distance
+    assert (sinks[x_last <= 30] == 1).all()
+    for a, b, y in zip(x[x >= 31], x_last[x >= 31], sinks[x >= 31]):
+        assert y == pytest.approx(pooled(lambda d: 4 + 0 * d, a, b))
+    # the policy reads 0..31 and past them tokens 10 and 50 in one head of four, while queries reach them
+    assert (tova[x_last <= 31] == 1).all()
+    for a, b, y in zip(x[x >= 32], x_last[x >= 32], tova[x >= 32]):
+        assert y == pytest.approx(pooled(lambda d: (d < 590) * 1 + (d < 550), a, b))
+    assert 0 < tova[x >= 32].max() < 0.01 and sinks[x >= 31].max() < 0.04
+    assert lines.layout.xaxis.type == "log" and lines.layout.yaxis.type == "log"
+    assert lines.layout.yaxis.ticktext[-1] == "100%"

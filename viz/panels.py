@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from backend.analysis import metrics, pos, reads
+from backend.analysis import metrics, pos, reach, reads
 from backend.policies import policy_of
 from backend.traces.trace import Trace
 
@@ -26,6 +26,7 @@ from .curves import score_curves_figure, score_over_steps_figure
 from .divergence import divergence_figure, divergence_notes, summary_table as summary_frame
 from .heatmap import mask_heatmaps
 from .highlight import continuations_html, kept_tokens_html
+from .reach import distance_figure, reach_figure
 from .retention import first_token_retention_figure, lifetime_by_position_figure, non_recent_share_figure, pos_table
 from .sweep import sweep_figure as sweep_plot
 from .tsne import tsne_figure
@@ -205,6 +206,20 @@ def score_curves(run, layer: str, head: str, alpha: float, step: int) -> tuple[g
                                          title=f"{where}: scores over the steps of the {len(curves.tokens)} tokens "
                                                f"A2SF ranks highest at step {at}")
     return snapshot, over_steps
+
+
+def cache_reach(run, step: int) -> tuple[go.Figure, go.Figure]:
+    """What the query at ``step`` reads in every layer and KV head of each policy (the model's own window
+    apart), and over the whole text the share of (query, token) pairs read by distance back from the query."""
+    at = min(clamp_step(run, step), min(len(t.tokens) for t in run.traces) - 1)
+    reaches = {t.spec: reach.reach_at(t, at) for t in run.traces}
+    first = next(iter(reaches.values()))
+    colors = policy_colors(list(reaches))
+    shown = {t.spec: dict(shares=reaches[t.spec].shares, beyond_window=reaches[t.spec].beyond_window,
+                          token_texts=t.meta["token_texts"]) for t in run.traces}
+    picture = reach_figure(shown, first.labels, at, first.size, colors=colors)
+    by_distance = distance_figure({t.spec: reach.share_by_distance(t) for t in run.traces}, colors=colors)
+    return picture, by_distance
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

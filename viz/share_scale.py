@@ -19,6 +19,7 @@ empty marker trace on a second colour axis that is linear in log10(share): ``col
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 import plotly.colors as pcolors
@@ -33,7 +34,7 @@ NOTHING_COLOR = EVICTED_COLOR  # exactly nothing read
 # apart from the rose of nothing read and from the white of tokens not yet arrived.
 RAMP = tuple(pcolors.sequential.YlGnBu[3:])
 HOVER = "%{z:.2~p}"  # d3 format: a percentage to two significant digits (0.035%, 3.1%, 100%)
-_NOTHING_BAND = 0.5  # decades of the colour bar given to "nothing read"
+_BAND = 0.5  # decades of the colour bar given to "nothing read" (and to each other band)
 
 
 def position(share) -> np.ndarray:
@@ -59,16 +60,21 @@ def coloraxis() -> dict:
     return dict(cmin=0.0, cmax=1.0, colorscale=colorscale(), showscale=False)
 
 
-def colorbar_axis(title: str = "share read", **colorbar) -> dict:
-    """The colour axis of the bar: linear in log10(share), with a band below the floor for 'nothing read'."""
+def colorbar_axis(title: str = "share read", bands: Sequence[tuple[str, str]] = (), **colorbar) -> dict:
+    """The colour axis of the bar: linear in log10(share), with a band below the floor for 'nothing read' and,
+    below that, one per ``(label, colour)`` in ``bands`` (cells a figure colours by other means)."""
+    bands = [*bands, ("nothing", NOTHING_COLOR)]
     top, floor = 0.0, math.log10(FLOOR)
-    low = floor - _NOTHING_BAND
-    band = _NOTHING_BAND / (top - low)
+    low = floor - _BAND * len(bands)
+    edges = [(low + _BAND * i - low) / (top - low) for i in range(len(bands) + 1)]
+    scale = []
+    for (_, color), start, end in zip(bands, edges, edges[1:]):
+        scale += [[start, color], [end - 1e-6, color]]
     ramp = pcolors.sample_colorscale(RAMP, list(np.linspace(0, 1, 2 * len(RAMP))))
-    scale = [[0.0, NOTHING_COLOR], [band * 0.999, NOTHING_COLOR]]
-    scale += [[band + (1 - band) * i / (len(ramp) - 1), c] for i, c in enumerate(ramp)]
-    ticks = [low + _NOTHING_BAND / 2] + [float(d) for d in range(math.ceil(floor), 1)]
-    labels = ["nothing"] + [f"{10.0 ** d:.1%}".replace(".0%", "%") for d in ticks[1:]]
+    scale += [[edges[-1] + (1 - edges[-1]) * i / (len(ramp) - 1), c] for i, c in enumerate(ramp)]
+    decades = range(math.ceil(floor), 1)
+    ticks = [low + _BAND * (i + 0.5) for i in range(len(bands))] + [float(d) for d in decades]
+    labels = [label for label, _ in bands] + [f"{10.0 ** d:.{max(0, -d - 2)}%}" for d in decades]
     return dict(cmin=low, cmax=top, colorscale=scale,
                 colorbar=dict(title=dict(text=title, side="right"), tickvals=ticks, ticktext=labels,
                               thickness=14, **colorbar))
