@@ -76,6 +76,16 @@ def test_masks_at_8k_are_binned_to_256_cells_and_zoom_is_one_token_per_cell(run)
     assert np.isfinite(np.asarray(sinks.z)[0, :101]).all() and np.isnan(np.asarray(sinks.z)[0, 101:]).all()
 
 
+def test_cache_reach_at_8k_bins_every_layer_and_head_to_512_columns(run):
+    picture, by_distance = panels.cache_reach(run, N - 1)
+    cells = [t for t in picture.data if isinstance(t, go.Heatmap)]
+    assert len(cells) == 6 and all(np.asarray(t.z).shape == (30 * 3, 512) for t in cells)
+    assert cells[0].y[0] == "L0 H0" and cells[0].y[-1] == "L29 H2" and "16 tokens per column" in picture.layout.title.text
+    full = next(t for t in by_distance.data if t.name == "full")
+    np.testing.assert_allclose(np.asarray(full.y, float), 1.0)  # no sliding window: Full reads every distance
+    assert len(full.x) < 120  # log-spaced bins, not 8191 distances
+
+
 def test_kept_tokens_at_8k_show_a_window_and_the_far_kept_tokens(run):
     html_text = panels.kept_tokens(run, 6000, "3", "0")
     sinks = html_text.split('<div class="kvl-text">')[2]  # the second trace: sinks + window
