@@ -442,8 +442,39 @@ def test_score_curves_mark_the_top_budget_tokens(scores):
         assert ky.min() >= ey.max()  # the kept bars are the highest
         assert list(kept_trace.customdata) == [token_texts[j].replace("<", "&lt;").replace(">", "&gt;") for j in kx]
     assert "0.3" in fig.layout.annotations[1].text
+    assert fig.layout.yaxis.type == "log" and fig.layout.yaxis2.type == "log"  # token 0's spike flattens the rest
     assert bars(fig, "y", "kept")[2].marker.color == FAMILY_COLORS["h2o"]
     assert bars(fig, "y2", "kept")[2].marker.color == FAMILY_COLORS["a2sf"]
+
+
+def test_score_curves_of_a_long_text_are_a_line_and_kept_markers_on_log_axes():
+    """1000 tokens: A2S piles 500 onto token 0 and ~1 on the rest, A2SF forgets down to 1e-30; a bar each
+    would be thinner than a pixel and a linear axis one spike."""
+    from viz.curves import BAR_LIMIT
+
+    n = 1000
+    assert n > BAR_LIMIT
+    a2s = np.r_[500.0, np.linspace(2, 0.5, n - 1)]
+    a2s[700] = 0.0  # never read: no place on a log axis
+    a2sf = np.logspace(-30, 0, n)
+    keep_a2s, keep_a2sf = np.zeros(n, bool), np.zeros(n, bool)
+    keep_a2s[:8], keep_a2sf[[100, 500, 998, 999]] = True, True
+    fig = score_curves_figure(a2s, a2sf, [f" t{i}" for i in range(n)], n - 1, keep_a2s, keep_a2sf, alpha=0.3)
+    assert not any(isinstance(t, go.Bar) for t in fig.data)
+    for axis, score, keep in (("y", a2s, keep_a2s), ("y2", a2sf, keep_a2sf)):
+        (line,) = [t for t in fig.data if t.name == "all tokens" and t.yaxis == axis]
+        (kept,) = [t for t in fig.data if t.name == "kept" and t.yaxis == axis]
+        assert (line.x0, line.dx, line.mode) == (0, 1, "lines")
+        np.testing.assert_allclose(np.asarray(line.y, float), np.where(score > 0, score, np.nan), rtol=1e-6)
+        np.testing.assert_array_equal(np.asarray(kept.x), np.flatnonzero(keep))
+        np.testing.assert_allclose(np.asarray(kept.y, float), score[keep], rtol=1e-6)
+        assert kept.customdata[0] == f"␣t{np.flatnonzero(keep)[0]}" and kept.mode == "markers"  # the token text
+    assert fig.layout.yaxis.type == "log" and fig.layout.yaxis2.type == "log"
+    # A2S: from a decade below its lowest kept score (token 7's) to above token 0's 500
+    low, high = fig.layout.yaxis.range
+    assert low == pytest.approx(np.log10(a2s[7] / 10)) and high > np.log10(500)
+    # A2SF: down to a decade below token 100's 1e-27: the tokens forgotten further run off the foot
+    assert fig.layout.yaxis2.range[0] == pytest.approx(np.log10(a2sf[100] / 10))
 
 
 def test_score_over_steps_follows_each_token(scores):
