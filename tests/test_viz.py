@@ -518,7 +518,10 @@ def test_divergence_figure_plots_kl_and_running_top1(prompt_run):
         assert agree.y[-1] == pytest.approx(metrics.top1_agreement(tr, full))
         assert kl.line.color == agree.line.color == colors[spec]
         assert kl.yaxis == "y" and agree.yaxis == "y2"
+        assert (kl.x0, kl.dx, kl.x) == (0, 1, None)  # steps 0..n-1 need no array of x
     assert fig.layout.yaxis.title.text and fig.layout.xaxis2.title.text
+    stepped = divergence_figure({"tova": dict(kl=[.1, .2], top1=[1, 0], steps=[5, 6])})
+    assert list(stepped.data[0].x) == [5, 6] and list(stepped.data[1].x) == [5, 6]
 
 
 def test_policy_colors_are_stable_across_figures_and_subsets():

@@ -346,8 +346,13 @@ def pos_lifetime_table(run) -> pd.DataFrame:
     if not evicting:
         return pd.DataFrame({"note": ["Pick an eviction policy to see which parts of speech it keeps."]})
     try:
-        tagger = _SharedTagger(pos.load_tagger())
-        columns = {t.spec: pos.pos_lifetimes(t, tagger).set_index("tag")["mean_lifetime"] for t in evicting}
+        tagger, tags = _SharedTagger(pos.load_tagger()), {}
+        columns = {}
+        for trace in evicting:  # the policies of a run read one text (or share its prompt): tag each text once
+            texts = tuple(trace.meta["token_texts"])
+            if texts not in tags:
+                tags[texts] = pos.tag_tokens(list(texts), tagger)
+            columns[trace.spec] = pos.pos_lifetimes(trace, tags=tags[texts]).set_index("tag")["mean_lifetime"]
         columns = {spec: col.rename(index={"\n": "\\n (line break)"}) for spec, col in columns.items()}
     except pos.TaggerUnavailable as err:
         return pd.DataFrame({"note": [str(err)]})
