@@ -364,8 +364,8 @@ def figures_html(run, layer: str, head: str, step: int, alpha: float,
                  shares: dict[str, np.ndarray] | None = None) -> str:
     """Every figure of the run for the given selectors, in one offline HTML page (plotly.js inlined once);
     ``shares`` from ``non_recent_shares``. The POS table is no figure: an export never tags."""
-    figures = [heatmaps(run, layer, head), *score_curves(run, layer, head, alpha, step), divergence(run)[0],
-               *retention_figures(run, shares)]
+    figures = [heatmaps(run, layer, head), *cache_reach(run, step), *score_curves(run, layer, head, alpha, step),
+               divergence(run)[0], *retention_figures(run, shares)]
     parts = [fig.to_html(full_html=False, include_plotlyjs=(i == 0)) for i, fig in enumerate(figures)]
     title = html.escape(f"KV Lens run {run.run_id[:12]}: {', '.join(t.spec for t in run.traces)}")
     return f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title></head><body><h2>{title}</h2>" + \
