@@ -67,7 +67,7 @@ EXPORTS = Path(gradio_upload_folder()) / f"kvlens-exports-{os.getpid()}"
 EXPORT_TTL_S = 600
 MAX_BODY = 4 * LIMITS.text_chars + 64 * 1024  # the longest allowed prompt as UTF-8, plus the other inputs
 NOTES = {name: (ROOT / "assets" / "notes" / f"{name}.md").read_text() for name in
-         ("intro", "masks", "kept", "curves", "tsne", "divergence", "retention", "sweep", "long_context")}
+         ("intro", "masks", "reach", "kept", "curves", "tsne", "divergence", "retention", "sweep", "long_context")}
 NEEDLE_DEFAULT_POLICIES = ["sinks", "tova", "reattention"]
 NEEDLE_DEFAULT_BUDGET = 64
 
@@ -184,10 +184,10 @@ def render_heatmap(run_id, layer, head, zoom=False, first_step=0, first_pos=0, s
 def render_views(run_id, layer, head, step, alpha, zoom=False, first_step=0, first_pos=0, size=panels.ZOOM_SIZES[1]):
     """The views that follow the layer, head and step selectors (t-SNE is computed on demand)."""
     if not run_id:
-        return [None] * 4
+        return [None] * 6
     run = load_run(run_id).run
     step = panels.clamp_step(run, step)
-    return [render_heatmap(run_id, layer, head, zoom, first_step, first_pos, size),
+    return [render_heatmap(run_id, layer, head, zoom, first_step, first_pos, size), *panels.cache_reach(run, step),
             panels.kept_tokens(run, step, layer, head), *panels.score_curves(run, layer, head, alpha, step)]
 
 
@@ -485,6 +485,10 @@ def build() -> gr.Blocks:
                             zoom_size = gr.Dropdown(list(panels.ZOOM_SIZES), value=panels.ZOOM_SIZES[1],
                                                     label="Window (tokens)", elem_id="zoom-size")
                         heatmap = gr.Plot(elem_id="heatmap")
+                    with gr.Tab("Cache reach"):
+                        gr.Markdown(NOTES["reach"])
+                        reach = gr.Plot(elem_id="reach")
+                        reach_distance = gr.Plot(elem_id="reach-distance")
                     with gr.Tab("Kept tokens"):
                         gr.Markdown(NOTES["kept"])
                         kept = gr.HTML(elem_id="kept")
@@ -546,7 +550,7 @@ def build() -> gr.Blocks:
 
         run_views = [summary, divergence_plot, continuations, first_token_plot, non_recent_plot, retention_plot,
                      pos_table, share]
-        views = [heatmap, kept, curves, curves_steps]
+        views = [heatmap, reach, reach_distance, kept, curves, curves_steps]
         selectors = [run_id, layer, head, step, curve_alpha]
         zoom_controls = [zoom, zoom_step, zoom_pos, zoom_size]
         run_inputs = [prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model]

@@ -274,6 +274,63 @@ def test_score_curves_at_8k_follow_sparse_rows_without_a_t_by_t_array():
     assert c.keep_a2s.sum() == 256 and c.kept_a2s_over_steps.sum(0).max() <= 6
 
 
+def dense_scores_and_keep(pos, val, alpha, budget):
+    """The definition, on a [T, T] array: A_t = alpha * A_(t-1) + S_t, and the top ``budget`` of tokens 0..t
+    by a stable sort (ties: the earlier position)."""
+    n = len(pos)
+    rows = np.zeros((n, n))
+    for t in range(n):
+        rows[t, pos[t][pos[t] >= 0]] = val[t][pos[t] >= 0]
+    scores, keep, acc = np.zeros((n, n)), np.zeros((n, n), bool), np.zeros(n)
+    for t in range(n):
+        acc = alpha * acc + rows[t]
+        scores[t] = acc
+        keep[t, np.argsort(-acc[: t + 1], kind="stable")[:budget]] = True
+    return scores, keep
+
+
+@pytest.mark.parametrize("alpha", [0.0, 1e-5, 0.05, 0.5, 1.0])
+def test_followed_tokens_rank_like_a_stable_sort_of_every_token(alpha):
+    """Sparse rows of 4 reads with weights in quarters (many ties), over 20 blocks of steps: the followed
+    tokens' scores and keep flags equal the dense definition's, for budgets from 1 to half the text, also
+    where small alphas make old scores sink below the smallest float (they tie at 0, ranked by position)."""
+    n, rng = 640, np.random.default_rng(4)
+    pos = np.full((n, 4), -1, np.int64)
+    val = np.zeros((n, 4))
+    for t in range(n):
+        p = np.unique(np.r_[t, rng.integers(0, t + 1, 3)])
+        pos[t, : len(p)] = p
+        val[t, : len(p)] = np.round(rng.random(len(p)) * 4) / 4
+    tokens = np.array([0, 1, 100, 333, 500, 639])
+    for budget in (1, 40, 320):
+        scores, keep = dense_scores_and_keep(pos, val, alpha, budget)
+        got_scores, got_keep = metrics._follow(pos, val, alpha, budget, tokens)
+        arrived = tokens[:, None] <= np.arange(n)[None, :]
+        np.testing.assert_allclose(got_scores, np.where(arrived, scores[:, tokens].T, 0), rtol=1e-9, atol=1e-300)
+        np.testing.assert_array_equal(got_keep, keep[:, tokens].T & arrived)
+        assert got_keep.any() and not got_keep[:, budget:].all()  # both answers occur
+
+
+def test_a_score_sinking_to_zero_ranks_among_the_zeros_by_position():
+    """alpha = 1e-200: a score is 0 two steps after its last read. Row 31 reads token 1 (0.125) and tokens
+    20-23 (0.25: the top 4); row 32 reads token 32, row 33 nothing. At step 33 only token 32 is above 0, so
+    the top 4 is 32 and the earliest zeros 0, 1, 2: token 3 is out, beaten by token 1, which left the top
+    before the block and sank to 0 within it."""
+    n, alpha, budget = 40, 1e-200, 4
+    pos = np.full((n, 5), -1, np.int64)
+    val = np.zeros((n, 5))
+    for t in range(n):
+        pos[t, 0], val[t, 0] = t, 0.5
+    pos[31], val[31] = [1, 20, 21, 22, 23], [0.125, 0.25, 0.25, 0.25, 0.25]
+    pos[33, 0] = -1
+    scores, keep = dense_scores_and_keep(pos, val, alpha, budget)
+    assert np.flatnonzero(keep[33]).tolist() == [0, 1, 2, 32]
+    tokens = np.array([3, 20, 32])  # token 1 is not followed: only its sinking makes it a candidate
+    got_scores, got_keep = metrics._follow(pos, val, alpha, budget, tokens)
+    np.testing.assert_array_equal(got_keep, keep[:, tokens].T & (tokens[:, None] <= np.arange(n)))
+    assert not got_keep[0, 33]
+
+
 def test_score_curves_need_a_recorded_layer():
     with pytest.raises(ValueError, match="recorded"):
         metrics.score_curves(curves_trace(S, layer=2), layer=1, head=0, alpha=0.5, budget=2)

@@ -26,6 +26,11 @@ HEAVY_VIEWS = ("summary", "retention", "A2S")
 
 @pytest.fixture(scope="module")
 def run():
+    from backend.analysis import pos
+    try:  # loading NLTK's tagger (~60 MiB) is a serving process's one-time start, not the view's work
+        pos.load_tagger()
+    except pos.TaggerUnavailable:
+        pass
     return synthetic_run(N)
 
 
@@ -57,8 +62,9 @@ def test_each_view_at_8k_stays_under_5_mb_and_far_from_a_t_by_t_array(run, name)
 
 def test_masks_at_8k_are_binned_to_256_cells_and_zoom_is_one_token_per_cell(run):
     binned = panels.heatmaps(run, "all", "all")
-    assert len(binned.data) == 6
-    assert all(np.asarray(t.z).shape == (reads.MAX_BINS, reads.MAX_BINS) for t in binned.data)
+    cells = [t for t in binned.data if isinstance(t, go.Heatmap)]  # the other trace draws the colour bar
+    assert len(cells) == 6 and len(binned.data) == 7
+    assert all(np.asarray(t.z).shape == (reads.MAX_BINS, reads.MAX_BINS) for t in cells)
     assert "32 tokens per cell" in binned.layout.title.text
     zoom = panels.heatmaps(run, "15", "1", zoom=(4000, 3900, 256))  # layer 15 is recorded: weights shown
     floor = zoom.layout.coloraxis2.cmax - DEFAULT_DECADES
@@ -73,6 +79,16 @@ def test_masks_at_8k_are_binned_to_256_cells_and_zoom_is_one_token_per_cell(run)
     sinks = next(t for t, p in zip(zoom.data, run.traces) if p.spec.startswith("sinks"))
     # Sinks + window at budget 256: query 4000 reads positions 3748..4000, so the window shows 101 of them.
     assert np.isfinite(np.asarray(sinks.z)[0, :101]).all() and np.isnan(np.asarray(sinks.z)[0, 101:]).all()
+
+
+def test_cache_reach_at_8k_bins_every_layer_and_head_to_512_columns(run):
+    picture, by_distance = panels.cache_reach(run, N - 1)
+    cells = [t for t in picture.data if isinstance(t, go.Heatmap)]
+    assert len(cells) == 6 and all(np.asarray(t.z).shape == (30 * 3, 512) for t in cells)
+    assert cells[0].y[0] == "L0 H0" and cells[0].y[-1] == "L29 H2" and "16 tokens per column" in picture.layout.title.text
+    full = next(t for t in by_distance.data if t.name == "full")
+    np.testing.assert_allclose(np.asarray(full.y, float), 1.0)  # no sliding window: Full reads every distance
+    assert len(full.x) < 120  # log-spaced bins, not 8191 distances
 
 
 def test_kept_tokens_at_8k_show_a_window_and_the_far_kept_tokens(run):

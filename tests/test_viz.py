@@ -187,6 +187,85 @@ def test_a_zoom_window_is_labelled_by_its_own_steps_and_positions():
     assert fig.layout.xaxis.ticktext[0] == "2" and fig.layout.yaxis.ticktext[0] == "3"
 
 
+def rgb_at(colorscale, cmin: float, cmax: float, z: float) -> np.ndarray:
+    """The colour plotly.js draws for ``z``: linear interpolation between the scale's stops, as RGB."""
+    import plotly.colors as pcolors
+
+    def rgb(color):
+        return np.array(pcolors.hex_to_rgb(color) if color.startswith("#") else pcolors.unlabel_rgb(color), float)
+
+    at = (min(max(z, cmin), cmax) - cmin) / (cmax - cmin)
+    stops = [(float(p), rgb(c)) for p, c in colorscale]
+    for (p0, c0), (p1, c1) in zip(stops, stops[1:]):
+        if p0 <= at <= p1:
+            return c0 if p1 == p0 else c0 + (c1 - c0) * (at - p0) / (p1 - p0)
+    raise ValueError(f"{z} is off the scale")
+
+
+def long_run(n=4096, kept=(100, 700, 1500, 2222, 3000), window=64):
+    """Full, sinks (token 0 + the last 63) and an eviction policy keeping the last 64 tokens everywhere and,
+    in one of 2 x 3 layers/heads only (layer 1, head 2), the tokens ``kept`` for ever."""
+    from types import SimpleNamespace
+
+    from tests.test_metrics import make_trace
+
+    j = np.arange(n)
+    shape = dict(n_layers=2, n_kv_heads=3)
+    recent = np.broadcast_to(np.where(j + window < n, j + window, -1), (2, 3, n)).copy()
+    recent[1, 2, list(kept)] = -1
+    sinks = np.broadcast_to(np.where((j > 0) & (j + window - 1 < n), j + window - 1, -1), (2, 3, n))
+    traces = [make_trace(n, policy="full", **shape), make_trace(n, evicted_at=sinks, policy="sinks", **shape),
+              make_trace(n, evicted_at=recent, policy="tova", **shape)]
+    return SimpleNamespace(run_id="long", traces=traces, full=traces[0])
+
+
+def test_binned_masks_show_a_few_kept_old_tokens_apart_from_empty_cells():
+    """4096 tokens in cells of 16 over 2 layers x 3 heads: one head keeping token 700 reads 16 of a cell's 256 x 6
+    pairs (1%), which a linear scale shows as good as empty; on the log scale its colour is far from nothing's."""
+    from viz import panels, share_scale
+
+    run, size, window = long_run(), 16, 64
+    fig = panels.heatmaps(run, "all", "all")
+    cells = {t.name: np.asarray(t.z) for t in fig.data if isinstance(t, go.Heatmap)}
+    assert set(cells) == {"full", "sinks", "tova"} and all(z.shape == (256, 256) for z in cells.values())
+    axis = fig.layout.coloraxis3
+    nothing = rgb_at(axis.colorscale, axis.cmin, axis.cmax, 0.0)
+    np.testing.assert_array_equal(nothing, pcolors_rgb("#F2C9C2"))
+    rows = np.arange(256)[:, None]
+    cols = np.arange(256)[None, :]
+    outside = (cols + 1) * size - 1 + window <= rows * size  # every token of the cell left before its first query
+    kept_cols = np.zeros(256, bool)
+    kept_cols[[p // size for p in (100, 700, 1500, 2222, 3000)]] = True
+    tova = cells["tova"]
+    old_kept = outside & kept_cols[None, :]
+    assert old_kept.sum() > 500
+    np.testing.assert_allclose(tova[old_kept], 16 / (256 * 6), rtol=1e-6)  # one token x 16 queries in 1 of 6 heads
+    np.testing.assert_array_equal(tova[outside & ~kept_cols[None, :]], 0.0)  # nothing read: exactly 0
+    assert (share_scale.position(tova[old_kept]) > 0.3).all()
+    far = [np.linalg.norm(rgb_at(axis.colorscale, axis.cmin, axis.cmax, z) - nothing) for z in tova[old_kept][:50]]
+    assert min(far) > 150  # RGB distance: a different hue and lightness, not a shade of rose
+    # (On a linear rose -> blue scale the same cell sits 1% of the way from rose.)
+    sinks = cells["sinks"]
+    np.testing.assert_array_equal(sinks[outside & (cols > 0)], 0.0)
+    assert (sinks[outside[:, 0], 0] > 0).all()  # token 0 stays: column 0 is read all the way down
+    np.testing.assert_allclose(sinks[16:, 0], 16 / 256, rtol=1e-6)  # one token of 16, read by 16 queries
+    full = cells["full"]
+    causal = cols <= rows
+    np.testing.assert_array_equal(full[causal], 1.0)  # the darkest colour everywhere below the diagonal
+    assert np.isnan(full[~causal]).all()
+    heat = next(t for t in fig.data if isinstance(t, go.Heatmap))
+    assert heat.coloraxis == "coloraxis3" and "share read: %{z:.2~p}" in heat.hovertemplate
+    bar = [t for t in fig.data if not isinstance(t, go.Heatmap)]
+    assert len(bar) == 1 and fig.layout.coloraxis4.colorbar.ticktext[0] == "nothing"
+    assert not fig.layout.coloraxis3.showscale and "16 tokens per cell" in fig.layout.title.text
+
+
+def pcolors_rgb(hex_color: str) -> np.ndarray:
+    import plotly.colors as pcolors
+
+    return np.array(pcolors.hex_to_rgb(hex_color), float)
+
+
 # ---------------------------------------------------------------- text highlight
 
 
@@ -363,8 +442,39 @@ def test_score_curves_mark_the_top_budget_tokens(scores):
         assert ky.min() >= ey.max()  # the kept bars are the highest
         assert list(kept_trace.customdata) == [token_texts[j].replace("<", "&lt;").replace(">", "&gt;") for j in kx]
     assert "0.3" in fig.layout.annotations[1].text
+    assert fig.layout.yaxis.type == "log" and fig.layout.yaxis2.type == "log"  # token 0's spike flattens the rest
     assert bars(fig, "y", "kept")[2].marker.color == FAMILY_COLORS["h2o"]
     assert bars(fig, "y2", "kept")[2].marker.color == FAMILY_COLORS["a2sf"]
+
+
+def test_score_curves_of_a_long_text_are_a_line_and_kept_markers_on_log_axes():
+    """1000 tokens: A2S piles 500 onto token 0 and ~1 on the rest, A2SF forgets down to 1e-30; a bar each
+    would be thinner than a pixel and a linear axis one spike."""
+    from viz.curves import BAR_LIMIT
+
+    n = 1000
+    assert n > BAR_LIMIT
+    a2s = np.r_[500.0, np.linspace(2, 0.5, n - 1)]
+    a2s[700] = 0.0  # never read: no place on a log axis
+    a2sf = np.logspace(-30, 0, n)
+    keep_a2s, keep_a2sf = np.zeros(n, bool), np.zeros(n, bool)
+    keep_a2s[:8], keep_a2sf[[100, 500, 998, 999]] = True, True
+    fig = score_curves_figure(a2s, a2sf, [f" t{i}" for i in range(n)], n - 1, keep_a2s, keep_a2sf, alpha=0.3)
+    assert not any(isinstance(t, go.Bar) for t in fig.data)
+    for axis, score, keep in (("y", a2s, keep_a2s), ("y2", a2sf, keep_a2sf)):
+        (line,) = [t for t in fig.data if t.name == "all tokens" and t.yaxis == axis]
+        (kept,) = [t for t in fig.data if t.name == "kept" and t.yaxis == axis]
+        assert (line.x0, line.dx, line.mode) == (0, 1, "lines")
+        np.testing.assert_allclose(np.asarray(line.y, float), np.where(score > 0, score, np.nan), rtol=1e-6)
+        np.testing.assert_array_equal(np.asarray(kept.x), np.flatnonzero(keep))
+        np.testing.assert_allclose(np.asarray(kept.y, float), score[keep], rtol=1e-6)
+        assert kept.customdata[0] == f"␣t{np.flatnonzero(keep)[0]}" and kept.mode == "markers"  # the token text
+    assert fig.layout.yaxis.type == "log" and fig.layout.yaxis2.type == "log"
+    # A2S: from a decade below its lowest kept score (token 7's) to above token 0's 500
+    low, high = fig.layout.yaxis.range
+    assert low == pytest.approx(np.log10(a2s[7] / 10)) and high > np.log10(500)
+    # A2SF: down to a decade below token 100's 1e-27: the tokens forgotten further run off the foot
+    assert fig.layout.yaxis2.range[0] == pytest.approx(np.log10(a2sf[100] / 10))
 
 
 def test_score_over_steps_follows_each_token(scores):
@@ -408,7 +518,10 @@ def test_divergence_figure_plots_kl_and_running_top1(prompt_run):
         assert agree.y[-1] == pytest.approx(metrics.top1_agreement(tr, full))
         assert kl.line.color == agree.line.color == colors[spec]
         assert kl.yaxis == "y" and agree.yaxis == "y2"
+        assert (kl.x0, kl.dx, kl.x) == (0, 1, None)  # steps 0..n-1 need no array of x
     assert fig.layout.yaxis.title.text and fig.layout.xaxis2.title.text
+    stepped = divergence_figure({"tova": dict(kl=[.1, .2], top1=[1, 0], steps=[5, 6])})
+    assert list(stepped.data[0].x) == [5, 6] and list(stepped.data[1].x) == [5, 6]
 
 
 def test_policy_colors_are_stable_across_figures_and_subsets():

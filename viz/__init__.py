@@ -3,6 +3,8 @@
 No Gradio here; the app wires these to its components. Modules:
 
 * ``heatmap``: step x position read masks and attention weights (TOVA Fig. 7 / App. E, A2SF Fig. 4)
+* ``reach``: what one step reads in every layer and head, and the share read by distance back
+* ``share_scale``: the log colour scale of a share read, shared by binned masks and the reach
 * ``highlight``: the text with cached tokens highlighted; continuations side by side (HTML)
 * ``curves``: A2S vs A2SF accumulated scores (A2SF Fig. 1 and Fig. 6)
 * ``tsne``: keys before/after RoPE (ReAttention Fig. 8-9); the embedding itself is ``backend.analysis.tsne``

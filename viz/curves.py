@@ -1,10 +1,18 @@
 """Accumulated attention scores with and without forgetting (A2S vs A2SF).
 
 ``score_curves_figure`` mirrors A2SF Fig. 1: at one decode step, every token's accumulated score
-as a bar, A2S (alpha = 1, H2O's score) on top and A2SF (forgetting factor alpha) below, the bars of
-the tokens each rule keeps in the policy colour and the rest in grey. The viewer sees A2S piling
-score onto early tokens (they have been attended to for longer) while A2SF lets recent, relevant
-tokens win.
+against its position, A2S (alpha = 1, H2O's score) on top and A2SF (forgetting factor alpha) below, the
+tokens each rule keeps in the policy colour and the rest in grey. The viewer sees A2S piling score onto
+early tokens (they have been attended to for longer) while A2SF lets recent, relevant tokens win.
+
+Both y axes are **log**: an attention sink's score is hundreds to thousands of times a typical token's
+(a sink taking half of every query's attention scores half the step count under A2S), so on a linear axis every panel is one
+spike at token 0 and the rest lies flat on the floor; on a log axis the two rules read side by side at
+every position. The x axis stays the position, not the rank: where the kept tokens sit (early for A2S,
+recent for A2SF) is what the figure is for. Up to ``BAR_LIMIT`` tokens each is a bar; past that bars
+are thinner than a pixel, so every token's score is one grey line and each kept token a coloured
+marker on it. A score of exactly 0 (no recorded weight) has no place on a log axis and is left out; the
+axis reaches a decade below the lowest kept score, so evicted tokens scored far lower run off its foot.
 
 ``score_over_steps_figure`` mirrors A2SF Fig. 6: the score of a few chosen tokens along the
 generation steps, A2S above and A2SF below; with keep masks, a line stops where its token is
@@ -16,6 +24,7 @@ followed token over all the steps ([m, T]). Nothing here is [T, T]: at 8k tokens
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -27,6 +36,7 @@ from .colors import FAMILY_COLORS
 from .style import finish, plotly_text, visible_token
 
 EVICTED_BAR = "#C8C8C8"
+BAR_LIMIT = 256  # tokens drawn as bars; a longer text is a line of scores and a marker per kept token
 
 
 def _shaped(name: str, a, shape: tuple) -> np.ndarray:
@@ -48,12 +58,13 @@ def _row_titles(alpha: float) -> tuple[str, str]:
 def score_curves_figure(a2s: np.ndarray, a2sf: np.ndarray, token_texts: Sequence[str], step: int,
                         keep_a2s: np.ndarray, keep_a2sf: np.ndarray, alpha: float, title: str | None = None,
                         colors: Mapping[str, str] | None = None, height: int = 560) -> go.Figure:
-    """Bars of every token's accumulated score at ``step``, A2S above, A2SF below; kept tokens coloured.
+    """Every token's accumulated score at ``step`` by position, A2S above, A2SF below, log y; kept tokens coloured.
 
     ``a2s`` / ``a2sf``: float [step + 1], the scores at ``step`` of tokens 0..step; ``keep_*``: bool
-    [step + 1], the tokens each rule keeps there. Each panel has two bar traces, named ``kept`` and
-    ``evicted``, x = token positions. ``colors`` may override the kept colours with keys ``'a2s'`` and
-    ``'a2sf'``.
+    [step + 1], the tokens each rule keeps there. Up to ``BAR_LIMIT`` tokens, each panel has two bar traces
+    named ``kept`` and ``evicted``; beyond, a grey line named ``all tokens`` (every score, 0 left out) and
+    markers named ``kept``. x = token positions. ``colors`` may override the kept colours with keys
+    ``'a2s'`` and ``'a2sf'``.
     """
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
@@ -64,25 +75,60 @@ def score_curves_figure(a2s: np.ndarray, a2sf: np.ndarray, token_texts: Sequence
     colors = dict(colors or {})
     kept_colors = (colors.get("a2s", FAMILY_COLORS["h2o"]), colors.get("a2sf", FAMILY_COLORS["a2sf"]))
     texts = _texts(token_texts, step + 1)
-    pos = np.arange(step + 1, dtype=np.int32)
     names = _row_titles(alpha)
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.1,
                         subplot_titles=[f"{names[0]}: {int(keep_a2s.sum())} kept",
                                         f"{names[1]}: {int(keep_a2sf.sum())} kept"])
+    draw = _bars if step + 1 <= BAR_LIMIT else _line_and_markers
     for row, (scores, keep, color, label) in enumerate(
             zip((a2s, a2sf), (keep_a2s, keep_a2sf), kept_colors, names), start=1):
-        values = scores.astype(np.float32)  # float32 halves the figure's JSON; bars need no more digits
-        for state, sel, col in (("kept", keep, color), ("evicted", ~keep, EVICTED_BAR)):
-            fig.add_trace(go.Bar(
-                x=pos[sel], y=values[sel], customdata=texts[sel], name=state, marker_color=col,
-                marker_line_width=0, legendgroup=state, showlegend=row == 1,
-                hovertemplate=(f"<b>{label}</b><br>token %{{x}}: %{{customdata}}<br>score %{{y:.4g}}<br>"
-                               f"{state} at step {step}<extra></extra>")), row=row, col=1)
-        fig.update_yaxes(title_text="accumulated score", row=row, col=1, rangemode="tozero")
+        # float32 halves the figure's JSON; a score needs no more digits
+        for trace in draw(scores.astype(np.float32), keep, texts, color, label, step, first_row=row == 1):
+            fig.add_trace(trace, row=row, col=1)
+        fig.update_yaxes(title_text="accumulated score (log)", type="log", exponentformat="power",
+                         range=_log_range(scores, keep), row=row, col=1)
     fig.update_xaxes(title_text="token position", row=2, col=1)
     fig.update_xaxes(range=[-0.5, step + 0.5])
     fig.update_layout(barmode="overlay", bargap=0.1, legend=dict(orientation="h", y=1.08, x=1, xanchor="right"))
     return finish(fig, title or f"Accumulated attention score of each token at step {step}", height=height)
+
+
+def _log_range(scores: np.ndarray, keep: np.ndarray) -> list[float] | None:
+    """From a decade below the lowest kept score to above the highest: every kept token shows, and evicted
+    tokens far below (A2SF's forgotten ones, 10^-40 and less) fall off the bottom instead of stretching it."""
+    positive = scores[scores > 0]
+    if not positive.size:
+        return None
+    kept = scores[keep & (scores > 0)]
+    low = float((kept if kept.size else positive).min()) / 10
+    return [math.log10(low), math.log10(float(positive.max())) + 0.2]
+
+
+def _hover(label: str, state: str | None, step: int) -> str:
+    said = "" if state is None else f"<br>{state} at step {step}"
+    return f"<b>{label}</b><br>token %{{x}}: %{{customdata}}<br>score %{{y:.4g}}{said}<extra></extra>"
+
+
+def _bars(values: np.ndarray, keep: np.ndarray, texts: np.ndarray, color: str, label: str, step: int,
+          first_row: bool) -> list[go.Bar]:
+    """A bar per token: the kept ones in ``color``, the rest grey (A2SF Fig. 1)."""
+    pos = np.arange(len(values), dtype=np.int32)
+    return [go.Bar(x=pos[sel], y=values[sel], customdata=texts[sel], name=state, marker_color=col, marker_line_width=0,
+                   legendgroup=state, showlegend=first_row, hovertemplate=_hover(label, state, step))
+            for state, sel, col in (("kept", keep, color), ("evicted", ~keep, EVICTED_BAR))]
+
+
+def _line_and_markers(values: np.ndarray, keep: np.ndarray, texts: np.ndarray, color: str, label: str, step: int,
+                      first_row: bool) -> list[go.Scatter]:
+    """Every score as one grey line (0 left out: a log axis has no place for it), kept tokens as markers."""
+    pos = np.flatnonzero(keep).astype(np.int32)
+    every = go.Scatter(x0=0, dx=1, y=np.where(values > 0, values, np.nan), customdata=texts, mode="lines",
+                       name="all tokens", line=dict(color=EVICTED_BAR, width=1), legendgroup="all",
+                       showlegend=first_row, hovertemplate=_hover(label, None, step))
+    kept = go.Scatter(x=pos, y=values[pos], customdata=texts[pos], mode="markers", name="kept",
+                      marker=dict(color=color, size=5), legendgroup="kept", showlegend=first_row,
+                      hovertemplate=_hover(label, "kept", step))
+    return [every, kept]
 
 
 def score_over_steps_figure(a2s: np.ndarray, a2sf: np.ndarray, tokens_to_show: Sequence[int],

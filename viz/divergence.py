@@ -74,16 +74,21 @@ def divergence_figure(series: Mapping[str, Mapping], colors: Mapping[str, str] |
         data = series[name]
         kl = np.asarray(data["kl"], np.float64)
         agree = running_agreement(data["top1"])
-        steps = np.asarray(data.get("steps", np.arange(len(kl))))
+        given = data.get("steps")
+        steps = np.arange(len(kl)) if given is None else np.asarray(given)
         if len(agree) != len(kl) or len(steps) != len(kl):
             raise ValueError(f"{name}: kl, top1 and steps must have the same length")
+        # Steps 0..n-1 travel as x0 and dx, the values as float32: a 32k-token run of six policies is
+        # 1.5 MB of JSON instead of 6.
+        x = dict(x0=0, dx=1) if given is None else dict(x=steps)
+        kl, agree = kl.astype(np.float32), agree.astype(np.float32)
         color = colors.get(name, "#444444")
         label = plotly_text(name)
-        fig.add_trace(go.Scatter(x=steps, y=kl, mode="lines", name=label, legendgroup=label,
+        fig.add_trace(go.Scatter(**x, y=kl, mode="lines", name=label, legendgroup=label,
                                  line=dict(color=color, width=1.6),
                                  hovertemplate="%{fullData.name}<br>step %{x}<br>KL %{y:.4f} nats<extra></extra>"),
                       row=1, col=1)
-        fig.add_trace(go.Scatter(x=steps, y=agree, mode="lines", name=label, legendgroup=label, showlegend=False,
+        fig.add_trace(go.Scatter(**x, y=agree, mode="lines", name=label, legendgroup=label, showlegend=False,
                                  line=dict(color=color, width=2),
                                  hovertemplate="%{fullData.name}<br>step %{x}<br>top-1 agreement so far %{y:.1%}"
                                                "<extra></extra>"),

@@ -4,8 +4,12 @@ What the viewer sees: one cell per (query step t, token j). Row t is what the qu
 read; the triangle above the diagonal (j > t, tokens that have not arrived yet) is left white.
 
 * Mask only (``attention=None``): read cells are dark blue, evicted / not-selected cells pale rose.
-  A float array in [0, 1] instead of a bool mask (the share of layers/heads that read each cell, or
-  of a binned cell's pairs) shades each cell by that share: rose (none) -> blue (all).
+  A float array in [0, 1] instead of a bool mask (the share of layers/heads that read each cell) shades
+  each cell by that share: rose (none) -> blue (all).
+* Binned mask (``size`` > 1, no attention): the share of the cell's pairs that were read, on the **log
+  colour scale** of ``share_scale`` (0.1% .. 100%, light to dark, exactly 0 = nothing read in rose): a
+  cell holding one kept token among a thousand pairs is visibly not empty (a linear scale rounds it to
+  nothing, and every policy draws the same diagonal band).
 * With ``attention`` of the same shape (one layer and head): read cells show the attention weight
   on a **log10 colour scale** (Viridis over ``decades`` decades below ``zmax``; weights below that
   floor, exact zeros included, get the floor colour), and cells not read get a rose band just below
@@ -35,6 +39,7 @@ import plotly.colors as pcolors
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from . import share_scale
 from .colors import EVICTED_COLOR, KEPT_COLOR, policy_colors
 from .style import finish, plotly_text, tick_stride, token_labels
 
@@ -44,6 +49,8 @@ MAX_CELLS = 512  # cells per axis a panel accepts (bin or window a long text fir
 
 MASK_AXIS = "coloraxis"
 WEIGHT_AXIS = "coloraxis2"
+SHARE_AXIS = "coloraxis3"  # binned masks: the log share scale
+SHARE_BAR_AXIS = "coloraxis4"  # its colour bar (see share_scale)
 
 
 def _check_cells(name: str, a: np.ndarray) -> None:
@@ -106,7 +113,7 @@ def _mask_coloraxis() -> dict:
     return dict(cmin=0.0, cmax=1.0,
                 colorscale=[[0.0, EVICTED_COLOR], [0.5, "#9DB6CF"], [1.0, KEPT_COLOR]],
                 colorbar=dict(title=dict(text="read", side="right"), tickvals=[0, 0.5, 1],
-                              ticktext=["evicted", "50%", "kept"], len=0.45, y=0.78, thickness=14))
+                              ticktext=["evicted", "50%", "kept"], thickness=14))
 
 
 def _weight_coloraxis(floor: float, top: float) -> dict:
@@ -123,7 +130,7 @@ def _weight_coloraxis(floor: float, top: float) -> dict:
         labels.append(f"{10.0 ** top:.2g}")
     return dict(cmin=low, cmax=top, colorscale=scale,
                 colorbar=dict(title=dict(text="attention", side="right"), tickvals=ticks, ticktext=labels,
-                              len=0.45, y=0.25, thickness=14))
+                              thickness=14))
 
 
 def _hovertemplate(reads: np.ndarray, attention: np.ndarray | None, floor: float | None, size: int) -> str:
@@ -132,7 +139,7 @@ def _hovertemplate(reads: np.ndarray, attention: np.ndarray | None, floor: float
         if attention is not None:
             return (head + "log10 weight on these tokens: %{z:.2f}<br>"
                     f"<i>{floor - NOT_READ_GAP:.2f} = none read</i><extra></extra>")
-        return head + "share read: %{z:.0%}<extra></extra>"
+        return head + f"share read: {share_scale.HOVER}<extra></extra>"
     head = "step (query) %{y}<br>token %{x}<br>"
     if attention is not None:
         return (head + "log10 weight: %{z:.2f}<br>"
@@ -161,6 +168,12 @@ def _labels(panel: Mapping) -> tuple[list[str], list[str]]:
             token_labels(texts, size=size, start=panel["first_pos"], count=n_cols))
 
 
+def _coloraxis_of(panel: Mapping) -> str:
+    if panel["attention"] is not None:
+        return WEIGHT_AXIS
+    return SHARE_AXIS if panel["size"] > 1 else MASK_AXIS
+
+
 def _panel(panel: Mapping, zmax, decades) -> go.Heatmap:
     reads, attention, size = panel["reads"], panel["attention"], panel["size"]
     if attention is not None:
@@ -168,7 +181,7 @@ def _panel(panel: Mapping, zmax, decades) -> go.Heatmap:
     z = heatmap_values(reads, attention, zmax, decades, size, panel["first_step"], panel["first_pos"])
     rows, cols = _labels(panel)
     floor = log_range(zmax, decades)[0] if attention is not None else None
-    return go.Heatmap(z=z, x=cols, y=rows, coloraxis=WEIGHT_AXIS if attention is not None else MASK_AXIS,
+    return go.Heatmap(z=z, x=cols, y=rows, coloraxis=_coloraxis_of(panel),
                       hoverongaps=False, hovertemplate=_hovertemplate(reads, attention, floor, size),
                       xgap=0, ygap=0)
 
@@ -194,11 +207,22 @@ def _axes(fig: go.Figure, panel: Mapping, row=None, col=None, cols: int = 1) -> 
                      **ticks(row_labels, panel["first_step"], 16), **kw)
 
 
-def _coloraxes(fig: go.Figure, with_mask: bool, with_weights: bool, zmax: float | None, decades: float) -> None:
-    if with_mask:
+def _coloraxes(fig: go.Figure, axes: set[str], zmax: float | None, decades: float) -> None:
+    """Lay out the colour axes the panels use; their bars share the height (one above the other)."""
+    bars = []
+    if MASK_AXIS in axes:
         fig.update_layout(coloraxis=_mask_coloraxis())
-    if with_weights:
+        bars.append("coloraxis")
+    if SHARE_AXIS in axes:
+        fig.update_layout(coloraxis3=share_scale.coloraxis(), coloraxis4=share_scale.colorbar_axis())
+        fig.add_trace(share_scale.colorbar_trace(SHARE_BAR_AXIS))
+        bars.append("coloraxis4")
+    if WEIGHT_AXIS in axes:
         fig.update_layout(coloraxis2=_weight_coloraxis(*log_range(zmax, decades)))
+        bars.append("coloraxis2")
+    for i, axis in enumerate(bars):
+        place = dict(len=0.9, y=0.5) if len(bars) == 1 else dict(len=0.9 / len(bars), y=1 - (i + 0.5) / len(bars))
+        fig.update_layout({f"{axis}_colorbar": place})
 
 
 def mask_heatmap(reads: np.ndarray, token_texts: Sequence[str], title: str = "", attention: np.ndarray | None = None,
@@ -218,14 +242,9 @@ def mask_heatmap(reads: np.ndarray, token_texts: Sequence[str], title: str = "",
     if attention is not None and not zmax:
         zmax = attention_zmax(attention, panel["reads"])
     fig = go.Figure(_panel(panel, zmax, decades))
-    _coloraxes(fig, attention is None, attention is not None, zmax, decades)
+    _coloraxes(fig, {_coloraxis_of(panel)}, zmax, decades)
     _axes(fig, panel)
-    finish(fig, title + _binning_note(panel["size"]), height=height, plot_bgcolor="white")
-    if attention is not None:
-        fig.update_layout(coloraxis2_colorbar=dict(len=0.9, y=0.5))
-    else:
-        fig.update_layout(coloraxis_colorbar=dict(len=0.9, y=0.5))
-    return fig
+    return finish(fig, title + _binning_note(panel["size"]), height=height, plot_bgcolor="white")
 
 
 def mask_heatmaps(panels: Mapping[str, Mapping], title: str = "", zmax: float | None = None,
@@ -236,7 +255,7 @@ def mask_heatmaps(panels: Mapping[str, Mapping], title: str = "", zmax: float | 
     ``panels`` maps a policy name to ``dict(reads=..., token_texts=..., attention=None, size=1,
     first_step=0, first_pos=0)`` as for ``mask_heatmap``. Panels with attention share one log colour
     scale topped at ``zmax`` (default: the largest weight read in any panel); mask panels share the
-    kept/evicted scale. Panel titles take the policy colours.
+    kept/evicted scale, binned ones the log share scale. Panel titles take the policy colours.
     """
     names = list(panels)
     if not names:
@@ -262,11 +281,7 @@ def mask_heatmaps(panels: Mapping[str, Mapping], title: str = "", zmax: float | 
             fig.update_yaxes(title_text=None, row=r, col=c)
     for annotation, name in zip(fig.layout.annotations, names):
         annotation.font = dict(color=colors.get(name, "#333"), size=14)
-    _coloraxes(fig, not all(with_att), any(with_att), zmax, decades)
-    if all(with_att):
-        fig.update_layout(coloraxis2_colorbar=dict(len=0.9, y=0.5))
-    elif not any(with_att):
-        fig.update_layout(coloraxis_colorbar=dict(len=0.9, y=0.5))
+    _coloraxes(fig, {_coloraxis_of(panels[name]) for name in names}, zmax, decades)
     finish(fig, title + _binning_note(max(p["size"] for p in panels.values())), height=panel_height * rows + 80,
            plot_bgcolor="white")
     return fig

@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from backend.analysis import metrics, pos, reads
+from backend.analysis import metrics, pos, reach, reads
 from backend.policies import policy_of
 from backend.traces.trace import Trace
 
@@ -26,6 +26,7 @@ from .curves import score_curves_figure, score_over_steps_figure
 from .divergence import divergence_figure, divergence_notes, summary_table as summary_frame
 from .heatmap import mask_heatmaps
 from .highlight import continuations_html, kept_tokens_html
+from .reach import distance_figure, reach_figure
 from .retention import first_token_retention_figure, lifetime_by_position_figure, non_recent_share_figure, pos_table
 from .sweep import sweep_figure as sweep_plot
 from .tsne import tsne_figure
@@ -207,6 +208,20 @@ def score_curves(run, layer: str, head: str, alpha: float, step: int) -> tuple[g
     return snapshot, over_steps
 
 
+def cache_reach(run, step: int) -> tuple[go.Figure, go.Figure]:
+    """What the query at ``step`` reads in every layer and KV head of each policy (the model's own window
+    apart), and over the whole text the share of (query, token) pairs read by distance back from the query."""
+    at = min(clamp_step(run, step), min(len(t.tokens) for t in run.traces) - 1)
+    reaches = {t.spec: reach.reach_at(t, at) for t in run.traces}
+    first = next(iter(reaches.values()))
+    colors = policy_colors(list(reaches))
+    shown = {t.spec: dict(shares=reaches[t.spec].shares, beyond_window=reaches[t.spec].beyond_window,
+                          token_texts=t.meta["token_texts"]) for t in run.traces}
+    picture = reach_figure(shown, first.labels, at, first.size, colors=colors)
+    by_distance = distance_figure({t.spec: reach.share_by_distance(t) for t in run.traces}, colors=colors)
+    return picture, by_distance
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class TsneKeys:
     """The keys one t-SNE map embeds: one KV head of one recorded layer of one trace, evenly sampled."""
@@ -331,8 +346,13 @@ def pos_lifetime_table(run) -> pd.DataFrame:
     if not evicting:
         return pd.DataFrame({"note": ["Pick an eviction policy to see which parts of speech it keeps."]})
     try:
-        tagger = _SharedTagger(pos.load_tagger())
-        columns = {t.spec: pos.pos_lifetimes(t, tagger).set_index("tag")["mean_lifetime"] for t in evicting}
+        tagger, tags = _SharedTagger(pos.load_tagger()), {}
+        columns = {}
+        for trace in evicting:  # the policies of a run read one text (or share its prompt): tag each text once
+            texts = tuple(trace.meta["token_texts"])
+            if texts not in tags:
+                tags[texts] = pos.tag_tokens(list(texts), tagger)
+            columns[trace.spec] = pos.pos_lifetimes(trace, tags=tags[texts]).set_index("tag")["mean_lifetime"]
         columns = {spec: col.rename(index={"\n": "\\n (line break)"}) for spec, col in columns.items()}
     except pos.TaggerUnavailable as err:
         return pd.DataFrame({"note": [str(err)]})
@@ -344,8 +364,8 @@ def figures_html(run, layer: str, head: str, step: int, alpha: float,
                  shares: dict[str, np.ndarray] | None = None) -> str:
     """Every figure of the run for the given selectors, in one offline HTML page (plotly.js inlined once);
     ``shares`` from ``non_recent_shares``. The POS table is no figure: an export never tags."""
-    figures = [heatmaps(run, layer, head), *score_curves(run, layer, head, alpha, step), divergence(run)[0],
-               *retention_figures(run, shares)]
+    figures = [heatmaps(run, layer, head), *cache_reach(run, step), *score_curves(run, layer, head, alpha, step),
+               divergence(run)[0], *retention_figures(run, shares)]
     parts = [fig.to_html(full_html=False, include_plotlyjs=(i == 0)) for i, fig in enumerate(figures)]
     title = html.escape(f"KV Lens run {run.run_id[:12]}: {', '.join(t.spec for t in run.traces)}")
     return f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title></head><body><h2>{title}</h2>" + \

@@ -251,7 +251,7 @@ def _head_offsets(trace: Trace, layer: int) -> list[int]:
 # --- A2S vs A2SF score curves (A2SF Eq. 4-5, Fig. 1 and 6) ---------------------------------------------
 
 FOLLOWED_TOKENS = 6  # tokens whose scores the over-the-steps figure follows
-_BLOCK = 128  # steps held as dense score rows at a time while following tokens (128 x T float64: 8 MB at 8k)
+_BLOCK = 32  # steps ranked at a time while following tokens: their candidates are ~budget + 17 per step
 
 
 @dataclass
@@ -288,45 +288,79 @@ def _score_at(pos: np.ndarray, val: np.ndarray, alpha: float, step: int) -> np.n
     return np.bincount(pos[hit], weights=(val * weight)[hit], minlength=step + 1)
 
 
+def _forgetting_sums(rows: np.ndarray, alpha: float) -> np.ndarray:
+    """Row i -> sum_{q <= i} alpha^(i - q) rows[q]: a block's own part of the recurrence, as a running sum of
+    the rows scaled by alpha^-q (no matrix product: BLAS threads stall on a busy machine), or step by step
+    where alpha^-q would overflow."""
+    if alpha == 1:
+        return np.cumsum(rows, axis=0)
+    scale = np.power(np.float64(alpha), np.arange(len(rows), dtype=np.float64))[:, None]
+    if alpha > 0 and scale[-1, 0] > 1e-250:
+        return np.cumsum(rows / scale, axis=0) * scale
+    out = rows.copy()
+    for i in range(1, len(out)):
+        out[i] += alpha * out[i - 1]
+    return out
+
+
 def _follow(pos: np.ndarray, val: np.ndarray, alpha: float, budget: int, tokens: np.ndarray) -> tuple:
     """The recurrence A_t = alpha * A_(t-1) + S_t over all steps, keeping only what the figure needs: the
     followed tokens' scores [m, T] and whether each is in the top ``budget`` at every step [m, T].
 
-    Rows are built ``_BLOCK`` steps at a time, over the positions that have arrived by the block's end; the
-    budget-th largest score of a row comes from one ``np.partition`` (only for rows where a followed token
-    has arrived and the cache is full), and a token whose score ties it is ranked exactly (ties: the
-    earlier position)."""
-    n = pos.shape[0]
+    Exact without ranking every token at every step (T x T work: 20 s at 32k). Every score is multiplied by
+    the same alpha at each step, so scores keep their order except where a query adds weight: a token
+    outside the top ``budget`` stays outside until a query reads it. So ``_BLOCK`` steps at a time only the
+    candidates are ranked (ties: the earlier position, as a stable sort ranks them): the top ``budget``
+    before the block, the tokens its rows read or bring, the followed tokens, and the tokens whose order
+    multiplying may break: those that may sink below the smallest normal float within the block (they can
+    round to ties), and the earliest ``budget`` tokens at 0 (zeros rank by position). Every token's score is
+    ``alpha ** lag * (its score before the block) + (what the block added)``, one product for all, so
+    tokens that tie keep tying."""
+    n, tokens = pos.shape[0], np.asarray(tokens, np.int64)
     scores, kept = np.zeros((len(tokens), n)), np.zeros((len(tokens), n), bool)
-    carry = np.zeros(0)
+    before = np.zeros(n)  # every token's score after the previous block
+    top = np.zeros(0, np.int64)  # the top `budget` tokens after the previous block
+    column, chosen = np.zeros(n, np.int64), np.zeros(n, bool)
+    tiny = np.finfo(np.float64).tiny
     for first in range(0, n, _BLOCK):
         last = min(n, first + _BLOCK)
-        block = np.zeros((last - first, last))  # positions >= last have not arrived in this block
-        rows, cols = np.nonzero(pos[first:last] >= 0)
-        block[rows, pos[first:last][rows, cols]] = val[first:last][rows, cols]  # a row holds a position once
-        block[0, : len(carry)] += alpha * carry
-        for i in range(1, len(block)):
-            block[i] += alpha * block[i - 1]
-        carry = block[-1]
+        decay = np.power(np.float64(alpha), np.arange(1, last - first + 1, dtype=np.float64))[:, None]
+        rows, slots = np.nonzero(pos[first:last] >= 0)
+        read = pos[first:last][rows, slots].astype(np.int64)
+        chosen[:] = False
+        chosen[top], chosen[read], chosen[first:last], chosen[tokens] = True, True, True, True
+        chosen[np.flatnonzero(before[:first] == 0)[:budget]] = True
+        if alpha < 1:
+            chosen |= (before > 0) & (before * decay[-1, 0] < tiny)
+        candidates = np.flatnonzero(chosen)
+        column[candidates] = np.arange(len(candidates))
+        block = decay * before[candidates]  # [b, candidates]: every candidate's score at each step
+        touched = np.flatnonzero(np.bincount(column[read], minlength=len(candidates)))  # the columns read
+        where = np.zeros(len(candidates), np.int64)
+        where[touched] = np.arange(len(touched))
+        added = np.zeros((last - first, len(touched)))
+        added[rows, where[column[read]]] = val[first:last][rows, slots]  # a row holds a position once
+        block[:, touched] += _forgetting_sums(added, alpha)
         steps = np.arange(first, last)
         arrived = tokens[None, :] <= steps[:, None]  # [b, m]
-        if not arrived.any():
-            continue
-        mine = np.where(arrived, block[:, np.minimum(tokens, last - 1)], 0.0)
+        own = block[:, column[tokens]]
+        scores[:, first:last] = np.where(arrived, own, 0.0).T
         in_top = arrived.copy()  # while t < budget every token that arrived is kept
         full = np.flatnonzero(arrived.any(1) & (steps >= budget))
         if len(full):
-            # Scores are >= 0 and zero beyond the step, so those zeros never rank above a token that arrived.
-            threshold = np.partition(block[full], last - budget, axis=1)[:, last - budget][:, None]
-            own = mine[full]
-            in_top[full] = (own > threshold) & arrived[full]
-            ties = (own == threshold) & arrived[full]
-            for k in np.flatnonzero(ties.any(0)):  # rank exactly; zeros beyond the step are never > a score
+            # Tokens yet to arrive score 0 and come later: they never rank above one that arrived.
+            threshold = np.partition(block[full], len(candidates) - budget, axis=1)[:, len(candidates) - budget]
+            mine = own[full]
+            in_top[full] = (mine > threshold[:, None]) & arrived[full]
+            ties = (mine == threshold[:, None]) & arrived[full]
+            for k in np.flatnonzero(ties.any(0)):  # rank exactly
                 i, j = full[ties[:, k]], tokens[k]
-                row, score = block[i], block[i, j][:, None]
-                in_top[i, k] = (row > score).sum(1) + (row[:, :j] == score).sum(1) < budget
-        scores[:, first:last] = mine.T
+                row, score = block[i], mine[ties[:, k], k][:, None]
+                in_top[i, k] = (row > score).sum(1) + (row[:, candidates < j] == score).sum(1) < budget
         kept[:, first:last] = in_top.T
+        before *= decay[-1, 0]
+        before[candidates] = block[-1]
+        top = candidates[np.lexsort((candidates, -block[-1]))[:budget]]
     return scores, kept
 
 

@@ -141,19 +141,22 @@ def tag_tokens(token_texts: list[str], tagger=None) -> list[str | None]:
     return tags
 
 
-def pos_lifetimes(trace: Trace, tagger=None) -> pd.DataFrame:
+def pos_lifetimes(trace: Trace, tagger=None, tags: list[str | None] | None = None) -> pd.DataFrame:
     """Mean lifetime per POS tag (TOVA Tables 1 and 4) for one trace.
 
     A token's lifetime is ``metrics.lifetimes`` (steps it was read, arrival included) averaged over
     layers and KV heads; a tag's ``mean_lifetime`` is the mean over its tokens, ``count`` their number.
     Sorted by ``mean_lifetime``, longest first. ``df.attrs["mean_lifetime_all"]`` is the mean over all
     tagged tokens (TOVA's "Avg." row). Tokens near the end of the text are censored (at most ``T - j``).
-    Raises TaggerUnavailable when the tagger cannot be loaded.
+    Raises TaggerUnavailable when the tagger cannot be loaded. ``tags``: the text's ``tag_tokens``, when
+    another trace of the same text has them already (tagging 32k tokens takes seconds).
     """
     texts = trace.meta["token_texts"]
     if len(texts) != len(trace.tokens):
         raise ValueError("the trace's token_texts do not match its tokens")
-    tags = tag_tokens(texts, tagger)
+    tags = tag_tokens(texts, tagger) if tags is None else tags
+    if len(tags) != len(texts):
+        raise ValueError("tags must give one tag per token")
     life = lifetimes(trace).mean(axis=(0, 1))
     frame = pd.DataFrame({"tag": tags, "lifetime": life}).dropna(subset=["tag"])
     table = (frame.groupby("tag", sort=False)["lifetime"].agg(mean_lifetime="mean", count="size")
