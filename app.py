@@ -200,6 +200,15 @@ def run_request(prompt, mode, max_new, names, budget, sinks, alpha, heads, custo
     return api.RunRequest(prompt=prompt, specs=specs, mode=mode, max_new_tokens=max_new, model=model)
 
 
+def on_cost(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model):
+    """The line under the Run button: what the chosen set costs against the limit, before anything runs."""
+    try:
+        return html.escape(api.cost(run_request(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom,
+                                                model)).line)
+    except RequestError as err:
+        return html.escape(str(err))
+
+
 def sweep_request(prompt, mode, max_new, names, sinks, alpha, heads, model):
     """Every checked policy at every sweep budget, recorded like a run so the budget slider replays."""
     try:
@@ -465,6 +474,7 @@ def build() -> gr.Blocks:
                     model = gr.Dropdown(list(LIMITS.models), value=api.DEFAULT_MODEL, label="Model",
                                         info="Hub models load only where the Space has internet.")
                 run_button = gr.Button("Run", variant="primary", elem_id="run")
+                cost_line = gr.Markdown(elem_id="cost")
                 status = gr.Markdown(elem_id="status")
             with gr.Column(scale=3):
                 summary = gr.Dataframe(label="Summary (vs Full)", interactive=False, elem_id="summary")
@@ -553,10 +563,17 @@ def build() -> gr.Blocks:
         # The model runs one job at a time ("model"); the views of stored runs share two workers ("views").
         # Moving the budget re-runs too: replayed from the store when that budget was computed before.
         views_ = {"concurrency_id": "views", "concurrency_limit": 2}
+        # The cost line never queues (it only tokenizes): it follows every control that changes the cost, and
+        # after a run, whose model may have just loaded (until then the count is an estimate).
+        cost_ = {"queue": False, "show_progress": "hidden", "trigger_mode": "always_last"}
+        for control in (prompt, mode, max_new, names, custom, model):
+            control.change(on_cost, run_inputs, cost_line, **cost_)
         for trigger in (run_button.click, budget.change):
-            trigger(on_run, run_inputs, [run_id, status, step, layer, head], validator=check_run,
-                    concurrency_id="model", trigger_mode="always_last").then(
-                render_run, run_id, run_views, **views_).then(render_views, selectors + zoom_controls, views, **views_)
+            ran = trigger(on_run, run_inputs, [run_id, status, step, layer, head], validator=check_run,
+                          concurrency_id="model", trigger_mode="always_last")
+            ran.then(render_run, run_id, run_views, **views_).then(render_views, selectors + zoom_controls, views,
+                                                                   **views_)
+            ran.then(on_cost, run_inputs, cost_line, **cost_)
         for control in (layer, head, curve_alpha):
             control.change(render_views, selectors + zoom_controls, views, **views_)
         step.release(render_views, selectors + zoom_controls, views, **views_)
@@ -576,6 +593,7 @@ def build() -> gr.Blocks:
         # A page load never waits behind the queue (reopening a link reads the store only).
         demo.load(on_load, None, [run_id, status], queue=False).then(render_run, run_id, run_views, **views_).then(
             render_views, selectors + zoom_controls, views, **views_)
+        demo.load(on_cost, run_inputs, cost_line, **cost_)
     return demo
 
 
