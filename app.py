@@ -57,6 +57,7 @@ FIRST_EXAMPLE = next(name for name in ("needle", "story", *EXAMPLES) if name in 
 POLICY_CHOICES = list(POLICIES)  # the operator's plugins (KVLENS_PLUGINS) joined the registry above
 DEFAULT_POLICIES = ["sinks", "tova", "a2sf", "reattention"]
 DEFAULT_BUDGET = 40
+MAX_BUDGET = 2048  # a quarter of an 8k text; the slider's number box takes any multiple of 4 below it
 STORE = TraceStore()  # never raises: a broken store is set aside, an unusable one means "not cached"
 QUEUE_SIZE = 64  # model jobs waiting or running; Admission enforces it (Gradio checks its cap before the validator)
 ADMISSION = Admission(per_session=1, per_address=runs_per_address(), queue=QUEUE_SIZE)
@@ -462,8 +463,8 @@ def build() -> gr.Blocks:
                 max_new = gr.Slider(4, LIMITS.new_tokens, value=24, step=4, label="Max new tokens")
                 names = gr.CheckboxGroup(POLICY_CHOICES, value=DEFAULT_POLICIES, label="Policies, side by side",
                                          elem_id="policies")
-                budget = gr.Slider(4, 128, value=DEFAULT_BUDGET, step=4, label="Budget: cached tokens each query reads",
-                                   elem_id="budget")
+                budget = gr.Slider(4, MAX_BUDGET, value=DEFAULT_BUDGET, step=4,
+                                   label="Budget: cached tokens each query reads", elem_id="budget")
                 with gr.Accordion("Policy parameters", open=False):
                     sinks = gr.Slider(0, 16, value=4, step=1, label="sinks: attention sinks kept (Window+i)")
                     alpha = gr.Slider(0.0, 1.0, value=0.1, step=0.05, label="a2sf: forgetting factor alpha")
