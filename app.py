@@ -478,7 +478,7 @@ def build() -> gr.Blocks:
                 cost_line = gr.Markdown(elem_id="cost")
                 status = gr.Markdown(elem_id="status")
             with gr.Column(scale=3):
-                summary = gr.Dataframe(label="Summary (vs Full)", interactive=False, elem_id="summary")
+                summary = gr.Dataframe(label="Summary (vs Full)", interactive=False, elem_id="summary", wrap=True)
                 with gr.Row():
                     layer = gr.Dropdown(panels.layer_choices(), value="all", label="Layer", elem_id="layer")
                     head = gr.Dropdown(panels.head_choices(), value="all", label="KV head", elem_id="head")
