@@ -6,7 +6,8 @@ Goal: each view renders in at most 2 s and at most 5 MB of plotly JSON (or
 HTML) for 30 layers x 3 KV heads, Full + sinks, h2o, tova, a2sf at budget 256 + an oracle selection.
 The traces are synthetic but shaped like real ones: eviction steps from a cache of ``budget`` slots
 that drops one token per step, oracle spans from a top-``budget`` set that swaps a few tokens per step,
-top-16 attention rows (sink, the last few tokens, the rest scattered) and 1024 sampled keys.
+top-k attention rows as the app records them (k = 7 at 8k: sink, the last few tokens, the rest scattered) and
+512 sampled keys.
 """
 from __future__ import annotations
 
@@ -16,14 +17,14 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from backend.traces.recorded import TopAttention, key_positions
+from backend.traces.recorded import TopAttention, choose_top_k, key_positions
 from backend.traces.spans import ReadSpans
 from backend.traces.trace import FORMAT_VERSION, Trace
 
 N_LAYERS, N_HEADS, HEAD_DIM = 30, 3, 64
 RECORDED = [0, 15, 29]
 BUDGET = 256
-TOP_K = 16
+TOP_K = choose_top_k(8192, len(RECORDED), N_HEADS)
 WORDS = [" the", " cache", " keeps", " a", " token", ",", ".", "\n", " of", " attention", " <b>bold</b>", " &",
          " model", " reads", " every", " query", " sink", " and", " its", " budget"]
 
@@ -102,13 +103,13 @@ def _oracle_spans(n: int, budget: int, rng, swaps: int = 3) -> ReadSpans:
 
 
 def _attention(n: int, rng) -> TopAttention:
-    """Top-16 rows: the sink, the token itself and the 5 before it, 9 scattered; weights sum to ~0.9."""
+    """Top-k rows: the sink, the token itself and the 2 before it, the rest scattered; weights sum to ~0.9."""
     t = np.arange(n)[:, None]
     shape = (len(RECORDED), N_HEADS, n)
     pos = np.empty((*shape, TOP_K), np.int64)
     pos[..., 0] = 0
-    pos[..., 1:7] = np.maximum(t - np.arange(6), 0)
-    pos[..., 7:] = (rng.random((*shape, TOP_K - 7)) * (t + 1)).astype(np.int64)
+    pos[..., 1:4] = np.maximum(t - np.arange(3), 0)
+    pos[..., 4:] = (rng.random((*shape, TOP_K - 4)) * (t + 1)).astype(np.int64)
     pos.sort(-1)
     pos[..., 1:][pos[..., 1:] == pos[..., :-1]] = -1  # a row holds a position once
     val = np.where(pos >= 0, rng.random(pos.shape) ** 3, 0.0)
