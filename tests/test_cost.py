@@ -12,7 +12,7 @@ from backend.engine import models
 from backend.engine.models import DEFAULT_MODEL
 from backend.limits import Limits
 
-from conftest import TinyTokenizer
+from tests.conftest import TinyTokenizer
 
 CHAT_TURN = 7  # tokens the chat tokenizer below wraps a user turn in
 
