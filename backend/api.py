@@ -183,15 +183,19 @@ def check_sweep(request: SweepRequest, limits: Limits = LIMITS) -> list[Policy]:
 
 def _tokens(lm: LoadedModel, request, policies: list[Policy], limits: Limits) -> list[int]:
     """Token ids of the request's text, after the checks that need the model."""
+    _check_policies_fit(lm, policies)
+    ids = _encode(lm, request, limits)
+    _check_prompt_tokens(len(ids), limits)
+    return ids
+
+
+def _check_policies_fit(lm: LoadedModel, policies: list[Policy]) -> None:
     for policy in policies:
         try:
             policy.check_model(head_dim=lm.head_dim, n_layers=lm.n_layers)
             check_fits(lm, policy)
         except ValueError as err:
             raise RequestError(f"Policy: {err}") from None
-    ids = _encode(lm, request, limits)
-    _check_prompt_tokens(len(ids), limits)
-    return ids
 
 
 def _encode(lm: LoadedModel, request, limits: Limits) -> list[int]:
@@ -273,6 +277,7 @@ def cost(request: RunRequest, limits: Limits = LIMITS) -> Cost:
         if n > limits.prompt_tokens:
             raise RequestError(f"The prompt is about {n:,} tokens long; the limit here is {limits.prompt_tokens:,}.")
     else:
+        _check_policies_fit(lm, policies)
         n = len(_encode(lm, request, limits))
         _check_prompt_tokens(n, limits)
     length = _length(n, request)

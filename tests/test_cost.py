@@ -87,6 +87,8 @@ def test_what_the_run_would_refuse_before_counting_is_a_message(tiny_session):
         api.cost(request(prompt="x" * 500))
     with pytest.raises(RequestError, match="Pick at least one policy"):
         api.cost(request(specs=[]))
+    with pytest.raises(RequestError, match="head size 8"):  # the loaded model's: the tiny model's heads are small
+        api.cost(request(specs=["sparq:budget=8,r=16"]))
 
 
 def test_without_the_model_loaded_the_count_is_an_estimate_and_nothing_loads(monkeypatch):
