@@ -57,6 +57,7 @@ FIRST_EXAMPLE = next(name for name in ("needle", "story", *EXAMPLES) if name in 
 POLICY_CHOICES = list(POLICIES)  # the operator's plugins (KVLENS_PLUGINS) joined the registry above
 DEFAULT_POLICIES = ["sinks", "tova", "a2sf", "reattention"]
 DEFAULT_BUDGET = 40
+MAX_BUDGET = 2048  # a quarter of an 8k text; the slider's number box takes any multiple of 4 below it
 STORE = TraceStore()  # never raises: a broken store is set aside, an unusable one means "not cached"
 QUEUE_SIZE = 64  # model jobs waiting or running; Admission enforces it (Gradio checks its cap before the validator)
 ADMISSION = Admission(per_session=1, per_address=runs_per_address(), queue=QUEUE_SIZE)
@@ -198,6 +199,15 @@ def run_request(prompt, mode, max_new, names, budget, sinks, alpha, heads, custo
     except (TypeError, ValueError):  # a raw API call with controls out of shape
         raise RequestError("The policy controls are out of range.") from None
     return api.RunRequest(prompt=prompt, specs=specs, mode=mode, max_new_tokens=max_new, model=model)
+
+
+def on_cost(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model):
+    """The line under the Run button: what the chosen set costs against the limit, before anything runs."""
+    try:
+        return html.escape(api.cost(run_request(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom,
+                                                model)).line)
+    except RequestError as err:
+        return html.escape(str(err))
 
 
 def sweep_request(prompt, mode, max_new, names, sinks, alpha, heads, model):
@@ -453,8 +463,8 @@ def build() -> gr.Blocks:
                 max_new = gr.Slider(4, LIMITS.new_tokens, value=24, step=4, label="Max new tokens")
                 names = gr.CheckboxGroup(POLICY_CHOICES, value=DEFAULT_POLICIES, label="Policies, side by side",
                                          elem_id="policies")
-                budget = gr.Slider(4, 128, value=DEFAULT_BUDGET, step=4, label="Budget: cached tokens each query reads",
-                                   elem_id="budget")
+                budget = gr.Slider(4, MAX_BUDGET, value=DEFAULT_BUDGET, step=4,
+                                   label="Budget: cached tokens each query reads", elem_id="budget")
                 with gr.Accordion("Policy parameters", open=False):
                     sinks = gr.Slider(0, 16, value=4, step=1, label="sinks: attention sinks kept (Window+i)")
                     alpha = gr.Slider(0.0, 1.0, value=0.1, step=0.05, label="a2sf: forgetting factor alpha")
@@ -465,9 +475,10 @@ def build() -> gr.Blocks:
                     model = gr.Dropdown(list(LIMITS.models), value=api.DEFAULT_MODEL, label="Model",
                                         info="Hub models load only where the Space has internet.")
                 run_button = gr.Button("Run", variant="primary", elem_id="run")
+                cost_line = gr.Markdown(elem_id="cost")
                 status = gr.Markdown(elem_id="status")
             with gr.Column(scale=3):
-                summary = gr.Dataframe(label="Summary (vs Full)", interactive=False, elem_id="summary")
+                summary = gr.Dataframe(label="Summary (vs Full)", interactive=False, elem_id="summary", wrap=True)
                 with gr.Row():
                     layer = gr.Dropdown(panels.layer_choices(), value="all", label="Layer", elem_id="layer")
                     head = gr.Dropdown(panels.head_choices(), value="all", label="KV head", elem_id="head")
@@ -557,10 +568,17 @@ def build() -> gr.Blocks:
         # The model runs one job at a time ("model"); the views of stored runs share two workers ("views").
         # Moving the budget re-runs too: replayed from the store when that budget was computed before.
         views_ = {"concurrency_id": "views", "concurrency_limit": 2}
+        # The cost line never queues (it only tokenizes): it follows every control that changes the cost, and
+        # after a run, whose model may have just loaded (until then the count is an estimate).
+        cost_ = {"queue": False, "show_progress": "hidden", "trigger_mode": "always_last"}
+        for control in (prompt, mode, max_new, names, custom, model):
+            control.change(on_cost, run_inputs, cost_line, **cost_)
         for trigger in (run_button.click, budget.change):
-            trigger(on_run, run_inputs, [run_id, status, step, layer, head], validator=check_run,
-                    concurrency_id="model", trigger_mode="always_last").then(
-                render_run, run_id, run_views, **views_).then(render_views, selectors + zoom_controls, views, **views_)
+            ran = trigger(on_run, run_inputs, [run_id, status, step, layer, head], validator=check_run,
+                          concurrency_id="model", trigger_mode="always_last")
+            ran.then(render_run, run_id, run_views, **views_).then(render_views, selectors + zoom_controls, views,
+                                                                   **views_)
+            ran.then(on_cost, run_inputs, cost_line, **cost_)
         for control in (layer, head, curve_alpha):
             control.change(render_views, selectors + zoom_controls, views, **views_)
         step.release(render_views, selectors + zoom_controls, views, **views_)
@@ -580,6 +598,7 @@ def build() -> gr.Blocks:
         # A page load never waits behind the queue (reopening a link reads the store only).
         demo.load(on_load, None, [run_id, status], queue=False).then(render_run, run_id, run_views, **views_).then(
             render_views, selectors + zoom_controls, views, **views_)
+        demo.load(on_cost, run_inputs, cost_line, **cost_)
     return demo
 
 

@@ -27,12 +27,12 @@ from dataclasses import dataclass
 import pandas as pd
 
 from .engine.allocator import give_back
-from .engine.models import DEFAULT_MODEL, DEVICES, DTYPES, LoadedModel, ModelError, shared_model
+from .engine.models import DEFAULT_MODEL, DEVICES, DTYPES, LoadedModel, ModelError, loaded_model, shared_model
 from .engine.runner import Progress, check_fits, default_record_layers
 from .experiments.grid import GridError, run_grid
 from .experiments.needle import NEW_TOKENS, needle_frame, needle_jobs
 from .experiments.sweep import MAX_ROWS, sweep as sweep_budgets
-from .limits import Limits, row_cost
+from .limits import Limits, counted, longest_fitting, most_fitting, row_cost, rows_cost
 from .policies import Policy, SpecError, parse_spec
 from .runs import Run, replay_or_compute
 from .traces.store import TraceStore, load_trace, run_key
@@ -183,37 +183,60 @@ def check_sweep(request: SweepRequest, limits: Limits = LIMITS) -> list[Policy]:
 
 def _tokens(lm: LoadedModel, request, policies: list[Policy], limits: Limits) -> list[int]:
     """Token ids of the request's text, after the checks that need the model."""
+    _check_policies_fit(lm, policies)
+    ids = _encode(lm, request, limits)
+    _check_prompt_tokens(len(ids), limits)
+    return ids
+
+
+def _check_policies_fit(lm: LoadedModel, policies: list[Policy]) -> None:
     for policy in policies:
         try:
             policy.check_model(head_dim=lm.head_dim, n_layers=lm.n_layers)
             check_fits(lm, policy)
         except ValueError as err:
             raise RequestError(f"Policy: {err}") from None
+
+
+def _encode(lm: LoadedModel, request, limits: Limits) -> list[int]:
+    """The request's token ids as the model reads them: a chat turn in generate mode where the model chats,
+    cut to ``max_tokens`` when the request asks."""
     # Truncating: the first text_chars characters hold far more than max_tokens tokens of real text.
     text = request.prompt if request.max_tokens is None else request.prompt[:limits.text_chars]
     ids = lm.encode(text, chat=request.chat and request.mode == "generate")
     if request.max_tokens is not None:
         ids = ids[:request.max_tokens]
-    if len(ids) > limits.prompt_tokens:
-        raise RequestError(f"The prompt is {len(ids)} tokens long; the limit here is {limits.prompt_tokens}.")
-    if len(ids) < 2:
-        raise RequestError("The text needs at least 2 tokens.")
     return list(ids)
 
 
-def _check_cost(lm: LoadedModel, policies: list[Policy], ids: list[int], request, limit: int, what: str) -> None:
-    length = len(ids) + (request.max_new_tokens if request.mode == "generate" else 0)
+def _check_prompt_tokens(n: int, limits: Limits) -> None:
+    if n > limits.prompt_tokens:
+        raise RequestError(f"The prompt is {n} tokens long; the limit here is {limits.prompt_tokens}.")
+    if n < 2:
+        raise RequestError("The text needs at least 2 tokens.")
+
+
+def _length(n_prompt: int, request) -> int:
+    """Tokens every row reads: the prompt and, in generate mode, the new tokens."""
+    return n_prompt + (request.max_new_tokens if request.mode == "generate" else 0)
+
+
+def _check_context(lm: LoadedModel, length: int) -> None:
     if length > lm.context:
         raise RequestError(f"The text and the new tokens come to {length} tokens; the model reads at most "
                            f"{lm.context}.")
+
+
+def _check_cost(lm: LoadedModel, policies: list[Policy], ids: list[int], request, limit: int, what: str) -> None:
+    length = _length(len(ids), request)
+    _check_context(lm, length)
     _check_row_tokens(policies, length, limit, what, "use fewer policies, fewer new tokens or a shorter text")
 
 
 def _check_row_tokens(policies: Sequence[Policy], length: int, limit: int, what: str, advice: str) -> None:
-    """What ``policies`` cost at ``length`` tokens (``limits.row_cost``) against ``limit``. Full is free: it is
-    the reference row every run computes anyway."""
-    rows = [p for p in policies if p.kind != "full"]
-    cost = sum(row_cost(p, length) for p in rows)
+    """What ``policies`` cost at ``length`` tokens (``limits.rows_cost``: Full is free) against ``limit``."""
+    rows = counted(policies)
+    cost = rows_cost(policies, length)
     if cost > limit:
         quadratic = [p for p in rows if p.reads_every_key]
         why = (f" ({', '.join(dict.fromkeys(p.name for p in quadratic))} read every key for every query: at "
@@ -221,6 +244,83 @@ def _check_row_tokens(policies: Sequence[Policy], length: int, limit: int, what:
                if quadratic and row_cost(quadratic[0], length) > length else "")
         raise RequestError(f"{what}: {len(rows)} policies x {length} tokens come to {cost:,} row-tokens, more "
                            f"than the {limit:,} row-tokens one request may use here{why}; {advice}.")
+
+
+# --- What a run costs, before it runs ---------------------------------------------------------------------
+
+CHARS_PER_TOKEN = 4  # until the model is loaded; English prose reads at ~5 a token, code and other scripts at fewer
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What a run request costs against the row-token limit (``cost``), and ``line`` saying it."""
+
+    tokens: int  # the prompt as the model reads it (a chat turn in generate mode where the model chats)
+    length: int  # tokens every row reads: the prompt and, in generate mode, the new tokens
+    rows: int  # policies that count (Full is free)
+    row_tokens: int
+    limit: int
+    fits: bool
+    exact: bool  # False: the tokens are estimated from the characters, the model not being loaded yet
+    line: str  # plain text (it may quote a spec): escape it before it becomes HTML
+
+
+def cost(request: RunRequest, limits: Limits = LIMITS) -> Cost:
+    """What ``run`` would charge ``request`` (the same rule: ``limits.rows_cost`` over the same tokens), or
+    RequestError for what the run's checks refuse before they count. Never loads a model: with the model
+    loaded the count is exact (a 190 KB prompt tokenizes in a fraction of a second), else estimated."""
+    policies = check_run(request, limits)
+    lm = loaded_model(request.model, request.device, request.dtype)
+    if lm is None:
+        n = max(2, -(-len(request.prompt) // CHARS_PER_TOKEN))
+        n = n if request.max_tokens is None else min(n, request.max_tokens)
+        if n > limits.prompt_tokens:
+            raise RequestError(f"The prompt is about {n:,} tokens long; the limit here is {limits.prompt_tokens:,}.")
+    else:
+        _check_policies_fit(lm, policies)
+        n = len(_encode(lm, request, limits))
+        _check_prompt_tokens(n, limits)
+    length = _length(n, request)
+    if lm is not None:
+        _check_context(lm, length)
+    spent = rows_cost(policies, length)
+    fits = spent <= limits.row_tokens
+    line = _cost_line(policies, request, n, length, spent, limits, lm)
+    return Cost(tokens=n, length=length, rows=len(counted(policies)), row_tokens=spent, limit=limits.row_tokens,
+                fits=fits, exact=lm is not None, line=line)
+
+
+def _cost_line(policies: list[Policy], request: RunRequest, n: int, length: int, spent: int, limits: Limits,
+               lm: LoadedModel | None) -> str:
+    """E.g. "Cost: 3 policies x 8,058 tokens = 24,174 of 32,768 row-tokens.", and what fits when it does not."""
+    rows, limit = counted(policies), limits.row_tokens
+    about = "" if lm is not None else "about "
+    estimated = "" if lm is not None else " (estimated from the characters until the model is loaded)"
+    if not rows:
+        return f"Cost: Full alone is free (0 of {limit:,} row-tokens)."
+    generate = request.mode == "generate"
+    count = f"{len(rows)} {'policy' if len(rows) == 1 else 'policies'}"
+    read = f"{about}{length:,} tokens"
+    if generate:
+        turn = " as a chat turn" if lm is not None and request.chat and lm.chats else ""
+        read += f" ({about}{n:,} prompt{turn} + {request.max_new_tokens:,} new)"
+    heavier = {p.name: row_cost(p, length) / length for p in rows if row_cost(p, length) != length}
+    why = "; ".join(f"{name} counts {factor:.3g}x" for name, factor in heavier.items())
+    notes = (f" ({why})" if why else "") + estimated + ("; Full is free" if len(rows) < len(policies) else "")
+    line = f"Cost: {count} x {read} = {about}{spent:,}"
+    if spent <= limit:
+        return f"{line} of {limit:,} row-tokens{notes}."
+    fits = []
+    most = most_fitting(policies, length, limit)
+    if most:
+        fits.append(f"{most} of these {len(rows)} policies")
+    new = request.max_new_tokens if generate else 0
+    longest = min(longest_fitting(policies, limit), lm.context if lm is not None else length) - new
+    if longest >= 2:
+        fits.append(f"{'a prompt' if generate else 'a text'} of up to {about}{min(longest, limits.prompt_tokens):,} "
+                    f"tokens")
+    advice = f"What fits: {', or '.join(fits)}." if fits else "Pick fewer new tokens or fewer policies."
+    return f"{line} row-tokens, over the {limit:,} allowed here{notes}. {advice}"
 
 
 def release_memory() -> None:

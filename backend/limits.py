@@ -83,3 +83,33 @@ def row_cost(policy, length: int) -> int:
     query reads every key (``policy.reads_every_key``)."""
     per_pass = max(length, length * length // SELECTION_UNIT) if policy.reads_every_key else length
     return per_pass * (1 + policy.extra_passes)
+
+
+def counted(policies) -> list:
+    """The rows a request pays for: Full is free, the reference row every run computes anyway."""
+    return [p for p in policies if p.kind != "full"]
+
+
+def rows_cost(policies, length: int) -> int:
+    """Row-tokens of ``policies`` over ``length`` tokens (Full free): what a request is checked against."""
+    return sum(row_cost(p, length) for p in counted(policies))
+
+
+def longest_fitting(policies, limit: int) -> int:
+    """The most tokens ``policies`` may read within ``limit`` row-tokens (row costs grow with the length)."""
+    lo, hi = 0, max(1, limit)  # every counted row costs at least its length
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if rows_cost(policies, mid) <= limit else (lo, mid - 1)
+    return lo
+
+
+def most_fitting(policies, length: int, limit: int) -> int:
+    """How many of ``policies``' counted rows fit within ``limit`` at ``length`` tokens, cheapest first."""
+    spent, fitting = 0, 0
+    for cost in sorted(row_cost(p, length) for p in counted(policies)):
+        spent += cost
+        if spent > limit:
+            break
+        fitting += 1
+    return fitting

@@ -8,8 +8,8 @@ Goal: each view renders in at most 2 s and at most 5 MB of plotly JSON (or HTML)
 The run holds Full + sinks, h2o, tova, a2sf at budget 256 + an oracle selection. The traces are synthetic
 but shaped like real ones: eviction steps from a cache of ``budget`` slots that drops one token per step,
 oracle spans from a top-``budget`` set that swaps a few tokens per step (cut at a local layer's window, as
-the engine records them), top-16 attention rows (sink, the last few tokens, the rest scattered) and 1024
-sampled keys.
+the engine records them), top-k attention rows as the app records them (k = 7 at 8k: sink, the last few tokens, the rest
+scattered) and 512 sampled keys.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from types import MappingProxyType, SimpleNamespace
 
 import numpy as np
 
-from backend.traces.recorded import TopAttention, key_positions
+from backend.traces.recorded import TopAttention, choose_top_k, key_positions
 from backend.traces.spans import ReadSpans
 from backend.traces.trace import FORMAT_VERSION, Trace
 
@@ -53,7 +53,6 @@ SHAPES = MappingProxyType({
 })
 DEFAULT = SHAPES["default"]
 BUDGET = 256
-TOP_K = 16
 WORDS = [" the", " cache", " keeps", " a", " token", ",", ".", "\n", " of", " attention", " <b>bold</b>", " &",
          " model", " reads", " every", " query", " sink", " and", " its", " budget"]
 
@@ -144,13 +143,15 @@ def _within_window(spans: np.ndarray, window: int | None) -> tuple[np.ndarray, .
 
 
 def _attention(n: int, rng, model: Shape) -> TopAttention:
-    """Top-16 rows: the sink, the token itself and the 5 before it, 9 scattered; weights sum to ~0.9."""
+    """Top-k rows as the app records them: the sink, the token itself and the 2 before it, the rest scattered;
+    weights sum to ~0.9."""
+    top_k = choose_top_k(n, len(model.recorded), model.n_kv_heads)
     t = np.arange(n)[:, None]
     shape = (len(model.recorded), model.n_kv_heads, n)
-    pos = np.empty((*shape, TOP_K), np.int64)
+    pos = np.empty((*shape, top_k), np.int64)
     pos[..., 0] = 0
-    pos[..., 1:7] = np.maximum(t - np.arange(6), 0)
-    pos[..., 7:] = (rng.random((*shape, TOP_K - 7)) * (t + 1)).astype(np.int64)
+    pos[..., 1:4] = np.maximum(t - np.arange(3), 0)
+    pos[..., 4:] = (rng.random((*shape, top_k - 4)) * (t + 1)).astype(np.int64)
     pos.sort(-1)
     pos[..., 1:][pos[..., 1:] == pos[..., :-1]] = -1  # a row holds a position once
     val = np.where(pos >= 0, rng.random(pos.shape) ** 3, 0.0)

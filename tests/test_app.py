@@ -26,7 +26,7 @@ def test_controls_become_specs_every_policy_accepts():
     specs = app.specs_from_controls(app.POLICY_CHOICES, 40, 4, 0.3, "paper default", "tova:budget=8,heads=head\n")
     assert specs[:3] == ["full", "window:budget=40", "sinks:budget=40"]  # a policy prints its own spec
     assert "a2sf:budget=40,alpha=0.3" in specs and specs[-1] == "tova:budget=8,heads=head"
-    for budget in (4, 8, 12, 40, 128):
+    for budget in (4, 8, 12, 40, 128, app.MAX_BUDGET):
         for spec in app.specs_from_controls(app.POLICY_CHOICES, budget, 8, 0.1, "head", ""):
             parse_spec(spec)  # small budgets shrink sinks and ReAttention's parts instead of failing
     assert app.specs_from_controls(["tova", "h2o"], 40, 4, 0.1, "layer", "") == ["tova:budget=40", "h2o:budget=40,heads=layer"]

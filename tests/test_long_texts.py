@@ -4,14 +4,17 @@ own way without forcing the other rows into one block."""
 import numpy as np
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from backend.engine.attention import RowLayerState
+from backend.engine.attention import ATTN_IMPLEMENTATION, RowLayerState
 from backend.policies import A2SF, H2O, TOVA, Full, Oracle, ReAttention, Sinks, SnapKV, SparQ
 from backend.policies.base import top_positions, top_positions_block
-from backend.traces.recorded import TopAttention, choose_top_k, key_positions
-from backend.engine.runner import block_ends, compute_traces, score_text
+from backend.traces.recorded import MIN_TOP_K, RECORD_BYTES, TopAttention, choose_top_k, key_positions
+from backend.engine.models import LoadedModel
+from backend.engine.runner import block_ends, compute_traces, default_record_layers, score_text
 from backend.traces.spans import ReadSpans, SpanRecorder
 from backend.traces.trace import Trace
+from tests.conftest import TinyTokenizer
 
 
 def random_masks(seed=0, layers=2, heads=3, n=40, share=0.3):
@@ -154,12 +157,48 @@ def test_top_attention_keeps_the_largest_entries_and_is_exact_when_they_fit():
     np.testing.assert_allclose(top.covered(0, 0), [1, 1, 0.9, 0.7], atol=1e-3)
 
 
+def held_entries(length: int, k: int) -> int:
+    """Entries the top-k rows of a text hold: query t holds min(t + 1, k)."""
+    return sum(min(t + 1, k) for t in range(length))
+
+
+@pytest.mark.parametrize("length", [2, 200, 341, 342, 1024, 4096, 8192, 14000])
+def test_recorded_attention_takes_the_largest_k_its_bytes_allow(length):
+    entries = RECORD_BYTES // (4 * 3 * 3)  # per layer and KV head, for 3 recorded layers x 3 KV heads
+    k = choose_top_k(length, 3, 3)
+    assert held_entries(length, k) <= entries
+    assert k == length or held_entries(length, k + 1) > entries
+
+
 def test_recorded_sizes_stay_bounded_at_8k():
-    k = choose_top_k(8192, 3, 3)
-    assert 16 <= k < 100 and 3 * 3 * 8192 * k * 4 <= 6.5 * 2 ** 20
-    assert choose_top_k(200, 3, 3) == 200  # short texts are exact
-    assert len(key_positions(8192)) == 1024 and key_positions(8192)[[0, -1]].tolist() == [0, 8191]
+    assert choose_top_k(8192, 3, 3) == 7 and choose_top_k(32768, 3, 3) == MIN_TOP_K
+    assert choose_top_k(265, 3, 3) == 265  # the default example (241 prompt + 24 new tokens) is exact
+    assert len(key_positions(8192)) == 512 and key_positions(8192)[[0, -1]].tolist() == [0, 8191]
     np.testing.assert_array_equal(key_positions(300), np.arange(300))
+
+
+def test_a_stored_eviction_trace_stays_within_its_bound():
+    """Stored, an eviction trace takes at most evicted_at's 4 bytes per (layer, KV head, token) plus 2 MiB: the
+    recorded part (3 layers' top-k attention and 512 keys) fits in the 2 MiB at any length. A random-weight
+    Llama shaped like the default model's cache (30 layers, 3 KV heads, head dim 64), at 1024 tokens: 8192
+    take minutes on two cores, and at 1024 the 2 MiB weigh most against the per-token part."""
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("llama", vocab_size=101, hidden_size=48, intermediate_size=64, num_hidden_layers=30,
+                                  num_attention_heads=3, num_key_value_heads=3, head_dim=64,
+                                  max_position_embeddings=2048, tie_word_embeddings=False)
+    config._attn_implementation = ATTN_IMPLEMENTATION
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # sharper attention than the default init, as trained models have
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4.0)
+    lm = LoadedModel(name="cache-shaped", model=model, tokenizer=TinyTokenizer(), fingerprint="cache-shaped")
+    ids = torch.randint(0, 101, (1024,), generator=torch.Generator().manual_seed(1)).tolist()
+    (trace,), _ = compute_traces(lm, ["tova:budget=256"], [TOVA(budget=256)], ids,
+                                 record_layers=default_record_layers(lm))
+    n_layers, n_heads, length = trace.evicted_at.shape
+    assert (n_layers, n_heads, length) == (30, 3, 1024) and trace.evicted_at.max() > 0
+    assert trace.attention.top_k == choose_top_k(1024, 3, 3) and trace.keys.shape == (3, 3, 512, 64)
+    assert len(trace.to_bytes()) <= 4 * n_layers * n_heads * length + 2 * 2 ** 20
 
 
 def test_a_recorded_eviction_row_keeps_whole_rows_when_its_budget_fits(tiny, text_ids, monkeypatch):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import re
 from html.parser import HTMLParser
+from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
@@ -18,7 +19,9 @@ from viz import (continuations_html, divergence_figure, first_token_retention_fi
                  heatmap_values, kept_tokens_html, lifetime_by_position_figure, mask_heatmap, mask_heatmaps,
                  non_recent_share_figure, policy_colors, pos_table, pos_table_html, score_curves_figure,
                  score_over_steps_figure, summary_table)
+from viz import panels
 from viz.colors import FAMILY_COLORS, family
+from viz.continuation import continuation_cell
 from viz.heatmap import DEFAULT_DECADES, MAX_CELLS, NOT_READ_GAP
 
 SPECS = ["tova:budget=8", "a2sf:budget=8,alpha=0.3", "oracle:budget=8"]
@@ -557,6 +560,32 @@ def test_summary_table_formats_every_column(prompt_run):
     raw = summary_table(rows, formatted=False)
     assert raw["Perplexity"].dtype == float and np.isnan(raw.loc[1, "Similarity to oracle"])
     assert raw.loc[2, "Top-1 agreement"] == pytest.approx(rows[2]["top1_agreement"])
+
+
+def test_a_continuation_cell_shows_line_breaks_and_tabs_and_cuts_long_text():
+    assert continuation_cell([" The", " end.\r\n", "\tNext", "\x00", "\n"]) == " The end.⏎⇥Next⏎"
+    assert continuation_cell(["abcdef"], max_chars=6) == "abcdef"
+    cut = continuation_cell(["abc", "defg"], max_chars=6)
+    assert cut == "abcde…" and len(cut) == 6
+
+
+def test_the_summary_shows_each_continuation_in_generate_mode_and_none_in_prompt_mode(lm, prompt_run):
+    ids = torch.randint(0, 101, (20,), generator=torch.Generator().manual_seed(3)).tolist()
+    specs = ["tova:budget=8", "full", "sinks:budget=8"]
+    traces, full = compute_traces(lm, specs, [parse_spec(s) for s in specs], ids, mode="generate", max_new_tokens=6,
+                                  record_layers=())
+    traces = [t.with_spec(spec) for t, spec in zip(traces, specs)]
+    traces[2].meta["token_texts"][-2:] = ["\n", "<b>" * 80]  # a line break, then more than a cell holds
+    summary = panels.summary_table(SimpleNamespace(traces=traces, full=full))
+    assert summary.columns[-1] == "Continuation" and list(summary["Policy"]) == specs
+    n = full.meta["n_prompt"]
+    assert summary.loc[1, "Continuation"] == "".join(full.meta["token_texts"][n:])  # Full's row: Full's answer
+    assert summary.loc[0, "Continuation"] == "".join(traces[0].meta["token_texts"][n:])
+    sinks = summary.loc[2, "Continuation"]
+    assert "⏎<b><b>" in sinks and sinks.endswith("…") and len(sinks) == 160
+    prompt_traces, prompt_full = prompt_run
+    in_prompt_mode = panels.summary_table(SimpleNamespace(traces=list(prompt_traces.values()), full=prompt_full))
+    assert "Continuation" not in in_prompt_mode.columns
 
 
 # ---------------------------------------------------------------- retention

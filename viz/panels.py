@@ -22,6 +22,7 @@ from backend.policies import policy_of
 from backend.traces.trace import Trace
 
 from .colors import policy_colors
+from .continuation import continuation_cell
 from .curves import score_curves_figure, score_over_steps_figure
 from .divergence import divergence_figure, divergence_notes, summary_table as summary_frame
 from .heatmap import mask_heatmaps
@@ -117,8 +118,8 @@ def _nearest_recorded(trace: Trace, layer: str) -> int:
 def summary_table(run, shares: dict[str, np.ndarray] | None = None) -> pd.DataFrame:
     """Per policy: perplexity, KL and top-1 agreement vs Full, similarity to the oracle's masks (when an
     oracle ran on the same tokens), how long token 0 stayed (TOVA Fig. 8), the non-recent share of
-    what was read (TOVA Sec. 6.1; ``shares`` from ``non_recent_shares``) and, when a policy makes one, the
-    tokens of its second pass (KVzip)."""
+    what was read (TOVA Sec. 6.1; ``shares`` from ``non_recent_shares``), when a policy makes one, the
+    tokens of its second pass (KVzip) and, in generate mode, its continuation (Full's on Full's row)."""
     shares = non_recent_shares(run) if shares is None else shares
     oracle = next((t for t in run.traces if t.meta["policy"] == "oracle"), None)
     rows, first_token, non_recent = [], [], []
@@ -142,6 +143,8 @@ def summary_table(run, shares: dict[str, np.ndarray] | None = None) -> pd.DataFr
     frame["Budget shared"] = [p.allocation if p and p.kind != "full" else "—" for p in policies]
     if any("extra_pass_tokens" in t.meta for t in run.traces):  # a policy's own second pass (KVzip's)
         frame["Extra pass"] = [_extra_pass(t) for t in run.traces]
+    if run.full.meta["mode"] == "generate":  # the answers beside the numbers that score them
+        frame["Continuation"] = [continuation_cell(_continuation_texts(t)) for t in run.traces]
     return frame
 
 

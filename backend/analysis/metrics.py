@@ -442,7 +442,7 @@ def unrotate_keys(keys: np.ndarray, inv_freq: np.ndarray, scaling: float = 1.0,
 class KeySamples:
     """The keys of one KV head of one recorded layer at the trace's sampled positions, one row per position."""
 
-    positions: np.ndarray  # int32 [S]: the token positions of the rows (all of them up to 1024 tokens)
+    positions: np.ndarray  # int32 [S]: the token positions of the rows (all of them up to 512 tokens)
     before_rope: np.ndarray  # float32 [S, d], as the trace stores them
     after_rope: np.ndarray  # float32 [S, d], rotated to their positions as the cache held them
     kept: np.ndarray  # bool [S]: read by the last query (step T - 1)

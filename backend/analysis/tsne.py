@@ -1,6 +1,6 @@
 """2-D t-SNE maps of cached keys before and after RoPE (ReAttention Fig. 8-9); the figure is viz/tsne.py.
 
-Keys of one layer and KV head ([S, d]: ``Trace.keys[r, head]``, stored before RoPE at up to 1024
+Keys of one layer and KV head ([S, d]: ``Trace.keys[r, head]``, stored before RoPE at up to 512
 sampled positions, and the same keys rotated to their positions) are embedded with scikit-learn's
 t-SNE with a fixed seed, each set on its own, so the two
 maps can be compared side by side: after RoPE, keys tend to line up by position; before it, by

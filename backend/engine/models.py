@@ -117,9 +117,14 @@ class LoadedModel:
         config = self.model.config
         return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
+    @property
+    def chats(self) -> bool:
+        """Whether ``encode(chat=True)`` wraps a text in a chat template (an instruct model that has one)."""
+        return self.chat and bool(getattr(self.tokenizer, "chat_template", None))
+
     def encode(self, text: str, chat: bool = False) -> list[int]:
         """Token ids of ``text``; ``chat=True`` wraps it as a user turn of the model's chat template."""
-        if chat and self.chat and getattr(self.tokenizer, "chat_template", None):
+        if chat and self.chats:
             return list(self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                                            add_generation_prompt=True, tokenize=True,
                                                            return_dict=True)["input_ids"])
@@ -244,11 +249,21 @@ LOADED: dict[str, LoadedModel] = {}  # the models this process has loaded, by na
 _loading = threading.Lock()
 
 
+def _loaded_key(name: str, device: str, dtype: str) -> str:
+    """Models on the CPU in float32 are kept under their name, others under ``name@device:dtype``."""
+    return name if (device, dtype) == ("cpu", "float32") else f"{name}@{device}:{dtype}"
+
+
 def shared_model(name: str = DEFAULT_MODEL, device: str = "cpu", dtype: str = "float32") -> LoadedModel:
-    """``load_model``, once per process: every later call gets the same loaded model. Models on the CPU in
-    float32 are kept under their name, others under ``name@device:dtype``."""
-    key = name if (device, dtype) == ("cpu", "float32") else f"{name}@{device}:{dtype}"
+    """``load_model``, once per process: every later call gets the same loaded model."""
+    key = _loaded_key(name, device, dtype)
     with _loading:
         if key not in LOADED:
             LOADED[key] = load_model(name, device, dtype)
         return LOADED[key]
+
+
+def loaded_model(name: str = DEFAULT_MODEL, device: str = "cpu", dtype: str = "float32") -> LoadedModel | None:
+    """The model if this process has loaded it already, else None; never loads, and never waits for a load
+    under way (a cost preview must not queue behind the model)."""
+    return LOADED.get(_loaded_key(name, device, dtype))

@@ -3,7 +3,9 @@
 A full row per query is T * T numbers per head (128 MB per head and layer at 8k in float16). Attention
 is concentrated, so the ``k`` largest entries of a row carry most of it; rows with at most ``k`` entries
 (the first ``k`` queries, and every query of an eviction policy whose budget is at most ``k``) are kept
-exactly. ``choose_top_k`` sizes ``k`` so that a trace's recorded attention stays near 4 MB.
+exactly. ``choose_top_k`` sizes ``k`` so that a trace's recorded attention holds at most 2 MiB of entries,
+whatever the text's length: with the sampled keys (``KEY_SAMPLES``, ~0.5 MB compressed for the default
+model) a stored eviction trace stays within ``evicted_at``'s 4 bytes per layer, KV head and token plus 2 MiB.
 """
 from __future__ import annotations
 
@@ -11,17 +13,27 @@ from dataclasses import dataclass
 
 import numpy as np
 
-RECORD_BYTES = 4 * 2 ** 20  # per trace: a run of five rows stays under 32 MB with the keys (1.2 MB a trace)
-MIN_TOP_K = 16
+RECORD_BYTES = 2 * 2 ** 20  # entries a trace holds, 4 bytes each: k = 7 at 8k for 3 layers x 3 KV heads
+MIN_TOP_K = 4  # binds only past ~14.5k tokens for 3 layers x 3 KV heads
 NO_POSITION = 65535  # an empty entry, as stored
-KEY_SAMPLES = 1024  # positions whose keys a trace keeps (every position up to this length)
+KEY_SAMPLES = 512  # positions whose keys a trace keeps (every position up to this length): what t-SNE embeds
 
 
 def choose_top_k(length: int, n_recorded: int, n_heads: int) -> int:
-    """k for a text of ``length`` tokens: every entry when that fits in RECORD_BYTES (4 bytes an entry: a
-    uint16 position and a float16 weight)."""
-    fits = RECORD_BYTES // max(1, 4 * n_recorded * n_heads * length)
-    return int(min(length, max(MIN_TOP_K, fits)))
+    """k for a text of ``length`` tokens: the largest whose entries fit in RECORD_BYTES (4 bytes an entry: a
+    uint16 position and a float16 weight; query t holds min(t + 1, k) of them, the rest is padding that
+    compresses to nothing), at least MIN_TOP_K; every entry (k = length) when the whole triangle fits."""
+    entries = RECORD_BYTES // max(1, 4 * n_recorded * n_heads)  # per recorded layer and head
+
+    def held(k: int) -> int:
+        return k * length - k * (k - 1) // 2
+
+    if held(length) <= entries:
+        return length
+    k = entries // max(1, length)
+    while held(k + 1) <= entries:  # the first k queries hold fewer than k: a few more fit
+        k += 1
+    return int(min(length, max(MIN_TOP_K, k)))
 
 
 def key_positions(length: int) -> np.ndarray:
