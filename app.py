@@ -39,7 +39,7 @@ try:  # every KVLENS_* setting, and the operator's plugins, before anything read
 except SettingError as err:
     sys.exit(f"error: {err}")
 
-from backend import api  # noqa: E402
+from backend import api, texts  # noqa: E402
 from backend.api import LIMITS, RequestError  # noqa: E402
 from backend.experiments import shipped  # noqa: E402
 from backend.experiments.sweep import SWEEP_BUDGETS  # noqa: E402
@@ -52,7 +52,7 @@ from viz.needle import found_rates, needle_figure, needle_table_html  # noqa: E4
 from viz.sweep import sweep_ci_figure  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
-EXAMPLES = {path.stem.replace("_", " "): path.read_text().strip() for path in sorted((ROOT / "assets" / "examples").glob("*.txt"))}
+EXAMPLES = texts.examples(ROOT / "assets" / "examples")  # the needle example first, then short to long
 FIRST_EXAMPLE = next(name for name in ("needle", "story", *EXAMPLES) if name in EXAMPLES)
 POLICY_CHOICES = list(POLICIES)  # the operator's plugins (KVLENS_PLUGINS) joined the registry above
 DEFAULT_POLICIES = ["sinks", "tova", "a2sf", "reattention"]
