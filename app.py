@@ -151,6 +151,12 @@ def specs_from_controls(names, budget, sinks, alpha, heads, custom):
     return specs
 
 
+def example_text(sample):
+    """The text of the example clicked (its label, as the list of examples holds it)."""
+    label = sample[0] if isinstance(sample, (list, tuple)) and sample else sample
+    return EXAMPLES.get(label, gr.skip()) if isinstance(label, str) else gr.skip()
+
+
 def shown(err: Exception) -> gr.Error:
     """A message for the page: one line, escaped (it may quote what the visitor typed)."""
     return gr.Error(html.escape(str(err)), print_exception=False)
@@ -446,8 +452,9 @@ def build() -> gr.Blocks:
             with gr.Column(scale=1, min_width=320):
                 prompt = gr.Textbox(label="Prompt", lines=7, value=EXAMPLES[FIRST_EXAMPLE], elem_id="prompt",
                                     max_length=LIMITS.text_chars)
-                gr.Examples([[text] for text in EXAMPLES.values()], inputs=[prompt], example_labels=list(EXAMPLES),
-                            label="Examples")
+                # Labels only: the page would otherwise carry every text (the long ones are 40k characters).
+                examples = gr.Dataset(components=["textbox"], samples=[[label] for label in EXAMPLES],
+                                      samples_per_page=len(EXAMPLES), label="Examples", elem_id="examples")
                 mode = gr.Radio([("Generate a continuation", "generate"), ("Score the text (teacher-forced)", "prompt")],
                                 value="generate", label="Mode")
                 max_new = gr.Slider(4, LIMITS.new_tokens, value=24, step=4, label="Max new tokens")
@@ -566,6 +573,7 @@ def build() -> gr.Blocks:
         for control in (zoom_step, zoom_pos):  # typed numbers count once done (Enter or leaving the box)
             for event in (control.submit, control.blur):
                 event(render_heatmap, [run_id, layer, head, *zoom_controls], heatmap, **views_)
+        examples.click(example_text, examples, prompt, queue=False)
         tsne_button.click(on_tsne, [run_id, tsne_policy, layer, head], tsne_plot, **views_)
         sweep_button.click(on_sweep, [prompt, mode, max_new, names, sinks, alpha, heads, model],
                            [sweep_plot, sweep_status], validator=check_sweep, concurrency_id="model")

@@ -206,3 +206,13 @@ def test_the_app_binds_localhost_unless_the_deployment_says_otherwise(monkeypatc
     monkeypatch.setenv("GRADIO_SERVER_NAME", "0.0.0.0")  # what the Dockerfile and a Space set
     app.launch()
     assert seen["server_name"] == "0.0.0.0"
+
+
+
+def test_the_page_lists_example_labels_and_a_click_fetches_the_text():
+    listed = next(block for block in app.demo.blocks.values() if getattr(block, "elem_id", None) == "examples")
+    assert [sample[0] for sample in listed.samples] == list(app.EXAMPLES)  # labels only: the page stays light
+    assert len(app.EXAMPLES["needle 8k tokens"]) > 30_000
+    assert app.example_text(["needle 8k tokens"]) == app.EXAMPLES["needle 8k tokens"]
+    for sample in (["no such example"], [], None, [3], "needle"[:2]):  # what a raw API call may send
+        assert app.example_text(sample) == {"__type__": "update"}  # nothing changes
