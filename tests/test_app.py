@@ -81,8 +81,9 @@ def test_deep_link_and_views_render_a_stored_run(tiny_session):
     assert len(first_token.data[0].y) == 2 and len(non_recent.data) == 3  # per layer of the tiny model
     assert list(summary["Policy"]) == ["tova:budget=6", "oracle:budget=6", "sparq:budget=6,r=4"]
     assert run.run_id in share and "no continuations" in continuations
-    heatmap, kept, curves, curves_steps = app.render_views(run_id, "1", "0", 30, 0.3)
+    heatmap, kept, curves, curves_steps, row = app.render_views(run_id, "1", "0", 30, 0.3)
     assert len(heatmap.data) == 3 and kept.count("at step 30") == 3 and curves.data and curves_steps.data
+    assert len(heatmap.layout.shapes) == 3 and "at step 30" in row.layout.title.text  # the step's row, marked
     n = len(run.traces[0].tokens)
     zoomed = app.render_heatmap(run_id, "1", "0", True, 2, 1, 64)  # the window is moved inside the short text
     assert np.asarray(zoomed.data[0].z).shape == (n, n) and "steps 0–" in zoomed.layout.title.text

@@ -27,6 +27,7 @@ from .colors import FAMILY_COLORS
 from .style import finish, plotly_text, visible_token
 
 EVICTED_BAR = "#C8C8C8"
+NAMED_BARS = 2048  # past this many tokens the evicted bars' hover gives the position only (their texts weigh 100s of kB)
 
 
 def _shaped(name: str, a, shape: tuple) -> np.ndarray:
@@ -53,7 +54,7 @@ def score_curves_figure(a2s: np.ndarray, a2sf: np.ndarray, token_texts: Sequence
     ``a2s`` / ``a2sf``: float [step + 1], the scores at ``step`` of tokens 0..step; ``keep_*``: bool
     [step + 1], the tokens each rule keeps there. Each panel has two bar traces, named ``kept`` and
     ``evicted``, x = token positions. ``colors`` may override the kept colours with keys ``'a2s'`` and
-    ``'a2sf'``.
+    ``'a2sf'``. Past ``NAMED_BARS`` tokens only the kept bars carry their token's text.
     """
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
@@ -73,11 +74,12 @@ def score_curves_figure(a2s: np.ndarray, a2sf: np.ndarray, token_texts: Sequence
             zip((a2s, a2sf), (keep_a2s, keep_a2sf), kept_colors, names), start=1):
         values = scores.astype(np.float32)  # float32 halves the figure's JSON; bars need no more digits
         for state, sel, col in (("kept", keep, color), ("evicted", ~keep, EVICTED_BAR)):
+            named = state == "kept" or step + 1 <= NAMED_BARS
             fig.add_trace(go.Bar(
-                x=pos[sel], y=values[sel], customdata=texts[sel], name=state, marker_color=col,
+                x=pos[sel], y=values[sel], customdata=texts[sel] if named else None, name=state, marker_color=col,
                 marker_line_width=0, legendgroup=state, showlegend=row == 1,
-                hovertemplate=(f"<b>{label}</b><br>token %{{x}}: %{{customdata}}<br>score %{{y:.4g}}<br>"
-                               f"{state} at step {step}<extra></extra>")), row=row, col=1)
+                hovertemplate=(f"<b>{label}</b><br>token %{{x}}{': %{customdata}' if named else ''}<br>"
+                               f"score %{{y:.4g}}<br>{state} at step {step}<extra></extra>")), row=row, col=1)
         fig.update_yaxes(title_text="accumulated score", row=row, col=1, rangemode="tozero")
     fig.update_xaxes(title_text="token position", row=2, col=1)
     fig.update_xaxes(range=[-0.5, step + 0.5])
