@@ -511,7 +511,7 @@ def build() -> gr.Blocks:
                 max_new = gr.Slider(4, LIMITS.new_tokens, value=24, step=4, label="Max new tokens")
                 names = gr.CheckboxGroup(POLICY_CHOICES, value=DEFAULT_POLICIES, label="Policies, side by side",
                                          elem_id="policies")
-                budget = gr.Slider(4, 128, value=DEFAULT_BUDGET, step=4, label="Budget: cached tokens each query reads",
+                budget = gr.Slider(4, 1024, value=DEFAULT_BUDGET, step=4, label="Budget: cached tokens each query reads",
                                    elem_id="budget")
                 with gr.Accordion("Policy parameters", open=False):
                     sinks = gr.Slider(0, 16, value=4, step=1, label="sinks: attention sinks kept (Window+i)")
