@@ -72,7 +72,7 @@ NOTES = {name: (ROOT / "assets" / "notes" / f"{name}.md").read_text() for name i
 NEEDLE_DEFAULT_POLICIES = ["sinks", "tova", "reattention"]
 NEEDLE_DEFAULT_BUDGET = 64
 PLAY_TICK_S = 0.5  # seconds between Play's frames; a frame takes ~0.1-0.2 s at 8k tokens
-PLAY, PAUSE = "▶ Play", "⏸ Pause"
+PLAY, PAUSE = "▶ Play", "‖ Pause"
 
 
 @dataclasses.dataclass(eq=False)
@@ -531,11 +531,11 @@ def build() -> gr.Blocks:
                     head = gr.Dropdown(panels.head_choices(), value="all", label="KV head", elem_id="head")
                     step = gr.Slider(0, 64, value=64, step=1, label="Step (for kept tokens and score curves)",
                                      elem_id="step")
-                with gr.Row(equal_height=True):
-                    play = gr.Button(PLAY, elem_id="play", scale=0, min_width=140)
+                with gr.Row():
+                    play = gr.Button(PLAY, elem_id="play", scale=0, min_width=120)
                     speed = gr.Radio(panels.PLAY_SPEEDS, value="auto", label="Play speed (a tick every half second)",
-                                     elem_id="play-speed", scale=2)
-                    gr.Markdown(NOTES["play"], elem_id="play-note")
+                                     elem_id="play-speed", scale=1)
+                gr.Markdown(NOTES["play"], elem_id="play-note")
                 playing = gr.State(False)
                 timer = gr.Timer(PLAY_TICK_S, active=False)
                 with gr.Tabs():

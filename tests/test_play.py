@@ -87,8 +87,10 @@ def test_the_row_figure_is_small_at_8k_and_refuses_a_row_of_the_wrong_length():
     rows = {f"policy {i}": reads.binned_row(np.ones(8192), 5000, 16) for i in range(6)}
     fig = step_row_figure(rows, 5000, 8192, 16)
     assert len(fig.to_json()) < 40_000 and np.asarray(fig.data[0].z).shape == (6, 512)
-    with pytest.raises(ValueError, match="512 cells"):
-        step_row_figure({"x": np.ones(100)}, 50, 8192, 16)
+    with pytest.raises(ValueError, match="at most 512 cells"):
+        step_row_figure({"x": np.ones(600)}, 50, 8192, 16)
+    ended = step_row_figure({"long": np.ones(10), "ended early": np.ones(7)}, 8, 10)  # generate mode
+    assert np.isnan(np.asarray(ended.data[0].z)[1, 7:]).all()
 
 
 def test_a_marked_row_is_a_line_across_every_panel():

@@ -251,7 +251,7 @@ def score_curves(run, layer: str, head: str, alpha: float, step: int) -> tuple[g
 def step_row(run, step: int, layer: str, head: str) -> go.Figure:
     """The masks' row at ``step``: what its query reads under each policy, positions in at most ``ROW_CELLS``
     cells (the same reads as ``kept_tokens``)."""
-    n = len(run.traces[0].tokens)
+    n = max(len(t.tokens) for t in run.traces)  # generated continuations may differ in length
     size = reads.bin_size(n, ROW_CELLS)
     rows = {}
     for trace in run.traces:

@@ -22,14 +22,18 @@ STEP_LINE = "#C0392B"  # the outline of the current token in the kept-tokens vie
 def step_row_figure(rows: Mapping[str, np.ndarray], step: int, n: int, size: int = 1, title: str = "",
                     colors: Mapping[str, str] | None = None) -> go.Figure:
     """``rows``: policy name -> float [ceil(n / size)], the share of each cell's positions the query at ``step``
-    reads (NaN after the step); ``n``: the text's length in tokens. Rows are drawn top to bottom in order."""
+    reads (NaN after the step), shorter for a text that ended early; ``n``: the longest text's length in tokens.
+    Rows are drawn top to bottom in order."""
     names = list(rows)
     if not names:
         raise ValueError("step_row_figure needs at least one policy")
     cells = -(-n // size)
-    z = np.stack([np.asarray(rows[name], np.float32) for name in names])
-    if z.shape[1] != cells:
-        raise ValueError(f"each row needs {cells} cells ({n} tokens, {size} per cell), got {z.shape[1]}")
+    z = np.full((len(names), cells), np.nan, np.float32)  # a continuation that stopped early is blank after it
+    for i, name in enumerate(names):
+        row = np.asarray(rows[name], np.float32)
+        if row.ndim != 1 or len(row) > cells:
+            raise ValueError(f"a row has at most {cells} cells ({n} tokens, {size} per cell), got {row.shape}")
+        z[i, : len(row)] = row
     labels = [plotly_text(name) for name in names]
     where = "token %{x:.0f}" if size == 1 else f"tokens %{{x:.0f}} ± {size // 2}"
     fig = go.Figure(go.Heatmap(
