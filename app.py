@@ -39,7 +39,7 @@ try:  # every KVLENS_* setting, and the operator's plugins, before anything read
 except SettingError as err:
     sys.exit(f"error: {err}")
 
-from backend import api  # noqa: E402
+from backend import api, texts  # noqa: E402
 from backend.api import LIMITS, RequestError  # noqa: E402
 from backend.experiments import shipped  # noqa: E402
 from backend.experiments.sweep import SWEEP_BUDGETS  # noqa: E402
@@ -52,7 +52,7 @@ from viz.needle import found_rates, needle_figure, needle_table_html  # noqa: E4
 from viz.sweep import sweep_ci_figure  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
-EXAMPLES = {path.stem.replace("_", " "): path.read_text().strip() for path in sorted((ROOT / "assets" / "examples").glob("*.txt"))}
+EXAMPLES = texts.examples(ROOT / "assets" / "examples")  # the needle example first, then short to long
 FIRST_EXAMPLE = next(name for name in ("needle", "story", *EXAMPLES) if name in EXAMPLES)
 POLICY_CHOICES = list(POLICIES)  # the operator's plugins (KVLENS_PLUGINS) joined the registry above
 DEFAULT_POLICIES = ["sinks", "tova", "a2sf", "reattention"]
@@ -68,9 +68,12 @@ EXPORTS = Path(gradio_upload_folder()) / f"kvlens-exports-{os.getpid()}"
 EXPORT_TTL_S = 600
 MAX_BODY = 4 * LIMITS.text_chars + 64 * 1024  # the longest allowed prompt as UTF-8, plus the other inputs
 NOTES = {name: (ROOT / "assets" / "notes" / f"{name}.md").read_text() for name in
-         ("intro", "masks", "reach", "kept", "curves", "tsne", "divergence", "retention", "sweep", "long_context")}
+         ("intro", "masks", "reach", "kept", "curves", "tsne", "divergence", "retention", "sweep", "long_context",
+          "play")}
 NEEDLE_DEFAULT_POLICIES = ["sinks", "tova", "reattention"]
 NEEDLE_DEFAULT_BUDGET = 64
+PLAY_TICK_S = 0.5  # seconds between Play's frames; a frame takes ~0.1-0.2 s at 8k tokens
+PLAY, PAUSE = "▶ Play", "‖ Pause"
 
 
 @dataclasses.dataclass(eq=False)
@@ -152,6 +155,12 @@ def specs_from_controls(names, budget, sinks, alpha, heads, custom):
     return specs
 
 
+def example_text(sample):
+    """The text of the example clicked (its label, as the list of examples holds it)."""
+    label = sample[0] if isinstance(sample, (list, tuple)) and sample else sample
+    return EXAMPLES.get(label, gr.skip()) if isinstance(label, str) else gr.skip()
+
+
 def shown(err: Exception) -> gr.Error:
     """A message for the page: one line, escaped (it may quote what the visitor typed)."""
     return gr.Error(html.escape(str(err)), print_exception=False)
@@ -174,22 +183,70 @@ def render_run(run_id):
             *panels.retention(run, shares, shown_run.pos_lifetimes), panels.share_markdown(run)]
 
 
-def render_heatmap(run_id, layer, head, zoom=False, first_step=0, first_pos=0, size=panels.ZOOM_SIZES[1]):
-    """The masks: the whole text (binned when long), or a window of it at one token per cell."""
+def render_heatmap(run_id, layer, head, zoom=False, first_step=0, first_pos=0, size=panels.ZOOM_SIZES[1],
+                   step=None):
+    """The masks: the whole text (binned when long), or a window of it at one token per cell; a line marks
+    the step's row."""
     if not run_id:
         return None
     run = load_run(run_id).run
-    return panels.heatmaps(run, layer, head, panels.zoom_window(run, zoom, first_step, first_pos, size))
+    step = None if step is None else panels.clamp_step(run, step)
+    return panels.heatmaps(run, layer, head, panels.zoom_window(run, zoom, first_step, first_pos, size), step)
 
 
 def render_views(run_id, layer, head, step, alpha, zoom=False, first_step=0, first_pos=0, size=panels.ZOOM_SIZES[1]):
     """The views that follow the layer, head and step selectors (t-SNE is computed on demand)."""
     if not run_id:
-        return [None] * 6
+        return [None] * 7
     run = load_run(run_id).run
     step = panels.clamp_step(run, step)
-    return [render_heatmap(run_id, layer, head, zoom, first_step, first_pos, size), *panels.cache_reach(run, step),
-            panels.kept_tokens(run, step, layer, head), *panels.score_curves(run, layer, head, alpha, step)]
+    return [render_heatmap(run_id, layer, head, zoom, first_step, first_pos, size, step), *panels.cache_reach(run, step),
+            panels.kept_tokens(run, step, layer, head), *panels.score_curves(run, layer, head, alpha, step),
+            panels.step_row(run, step, layer, head)]
+
+
+def player(playing: bool) -> list:
+    """The timer, the Play button's label and the playing state, playing or not."""
+    return [gr.Timer(active=playing), gr.Button(PAUSE if playing else PLAY), playing]
+
+
+def on_play(run_id, step, playing, layer, head, alpha, zoom=False, first_step=0, first_pos=0,
+            size=panels.ZOOM_SIZES[1]):
+    """Play starts the timer, from the first step when the slider is at the last; Pause stops it, and the views
+    Play leaves behind (the masks, the scores over the steps) catch up at the step.
+
+    Returns the step, the masks and the scores over the steps, then ``player``'s three."""
+    if not run_id:
+        raise gr.Error("Run something first, then press Play.", print_exception=False)
+    run = load_run(run_id).run
+    step = panels.clamp_step(run, step)
+    if not playing:
+        last = len(run.traces[0].tokens) - 1
+        return [0 if step >= last else gr.skip(), gr.skip(), gr.skip(), *player(True)]
+    return [gr.skip(), render_heatmap(run_id, layer, head, zoom, first_step, first_pos, size, step),
+            panels.score_curves(run, layer, head, alpha, step)[1], *player(False)]
+
+
+def on_tick(run_id, step, speed, layer, head, alpha, zoom=False, first_step=0, first_pos=0,
+            size=panels.ZOOM_SIZES[1]):
+    """One frame of Play: the step moves on by the speed's stride and the cheap views follow it (the kept
+    tokens, the scores at the step, the masks' row); at the last step Play stops and the masks and the scores
+    over the steps catch up. Without a run the timer just stops.
+
+    Returns the step, the kept tokens, the scores at the step, the masks' row, the masks, the scores over
+    the steps, then ``player``'s three."""
+    if not run_id:
+        return [gr.skip()] * 6 + player(False)
+    run = load_run(run_id).run
+    last = len(run.traces[0].tokens) - 1
+    step = min(panels.clamp_step(run, step) + panels.play_stride(run, speed), last)
+    frame = [step, panels.kept_tokens(run, step, layer, head, panels.PLAY_WINDOW, panels.PLAY_FAR),
+             panels.score_snapshot(run, layer, head, alpha, step),
+             panels.step_row(run, step, layer, head)]
+    if step < last:
+        return frame + [gr.skip()] * 5
+    return frame + [render_heatmap(run_id, layer, head, zoom, first_step, first_pos, size, step),
+                    panels.score_curves(run, layer, head, alpha, step)[1], *player(False)]
 
 
 def run_request(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model):
@@ -456,8 +513,9 @@ def build() -> gr.Blocks:
             with gr.Column(scale=1, min_width=320):
                 prompt = gr.Textbox(label="Prompt", lines=7, value=EXAMPLES[FIRST_EXAMPLE], elem_id="prompt",
                                     max_length=LIMITS.text_chars)
-                gr.Examples([[text] for text in EXAMPLES.values()], inputs=[prompt], example_labels=list(EXAMPLES),
-                            label="Examples")
+                # Labels only: the page would otherwise carry every text (the long ones are 40k characters).
+                examples = gr.Dataset(components=["textbox"], samples=[[label] for label in EXAMPLES],
+                                      samples_per_page=len(EXAMPLES), label="Examples", elem_id="examples")
                 mode = gr.Radio([("Generate a continuation", "generate"), ("Score the text (teacher-forced)", "prompt")],
                                 value="generate", label="Mode")
                 max_new = gr.Slider(4, LIMITS.new_tokens, value=24, step=4, label="Max new tokens")
@@ -482,7 +540,15 @@ def build() -> gr.Blocks:
                 with gr.Row():
                     layer = gr.Dropdown(panels.layer_choices(), value="all", label="Layer", elem_id="layer")
                     head = gr.Dropdown(panels.head_choices(), value="all", label="KV head", elem_id="head")
-                    step = gr.Slider(0, 64, value=64, step=1, label="Step (for kept tokens and score curves)")
+                    step = gr.Slider(0, 64, value=64, step=1, label="Step (for kept tokens and score curves)",
+                                     elem_id="step")
+                with gr.Row():
+                    play = gr.Button(PLAY, elem_id="play", scale=0, min_width=120)
+                    speed = gr.Radio(panels.PLAY_SPEEDS, value="auto", label="Play speed (a tick every half second)",
+                                     elem_id="play-speed", scale=1)
+                gr.Markdown(NOTES["play"], elem_id="play-note")
+                playing = gr.State(False)
+                timer = gr.Timer(PLAY_TICK_S, active=False)
                 with gr.Tabs():
                     with gr.Tab("Masks"):
                         gr.Markdown(NOTES["masks"])
@@ -495,6 +561,7 @@ def build() -> gr.Blocks:
                                                  elem_id="zoom-pos")
                             zoom_size = gr.Dropdown(list(panels.ZOOM_SIZES), value=panels.ZOOM_SIZES[1],
                                                     label="Window (tokens)", elem_id="zoom-size")
+                        step_row = gr.Plot(elem_id="step-row")
                         heatmap = gr.Plot(elem_id="heatmap")
                     with gr.Tab("Cache reach"):
                         gr.Markdown(NOTES["reach"])
@@ -561,7 +628,7 @@ def build() -> gr.Blocks:
 
         run_views = [summary, divergence_plot, continuations, first_token_plot, non_recent_plot, retention_plot,
                      pos_table, share]
-        views = [heatmap, reach, reach_distance, kept, curves, curves_steps]
+        views = [heatmap, reach, reach_distance, kept, curves, curves_steps, step_row]
         selectors = [run_id, layer, head, step, curve_alpha]
         zoom_controls = [zoom, zoom_step, zoom_pos, zoom_size]
         run_inputs = [prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model]
@@ -584,10 +651,18 @@ def build() -> gr.Blocks:
         step.release(render_views, selectors + zoom_controls, views, **views_)
         # The zoom moves only the masks: the other views do not depend on it.
         for control in (zoom, zoom_size):
-            control.change(render_heatmap, [run_id, layer, head, *zoom_controls], heatmap, **views_)
+            control.change(render_heatmap, [run_id, layer, head, *zoom_controls, step], heatmap, **views_)
         for control in (zoom_step, zoom_pos):  # typed numbers count once done (Enter or leaving the box)
             for event in (control.submit, control.blur):
-                event(render_heatmap, [run_id, layer, head, *zoom_controls], heatmap, **views_)
+                event(render_heatmap, [run_id, layer, head, *zoom_controls, step], heatmap, **views_)
+        # Play: each tick redraws only what is cheap at 8k tokens; a tick that comes while one is drawn is skipped.
+        players = [timer, play, playing]
+        play.click(on_play, [run_id, step, playing, layer, head, curve_alpha, *zoom_controls],
+                   [step, heatmap, curves_steps, *players], **views_)
+        timer.tick(on_tick, [run_id, step, speed, layer, head, curve_alpha, *zoom_controls],
+                   [step, kept, curves, step_row, heatmap, curves_steps, *players], trigger_mode="once",
+                   show_progress="hidden", **views_)
+        examples.click(example_text, examples, prompt, queue=False)
         tsne_button.click(on_tsne, [run_id, tsne_policy, layer, head], tsne_plot, **views_)
         sweep_button.click(on_sweep, [prompt, mode, max_new, names, sinks, alpha, heads, model],
                            [sweep_plot, sweep_status], validator=check_sweep, concurrency_id="model")

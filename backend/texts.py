@@ -37,3 +37,12 @@ def corpus_text(corpus: str, name: str) -> str:
 def inaugural(name: str = "1789-Washington.txt") -> str:
     """An inaugural address (Washington's first by default): the real text the tests and benchmarks score."""
     return corpus_text("inaugural", name)
+
+
+def examples(folder: Path, lead: str = "needle") -> dict[str, str]:
+    """label -> text of every ``*.txt`` in ``folder`` (the label is the file's stem, underscores as spaces):
+    ``lead`` first when there, then from the shortest text to the longest, so a list of one-liners ends in
+    texts of thousands of tokens."""
+    found = {path.stem.replace("_", " "): path.read_text().strip() for path in sorted(folder.glob("*.txt"))}
+    order = sorted(found, key=lambda label: (label != lead, len(found[label]), label))
+    return {label: found[label] for label in order}

@@ -81,9 +81,10 @@ def test_deep_link_and_views_render_a_stored_run(tiny_session):
     assert len(first_token.data[0].y) == 2 and len(non_recent.data) == 3  # per layer of the tiny model
     assert list(summary["Policy"]) == ["tova:budget=6", "oracle:budget=6", "sparq:budget=6,r=4"]
     assert run.run_id in share and "no continuations" in continuations
-    heatmap, reach, reach_distance, kept, curves, curves_steps = app.render_views(run_id, "1", "0", 30, 0.3)
+    heatmap, reach, reach_distance, kept, curves, curves_steps, row = app.render_views(run_id, "1", "0", 30, 0.3)
     assert len(heatmap.data) == 3 and kept.count("at step 30") == 3 and curves.data and curves_steps.data
     assert "at step 30" in reach.layout.title.text and len(reach_distance.data) == 3
+    assert len(heatmap.layout.shapes) == 3 and "at step 30" in row.layout.title.text  # the step's row, marked
     n = len(run.traces[0].tokens)
     zoomed = app.render_heatmap(run_id, "1", "0", True, 2, 1, 64)  # the window is moved inside the short text
     assert np.asarray(zoomed.data[0].z).shape == (n, n) and "steps 0–" in zoomed.layout.title.text
@@ -207,3 +208,13 @@ def test_the_app_binds_localhost_unless_the_deployment_says_otherwise(monkeypatc
     monkeypatch.setenv("GRADIO_SERVER_NAME", "0.0.0.0")  # what the Dockerfile and a Space set
     app.launch()
     assert seen["server_name"] == "0.0.0.0"
+
+
+
+def test_the_page_lists_example_labels_and_a_click_fetches_the_text():
+    listed = next(block for block in app.demo.blocks.values() if getattr(block, "elem_id", None) == "examples")
+    assert [sample[0] for sample in listed.samples] == list(app.EXAMPLES)  # labels only: the page stays light
+    assert len(app.EXAMPLES["needle 8k tokens"]) > 30_000
+    assert app.example_text(["needle 8k tokens"]) == app.EXAMPLES["needle 8k tokens"]
+    for sample in (["no such example"], [], None, [3], "needle"[:2]):  # what a raw API call may send
+        assert app.example_text(sample) == {"__type__": "update"}  # nothing changes

@@ -99,3 +99,15 @@ def test_kept_tokens_at_8k_show_a_window_and_the_far_kept_tokens(run):
     assert positions[:4] == [0, 1, 2, 3]  # the sinks, far outside the window, still shown
     assert 6000 in positions and "kvl-gap" in sinks
     assert "&lt;b&gt;bold&lt;/b&gt;" in html_text and "<b>bold</b>" not in html_text  # user text stays escaped
+
+
+def test_a_play_frame_at_8k_is_a_fraction_of_the_views_it_stands_for(run):
+    """Play redraws the kept tokens, the scores at the step and the masks' row at every tick (twice a second):
+    together well under the kept tokens and curves the step slider redraws, and far from the masks."""
+    step = N - 200
+    frame = [panels.kept_tokens(run, step, "all", "all", panels.PLAY_WINDOW, panels.PLAY_FAR),
+             panels.score_snapshot(run, "15", "1", 0.3, step), panels.step_row(run, step, "all", "all")]
+    full = [panels.kept_tokens(run, step, "all", "all"), *panels.score_curves(run, "15", "1", 0.3, step)]
+    frame_bytes = sum(map(payload_bytes, frame))
+    assert frame_bytes < 650_000 and frame_bytes < sum(map(payload_bytes, full)) / 2  # 6 policies here
+    assert len(re.findall(r'data-pos="', frame[0])) <= len(run.traces) * (panels.PLAY_WINDOW + panels.PLAY_FAR)

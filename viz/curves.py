@@ -37,6 +37,7 @@ from .style import finish, plotly_text, visible_token
 
 EVICTED_BAR = "#C8C8C8"
 BAR_LIMIT = 256  # tokens drawn as bars; a longer text is a line of scores and a marker per kept token
+NAMED_TOKENS = 2048  # past this many tokens the grey line's hover gives the position only (texts weigh 100s of kB)
 
 
 def _shaped(name: str, a, shape: tuple) -> np.ndarray:
@@ -62,7 +63,8 @@ def score_curves_figure(a2s: np.ndarray, a2sf: np.ndarray, token_texts: Sequence
 
     ``a2s`` / ``a2sf``: float [step + 1], the scores at ``step`` of tokens 0..step; ``keep_*``: bool
     [step + 1], the tokens each rule keeps there. Up to ``BAR_LIMIT`` tokens, each panel has two bar traces
-    named ``kept`` and ``evicted``; beyond, a grey line named ``all tokens`` (every score, 0 left out) and
+    named ``kept`` and ``evicted``; beyond, a grey line named ``all tokens`` (every score, 0 left out; past ``NAMED_TOKENS``
+    tokens without their texts) and
     markers named ``kept``. x = token positions. ``colors`` may override the kept colours with keys
     ``'a2s'`` and ``'a2sf'``.
     """
@@ -104,9 +106,10 @@ def _log_range(scores: np.ndarray, keep: np.ndarray) -> list[float] | None:
     return [math.log10(low), math.log10(float(positive.max())) + 0.2]
 
 
-def _hover(label: str, state: str | None, step: int) -> str:
+def _hover(label: str, state: str | None, step: int, named: bool = True) -> str:
     said = "" if state is None else f"<br>{state} at step {step}"
-    return f"<b>{label}</b><br>token %{{x}}: %{{customdata}}<br>score %{{y:.4g}}{said}<extra></extra>"
+    text = ": %{customdata}" if named else ""
+    return f"<b>{label}</b><br>token %{{x}}{text}<br>score %{{y:.4g}}{said}<extra></extra>"
 
 
 def _bars(values: np.ndarray, keep: np.ndarray, texts: np.ndarray, color: str, label: str, step: int,
@@ -122,9 +125,11 @@ def _line_and_markers(values: np.ndarray, keep: np.ndarray, texts: np.ndarray, c
                       first_row: bool) -> list[go.Scatter]:
     """Every score as one grey line (0 left out: a log axis has no place for it), kept tokens as markers."""
     pos = np.flatnonzero(keep).astype(np.int32)
-    every = go.Scatter(x0=0, dx=1, y=np.where(values > 0, values, np.nan), customdata=texts, mode="lines",
+    named = len(values) <= NAMED_TOKENS
+    every = go.Scatter(x0=0, dx=1, y=np.where(values > 0, values, np.nan), customdata=texts if named else None,
+                       mode="lines",
                        name="all tokens", line=dict(color=EVICTED_BAR, width=1), legendgroup="all",
-                       showlegend=first_row, hovertemplate=_hover(label, None, step))
+                       showlegend=first_row, hovertemplate=_hover(label, None, step, named))
     kept = go.Scatter(x=pos, y=values[pos], customdata=texts[pos], mode="markers", name="kept",
                       marker=dict(color=color, size=5), legendgroup="kept", showlegend=first_row,
                       hovertemplate=_hover(label, "kept", step))

@@ -285,3 +285,12 @@ def mask_heatmaps(panels: Mapping[str, Mapping], title: str = "", zmax: float | 
     finish(fig, title + _binning_note(max(p["size"] for p in panels.values())), height=panel_height * rows + 80,
            plot_bgcolor="white")
     return fig
+
+
+def mark_row(fig: go.Figure, row: int, color: str = "#C0392B") -> go.Figure:
+    """A line across every panel through row ``row`` (a cell index: the step Play or the step slider is at)."""
+    for trace in fig.data:
+        x, y = trace.xaxis or "x", trace.yaxis or "y"
+        fig.add_shape(type="line", xref=f"{x} domain", x0=0, x1=1, yref=y, y0=row, y1=row,
+                      line=dict(color=color, width=1.5, dash="dot"), opacity=0.8)
+    return fig

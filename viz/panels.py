@@ -25,16 +25,24 @@ from .colors import policy_colors
 from .continuation import continuation_cell
 from .curves import score_curves_figure, score_over_steps_figure
 from .divergence import divergence_figure, divergence_notes, summary_table as summary_frame
-from .heatmap import mask_heatmaps
-from .highlight import continuations_html, kept_tokens_html
+from .heatmap import mark_row, mask_heatmaps
+from .highlight import MAX_OUTSIDE, WINDOW, continuations_html, kept_tokens_html, text_window
 from .reach import distance_figure, reach_figure
 from .retention import first_token_retention_figure, lifetime_by_position_figure, non_recent_share_figure, pos_table
+from .step_row import step_row_figure
 from .sweep import sweep_figure as sweep_plot
 from .tsne import tsne_figure
 
 TSNE_POINTS = 512  # keys a t-SNE map embeds: both maps take 1-2.6 s at 512 on two cores, 4x that at 1024
 
 ZOOM_SIZES = (64, 128, 256)  # a zoom window's side in tokens: six 256 x 256 panels are ~2.3 MB of JSON
+# Play's kept-tokens frames: tokens shown in full around the step, and far kept tokens (~200 kB at 8k, 4 policies).
+PLAY_WINDOW, PLAY_FAR = 128, 128
+ROW_CELLS = 512  # cells of the masks' row at one step (Play redraws it at every step: a few kB each)
+# Play's speeds: steps per tick, or "auto": the whole text in about PLAY_TICKS ticks, whatever its length.
+PLAY_SPEEDS = (("the whole text in ~30 s", "auto"), ("1 step per tick", "1"), ("4 steps", "4"),
+               ("16 steps", "16"), ("64 steps", "64"))
+PLAY_TICKS = 60
 
 
 def zoom_window(run, zoom: bool, first_step, first_pos, size) -> tuple[int, int, int] | None:
@@ -70,6 +78,13 @@ def head_choices(n_kv_heads: int = 3) -> list[str]:
 def clamp_step(run, step) -> int:
     n = len(run.traces[0].tokens)
     return n - 1 if step is None else int(min(max(int(step), 0), n - 1))
+
+
+def play_stride(run, speed) -> int:
+    """Steps Play moves on per tick at ``speed`` (one of ``PLAY_SPEEDS``' values; anything else is "auto")."""
+    n = len(run.traces[0].tokens)
+    chosen = _whole(speed) if str(speed).isdigit() else 0
+    return min(chosen, n) if chosen >= 1 else max(1, math.ceil(n / PLAY_TICKS))
 
 
 def _budget(trace: Trace) -> int | None:
@@ -157,9 +172,10 @@ def _extra_pass(trace: Trace) -> str:
     return f"{extra:,} tokens ({extra / trace.meta['n_prompt']:.1f}x the {read})"
 
 
-def heatmaps(run, layer: str, head: str, zoom: tuple[int, int, int] | None = None) -> go.Figure:
+def heatmaps(run, layer: str, head: str, zoom: tuple[int, int, int] | None = None,
+             step: int | None = None) -> go.Figure:
     """One panel per policy: the whole text, or with ``zoom = (first step, first position, size)`` that window
-    of steps x positions at one token per cell."""
+    of steps x positions at one token per cell; a line marks the row of ``step`` when it is shown."""
     panels = {t.spec: dict(_mask_panel(t, layer, head, zoom), token_texts=t.meta["token_texts"]) for t in run.traces}
     where = f"layer {layer}" if layer != "all" else "all layers"
     who = f"KV head {head}" if head != "all" else "all KV heads"
@@ -169,11 +185,18 @@ def heatmaps(run, layer: str, head: str, zoom: tuple[int, int, int] | None = Non
         rows, cols = first["reads"].shape
         window = (f", steps {first['first_step']}–{first['first_step'] + rows - 1} x positions "
                   f"{first['first_pos']}–{first['first_pos'] + cols - 1}")
-    return mask_heatmaps(panels, title=f"What each query read ({where}, {who}{window})",
-                         colors=policy_colors([t.spec for t in run.traces]))
+    fig = mask_heatmaps(panels, title=f"What each query read ({where}, {who}{window})",
+                        colors=policy_colors([t.spec for t in run.traces]))
+    first = next(iter(panels.values()))
+    row = None if step is None else (int(step) - first.get("first_step", 0)) // first.get("size", 1)
+    if row is not None and 0 <= row < first["reads"].shape[0]:
+        mark_row(fig, row)
+    return fig
 
 
-def kept_tokens(run, step: int, layer: str, head: str) -> str:
+def kept_tokens(run, step: int, layer: str, head: str, window: int = WINDOW, far: int = MAX_OUTSIDE) -> str:
+    """Each policy's text at ``step``: ``window`` tokens around it in full and, further away, the ``far`` tokens
+    kept most (the others counted in the gaps)."""
     parts = []
     for trace in run.traces:
         at = min(step, len(trace.tokens) - 1)
@@ -182,27 +205,45 @@ def kept_tokens(run, step: int, layer: str, head: str) -> str:
         r = _recorded(trace, layers, heads)
         weights = None if r is None else trace.attention.rows(r, heads[0], slice(at, at + 1))[0]
         parts.append(kept_tokens_html(trace.meta["token_texts"], kept, at, weights=weights,
-                                      title=f"{trace.spec} at step {at}"))
+                                      title=f"{trace.spec} at step {at}",
+                                      window=text_window(len(trace.tokens), at, window), max_outside=far))
     return "\n".join(parts)
 
 
-def score_curves(run, layer: str, head: str, alpha: float, step: int) -> tuple[go.Figure, go.Figure]:
-    """Under Full attention: every token's A2S and A2SF at ``step`` (A2SF Fig. 1), and over the steps
-    for the tokens A2SF ranks highest there (Fig. 6)."""
+def _scores(run, layer: str, head: str, alpha: float, step: int, follow: bool) -> tuple[metrics.ScoreCurves, str]:
+    """Full's A2S and A2SF at ``step`` (and over the steps when ``follow``), and where they were read."""
     full = run.full
     budgets = [b for b in map(_budget, run.traces) if b]
     budget = budgets[0] if budgets else 16
     at_layer = _nearest_recorded(full, layer)
     at_head = 0 if head == "all" else int(head)
     at = min(step, len(full.tokens) - 1)
-    curves = metrics.score_curves(full, at_layer, at_head, float(alpha), budget, step=at)
+    curves = metrics.score_curves(full, at_layer, at_head, float(alpha), budget, step=at,
+                                  tokens=None if follow else ())
     where = f"Full attention, layer {at_layer}, KV head {at_head}"
     if not full.attention.exact:  # long texts: the scores sum each row's largest weights only
         where += f" (top {full.attention.top_k} weights per query)"
-    texts = full.meta["token_texts"]
-    snapshot = score_curves_figure(curves.a2s, curves.a2sf, texts, at, curves.keep_a2s, curves.keep_a2sf,
-                                   float(alpha),
-                                   title=f"{where}: A2S vs A2SF (alpha={alpha:g}) at step {at}, budget {budget}")
+    return curves, where
+
+
+def _snapshot(run, curves: metrics.ScoreCurves, where: str) -> go.Figure:
+    return score_curves_figure(curves.a2s, curves.a2sf, run.full.meta["token_texts"], curves.step, curves.keep_a2s,
+                               curves.keep_a2sf, curves.alpha,
+                               title=f"{where}: A2S vs A2SF (alpha={curves.alpha:g}) at step {curves.step}, "
+                                     f"budget {curves.budget}")
+
+
+def score_snapshot(run, layer: str, head: str, alpha: float, step: int) -> go.Figure:
+    """Every token's A2S and A2SF at ``step`` alone (A2SF Fig. 1): what Play redraws at each step."""
+    return _snapshot(run, *_scores(run, layer, head, alpha, step, follow=False))
+
+
+def score_curves(run, layer: str, head: str, alpha: float, step: int) -> tuple[go.Figure, go.Figure]:
+    """Under Full attention: every token's A2S and A2SF at ``step`` (A2SF Fig. 1), and over the steps
+    for the tokens A2SF ranks highest there (Fig. 6)."""
+    curves, where = _scores(run, layer, head, alpha, step, follow=True)
+    at, texts = curves.step, run.full.meta["token_texts"]
+    snapshot = _snapshot(run, curves, where)
     over_steps = score_over_steps_figure(curves.a2s_over_steps, curves.a2sf_over_steps, curves.tokens, texts,
                                          alpha=float(alpha), keep_a2s=curves.kept_a2s_over_steps,
                                          keep_a2sf=curves.kept_a2sf_over_steps,
@@ -223,6 +264,21 @@ def cache_reach(run, step: int) -> tuple[go.Figure, go.Figure]:
     picture = reach_figure(shown, first.labels, at, first.size, colors=colors)
     by_distance = distance_figure({t.spec: reach.share_by_distance(t) for t in run.traces}, colors=colors)
     return picture, by_distance
+
+
+def step_row(run, step: int, layer: str, head: str) -> go.Figure:
+    """The masks' row at ``step``: what its query reads under each policy, positions in at most ``ROW_CELLS``
+    cells (the same reads as ``kept_tokens``)."""
+    n = max(len(t.tokens) for t in run.traces)  # generated continuations may differ in length
+    size = reads.bin_size(n, ROW_CELLS)
+    rows = {}
+    for trace in run.traces:
+        at = min(step, len(trace.tokens) - 1)
+        rows[trace.spec] = reads.binned_row(reads.read_share_at(trace, *_chosen(trace, layer, head), at), at, size)
+    where = f"layer {layer}" if layer != "all" else "all layers"
+    who = f"KV head {head}" if head != "all" else "all KV heads"
+    return step_row_figure(rows, step, n, size, colors=policy_colors(list(rows)),
+                           title=f"The masks' row at step {step}: what its query reads ({where}, {who})")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

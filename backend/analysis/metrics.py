@@ -318,6 +318,8 @@ def _follow(pos: np.ndarray, val: np.ndarray, alpha: float, budget: int, tokens:
     tokens that tie keep tying."""
     n, tokens = pos.shape[0], np.asarray(tokens, np.int64)
     scores, kept = np.zeros((len(tokens), n)), np.zeros((len(tokens), n), bool)
+    if not len(tokens):  # a snapshot only (Play's frames): no pass over the steps
+        return scores, kept
     before = np.zeros(n)  # every token's score after the previous block
     top = np.zeros(0, np.int64)  # the top `budget` tokens after the previous block
     column, chosen = np.zeros(n, np.int64), np.zeros(n, bool)
@@ -373,7 +375,8 @@ def score_curves(trace: Trace, layer: int, head: int, alpha: float, budget: int,
     unpruned scores of the papers' figures; long texts store each row's top-k entries, and the rest of a
     row's weight is not counted). ``A[t, j] = sum_{q=j..t} alpha^(t-q) S[q, j]``, i.e. the recurrence
     ``A_t = alpha * A_(t-1) + S_t``: at ``step`` (default the last) for every token, and over the steps for
-    ``tokens`` (default: the ``FOLLOWED_TOKENS`` that A2SF ranks highest at ``step``). A token is kept at step
+    ``tokens`` (default: the ``FOLLOWED_TOKENS`` that A2SF ranks highest at ``step``; none skips the pass over
+    the steps, for the snapshot alone). A token is kept at step
     t when it is among the ``budget`` highest scores of tokens ``0..t`` (all of them while t < budget), as a
     selection from the whole past, not a replay of the eviction policy.
     """

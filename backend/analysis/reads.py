@@ -145,3 +145,15 @@ def read_share_at(trace: Trace, layers: Sequence[int], heads: Sequence[int], ste
     if len(layers) * len(heads) == 1:
         return total > 0
     return (total / (len(layers) * len(heads))).astype(np.float32)
+
+
+def binned_row(values: np.ndarray, step: int, size: int) -> np.ndarray:
+    """float32 [ceil(T / size)]: a row of the masks (``values`` [T], e.g. ``read_share_at``) in cells of ``size``
+    positions, each the mean over its positions up to ``step``; NaN for cells wholly after the step."""
+    values = np.asarray(values, np.float64)
+    cells = math.ceil(len(values) / size)
+    cell = np.arange(step + 1) // size
+    total = np.bincount(cell, weights=values[: step + 1], minlength=cells)
+    count = np.bincount(cell, minlength=cells)
+    with np.errstate(invalid="ignore"):
+        return np.where(count > 0, total / np.maximum(count, 1), np.nan).astype(np.float32)
