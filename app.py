@@ -546,7 +546,8 @@ def build() -> gr.Blocks:
                     play = gr.Button(PLAY, elem_id="play", scale=0, min_width=120)
                     speed = gr.Radio(panels.PLAY_SPEEDS, value="auto", label="Play speed (a tick every half second)",
                                      elem_id="play-speed", scale=1)
-                gr.Markdown(NOTES["play"], elem_id="play-note")
+                with gr.Accordion("What Play shows", open=False):
+                    gr.Markdown(NOTES["play"], elem_id="play-note")
                 playing = gr.State(False)
                 timer = gr.Timer(PLAY_TICK_S, active=False)
                 with gr.Tabs():

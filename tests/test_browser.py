@@ -50,7 +50,7 @@ def page(app_url):
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=executable,
                                     args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
-        page = browser.new_page(viewport={"width": 1500, "height": 1100})
+        page = browser.new_page(viewport={"width": 1920, "height": 1200})
         page.goto(app_url)
         page.wait_for_selector("#run", timeout=60_000)
         yield page

@@ -1,16 +1,19 @@
-"""An 8k-token text in a real browser, as a class would use it: the long example loaded with one click, sinks and
-TOVA at budget 256 scoring it (a minute or two on two CPU cores), the masks read from the page, and Play.
+"""An 8k-token text in a real browser, as a class would use it: the long example loaded with one click, sinks, H2O
+and TOVA at budget 256 scoring it (a minute or two on two CPU cores), the masks read from the page, and Play.
 
 Its own app process and store (the fixtures of test_browser.py, instantiated for this module)."""
+import os
 import re
 import time
+from pathlib import Path
 
 import pytest
 
 from tests.test_browser import app_url, page  # noqa: F401  (fixtures: this module gets its own app and browser)
 
 EXAMPLE = "needle 8k tokens"
-POLICIES = ("sinks", "tova")
+POLICIES = ("sinks", "h2o", "tova")
+ROOT = Path(__file__).resolve().parents[1]
 BUDGET = 256
 
 # Each heatmap panel's cells as the page holds them (plotly decodes the figure's arrays into _fullData; NaN, the
@@ -26,7 +29,7 @@ def step_value(page) -> int:  # noqa: F811  (a page, not the fixture)
 
 @pytest.fixture(scope="module")
 def scored(page):  # noqa: F811
-    """The 8k example scored by sinks and TOVA at budget 256 (moving the budget slider starts the run)."""
+    """The 8k example scored by sinks, H2O and TOVA at budget 256 (moving the budget slider starts the run)."""
     page.locator("#examples").get_by_text(EXAMPLE, exact=True).click()
     page.wait_for_function("() => document.querySelector('#prompt textarea').value.length > 30000", timeout=20_000)
     page.get_by_text("Score the text (teacher-forced)").click()
@@ -50,10 +53,10 @@ def test_the_long_example_loads_with_one_click_and_the_budget_reaches_256(scored
     assert scored.locator("#budget input[type=number]").input_value() == str(BUDGET)
     assert int(scored.locator("#budget input[type=range]").get_attribute("max")) >= 1024
     status = scored.locator("#status").inner_text()
-    assert "2 policies" in status and int(status.split(" tokens")[0].split()[-1]) > 7000
+    assert "3 policies" in status and int(status.split(" tokens")[0].split()[-1]) > 7000
 
 
-def test_tova_keeps_old_tokens_far_below_the_diagonal_where_sinks_keeps_only_the_first_cell(scored):
+def test_tova_keeps_old_tokens_far_below_the_diagonal_where_sinks_keeps_only_the_first_cell(scored, tmp_path):
     figure = scored.evaluate(PANELS_JS)
     panels = {panel["name"].split(":")[0]: panel["z"] for panel in figure["panels"]}
     assert set(panels) == set(POLICIES)
@@ -68,6 +71,11 @@ def test_tova_keeps_old_tokens_far_below_the_diagonal_where_sinks_keeps_only_the
     kept_far = sum(panels["tova"][row][col] not in background for row, col in far)
     assert kept_far > len(far) // 20, (kept_far, len(far))
     assert all(panels["sinks"][row][0] not in background for row in range(band + 1, cells))  # the sinks
+    # KVLENS_UPDATE_SCREENSHOT=1 refreshes the README's picture of an 8k text; otherwise the tree stays untouched.
+    target = ROOT / "docs" / "screenshot-8k.png" if os.environ.get("KVLENS_UPDATE_SCREENSHOT") else tmp_path / "8k.png"
+    scored.locator("#heatmap").scroll_into_view_if_needed()
+    scored.locator("#heatmap").screenshot(path=str(target))
+    assert target.stat().st_size > 50_000
 
 
 def test_play_moves_the_step_on_and_pause_stops_it(scored):

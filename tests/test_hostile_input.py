@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import httpx
+import plotly.graph_objects as go
 import pytest
 
 import app
@@ -247,9 +248,20 @@ def test_html_in_the_prompt_is_text_in_every_view(tmp_path, monkeypatch):
     for text in html_outputs:
         assert "<img src=x" not in text and "<script>" not in text
     assert any("&lt;img src=x onerror=alert(1)&gt;" in text for text in html_outputs)
-    figures = [o for o in outputs if hasattr(o, "to_json")]
+    figures = [o for o in outputs if isinstance(o, go.Figure)]
     for figure in figures:  # plotly renders a subset of HTML in labels: token texts reach it escaped
         assert "<img src=x" not in figure.to_json() and "<script>" not in figure.to_json()
+    # The summary's continuations are plain-text cells: the page sets them as text, so they stay as typed.
+    summary = outputs[0]
+    assert summary["Continuation"].str.contains("<img src=x", regex=False).any()
+    assert _summary_datatypes() <= {"str"}
+
+
+def _summary_datatypes() -> set:
+    """How the app's summary table shows its cells ("str": as text, never as HTML or Markdown)."""
+    component = next(c for c in app.demo.config["components"] if c.get("props", {}).get("elem_id") == "summary")
+    datatype = component["props"].get("datatype", "str")
+    return {datatype} if isinstance(datatype, str) else set(datatype)
 
 
 def test_admission_limits_each_session_and_each_address_and_forgets_lost_jobs(monkeypatch):
