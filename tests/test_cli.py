@@ -147,3 +147,31 @@ def test_a_one_token_generate_prompt_without_chat_is_a_one_line_error(tiny, tmp_
             str(tmp_path / "o"), "--no-cache"]
     assert cli.main(argv) == 2
     assert "at least 2 tokens" in capsys.readouterr().err
+
+
+def test_a_local_model_directory_runs_in_bfloat16_on_the_device_auto_picks(default_lm, tmp_path):
+    """The command line's user names any local transformers directory, its dtype and its device."""
+    directory = next(p for p in models.cache_dir().iterdir() if p.name.startswith(models.DEFAULT_MODEL + "-"))
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("The quick brown fox jumps over the lazy dog. " * 4)
+    out = tmp_path / "out"
+    result = cli("run", "--text", str(prompt), "--model", str(directory), "--dtype", "bfloat16", "--device", "auto",
+                 "--policy", "tova:budget=16", "--mode", "prompt", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    trace = Trace.load(out / summary["tova:budget=16"]["trace"])
+    assert trace.meta["model_fingerprint"].startswith("dir:") and "+bfloat16" in trace.meta["model_fingerprint"]
+    assert summary["tova:budget=16"]["ppl"] > 1 and (trace.evicted_at >= 0).any()
+
+
+@pytest.mark.skipif(models.torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_a_missing_device_and_an_unreachable_hub_id_are_one_line_errors(text_file, tmp_path, monkeypatch):
+    result = cli("run", "--text", str(text_file), "--policy", "tova:budget=8", "--device", "cuda",
+                 "--out", str(tmp_path / "o"))
+    assert result.returncode == 2 and result.stderr.strip() == "error: device cuda: no CUDA device is available here"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as on a machine without internet
+    result = cli("run", "--text", str(text_file), "--policy", "tova:budget=8", "--model", "nobody-here/no-such-model",
+                 "--out", str(tmp_path / "o"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: could not load nobody-here/no-such-model")

@@ -23,7 +23,7 @@ FAMILIES = {
     "qwen3": {"head_dim": 16},  # QK-norm before RoPE
     "mistral": {},
     "gemma2": {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24,  # scale, soft-capping, windows
-               "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0},
+               "attn_logit_softcapping": 0.5, "final_logit_softcapping": 3.0},
     "gemma3_text": {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24,  # local and global RoPE
                     "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]},
     "phi3": {},  # a fused QKV projection
@@ -61,8 +61,13 @@ def refused(lm: LoadedModel, name: str) -> bool:
 
 
 def test_full_equals_the_plain_model(lm):
-    with torch.inference_mode():
-        plain = torch.log_softmax(lm.model(torch.tensor([IDS])).logits[0].float(), -1)
+    """The plain model is transformers' own eager attention (soft-capping and windows in its own code)."""
+    lm.model.set_attn_implementation("eager")
+    try:
+        with torch.inference_mode():
+            plain = torch.log_softmax(lm.model(torch.tensor([IDS])).logits[0].float(), -1)
+    finally:
+        lm.model.set_attn_implementation(ATTN_IMPLEMENTATION)
     expected = plain[:-1].gather(-1, torch.tensor(IDS[1:])[:, None])[:, 0].numpy()
     (full,), _ = compute_traces(lm, ["full"], [POLICIES["full"]()], IDS, record_layers=())
     np.testing.assert_allclose(full.logprobs, expected, atol=2e-5)
@@ -103,7 +108,7 @@ def test_a_sliding_window_layer_reads_only_its_window():
 
 def test_the_features_are_read_from_the_config_and_the_modules():
     gemma = read_features(tiny_family("gemma2").model)
-    assert gemma.windows == [8, None, 8] and gemma.softcap == 5.0 and gemma.final_softcap == 3.0
+    assert gemma.windows == [8, None, 8] and gemma.softcap == 0.5 and gemma.final_softcap == 3.0
     assert read_features(tiny_family("cohere").model).logit_scale == 0.5
     assert read_features(tiny_family("granite").model).logits_scaling == 2.0
     phi = read_features(tiny_family("phi3").model).layers[0].capture
@@ -113,12 +118,41 @@ def test_the_features_are_read_from_the_config_and_the_modules():
     assert torch.equal(smol[1].rope(x, positions), x) and not torch.equal(smol[0].rope(x, positions), x)
 
 
+class HandWrittenAttention(torch.nn.Module):
+    """An attention module that computes softmax attention itself, never calling transformers' functions."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.layer_idx = inner, inner.layer_idx
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return self.inner(hidden_states, *args, **kwargs)
+
+
+def _refusal(model) -> str:
+    with pytest.raises(UnsupportedModel) as refused:
+        read_features(model)
+    message = str(refused.value)
+    assert "\n" not in message and len(message) < 200
+    return message
+
+
 def test_a_model_the_engine_cannot_serve_is_one_line_naming_the_feature():
-    config = AutoConfig.for_model("t5", vocab_size=101, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4)
     from transformers import T5ForConditionalGeneration
 
-    with pytest.raises(UnsupportedModel, match="encoder-decoder"):
-        read_features(T5ForConditionalGeneration(config))
+    t5 = AutoConfig.for_model("t5", vocab_size=101, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4)
+    assert "encoder-decoder" in _refusal(T5ForConditionalGeneration(t5))
+    mamba = AutoConfig.for_model("mamba", vocab_size=101, hidden_size=32, num_hidden_layers=2, state_size=4)
+    assert "decoder layers and a rotary embedding" in _refusal(AutoModelForCausalLM.from_config(mamba))
+    hybrid = AutoConfig.for_model(  # linear-attention layers beside attention layers
+        "qwen3_next", vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_value_heads=2, linear_num_key_heads=2,
+        linear_key_head_dim=16, linear_value_head_dim=16, num_experts=2, num_experts_per_tok=1,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    assert "linear_attention" in _refusal(AutoModelForCausalLM.from_config(hybrid))
+    llama = tiny_family("llama").model
+    llama.model.layers[1].self_attn = HandWrittenAttention(llama.model.layers[1].self_attn)
+    assert "layer 1 has no self-attention module that calls transformers' AttentionInterface" in _refusal(llama)
 
 
 def test_bfloat16_runs_on_the_cpu():

@@ -1,5 +1,7 @@
 """End to end on the second packaged model, Gemma 3 270M (Q4_K_M GGUF from PyPI): a base model with a 32k
 context whose local layers read a sliding window of 512 keys."""
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -7,6 +9,8 @@ import torch
 from backend.engine.models import GEMMA_MODEL, shared_model
 from backend.engine.runner import compute_traces
 from backend.policies import TOVA, Window
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -42,3 +46,41 @@ def test_a_policy_decides_within_the_window_and_scores_real_text(gemma, long_ids
     ppl = {name: float(np.exp(-t.logprobs.mean())) for name, t in (("tova", tova), ("window", window), ("full", full))}
     assert ppl["full"] < ppl["tova"] < ppl["window"], ppl
     assert tova.reads(0)[:, -1].sum(-1).max() <= 64  # the budget counts what the layer reads
+
+
+def test_generate_mode_reads_a_base_model_prompt_as_is_through_the_front_door(gemma, tmp_path):
+    """The app's and the CLI's path: a base model gets no chat template, and its few-shot example is answered."""
+    from backend import api
+    from backend.api import RunRequest
+    from backend.engine.models import GEMMA_MODEL
+    from backend.traces.store import TraceStore
+
+    text = (ROOT / "assets" / "examples" / "base_model_few_shot.txt").read_text().strip()
+    request = RunRequest(prompt=text, specs=["full", "sinks:budget=32", "tova:budget=32"], mode="generate",
+                         max_new_tokens=4, model=GEMMA_MODEL)
+    run = api.run(request, TraceStore(tmp_path / "store"))
+    full = run.full
+    assert list(full.tokens[: len(full.tokens) - len(full.generated_ids)]) == gemma.encode(text)  # no template
+    assert "Oslo" in gemma.tokenizer.decode(full.generated_ids)
+    assert run.stored
+    np.testing.assert_array_equal(api.reopen(run.run_id, TraceStore(tmp_path / "store")).full.generated_ids,
+                                  full.generated_ids)
+    sinks, tova = run.traces[1:]
+    assert len(sinks.generated_ids) == len(tova.generated_ids) == 4 and tova.evicted_at.max() > 0
+
+
+def test_the_command_line_runs_gemma_by_name(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [sys.executable, "-m", "backend", "run", "--model", "gemma3-270m", "--text",
+         str(ROOT / "assets" / "examples" / "base_model_continuation.txt"), "--policy", "tova:budget=32",
+         "--mode", "generate", "--max-new-tokens", "4", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "KVLENS_STORE_DIR": str(tmp_path / "s")})
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["tova:budget=32"]["ppl"] > 1

@@ -7,7 +7,7 @@ import pytest
 
 from backend.experiments import grid as grid_module
 from backend.experiments.grid import GridError, job_key, run_grid
-from backend.experiments.needle import NEEDLE, QUESTION, Cell, found, haystack, needle_frame, needle_jobs
+from backend.experiments.needle import BASE_CUE, NEEDLE, QUESTION, Cell, found, haystack, needle_frame, needle_jobs
 from backend.experiments.sweep import summarize
 
 
@@ -39,6 +39,13 @@ def test_haystack_fills_the_length_and_puts_the_needle_at_its_depth(default_lm):
     at = middle.index(NEEDLE.format(number=Cell(512, 0.5, seed=1).number())) / len(middle)
     assert 0.35 < at < 0.65
     assert haystack(default_lm, cell, new_tokens=16) == (text, ids)  # deterministic
+
+
+def test_a_model_without_a_chat_template_is_cued_to_answer(tiny):
+    """A base model, packaged (chat=False) or local (chat allowed but no template), completes a cue instead."""
+    assert tiny.chat and not tiny.chats  # the tiny tokenizer has no chat template
+    text, ids = haystack(tiny, Cell(200, 0.5, seed=1), new_tokens=16)
+    assert text.endswith(QUESTION + BASE_CUE) and len(ids) <= 200 - 16
 
 
 # --- Checkpoint and errors (no model: a stand-in worker) --------------------------------------------------

@@ -315,6 +315,10 @@ def test_an_explicit_full_costs_nothing(tiny_session):
     with pytest.raises(RequestError, match="3 policies x 200 tokens come to 600 row-tokens"):
         api.run(RunRequest(prompt="ab" * 100, specs=["full", "tova:budget=8", "h2o:budget=8", "a2sf:budget=8"],
                            mode="prompt"), tiny_session, limits=limits)
+    two = Limits(policies=2)  # nor a place among the policies side by side
+    api.check_run(RunRequest(prompt="ab", specs=["full", "tova:budget=8", "h2o:budget=8"]), two)
+    with pytest.raises(RequestError, match="At most 2 policies side by side besides Full, got 3"):
+        api.check_run(RunRequest(prompt="ab", specs=["full", "tova:budget=8", "h2o:budget=8", "a2sf:budget=8"]), two)
 
 
 def test_the_command_line_may_name_any_model_and_fits_its_limits_to_the_machine():

@@ -14,8 +14,11 @@ policies need to know about a loaded model is here:
   ``logits_scaling``, Gemma's final soft-capping).
 
 The attention scale (Gemma's ``query_pre_attn_scalar``, Granite's multiplier) and logit soft-capping reach
-the engine with every attention call, from the module itself (``scaling``, ``softcap``). A model the engine
-cannot serve gets ``UnsupportedModel`` naming the missing feature.
+the engine with every attention call, from the module itself (``scaling``, ``softcap``). How a block arranges
+attention and MLP (Cohere's parallel blocks, Gemma's extra norms) needs nothing here: the engine replaces only
+the attention function, and the model's own code does the rest. A model the engine cannot serve (an
+encoder-decoder, state-space or linear-attention layers, an attention module that does not call
+transformers' attention functions) gets ``UnsupportedModel`` naming the missing feature.
 """
 from __future__ import annotations
 
@@ -107,7 +110,7 @@ def read_features(model) -> ModelFeatures:
     layers = []
     for index, block in enumerate(blocks):
         attention = getattr(block, "self_attn", None)
-        if attention is None or not hasattr(attention, "layer_idx"):
+        if attention is None or not hasattr(attention, "layer_idx") or not _calls_attention_interface(attention):
             raise UnsupportedModel(f"{config.model_type}: layer {index} has no self-attention module that calls "
                                    f"transformers' AttentionInterface")
         window = config.sliding_window if layer_types[index] == "sliding_attention" else None
@@ -120,6 +123,13 @@ def read_features(model) -> ModelFeatures:
                          logits_scaling=float(getattr(config, "logits_scaling", 1.0) or 1.0),
                          final_softcap=getattr(config, "final_logit_softcapping", None),
                          softcap=getattr(config, "attn_logit_softcapping", None))
+
+
+def _calls_attention_interface(attention) -> bool:
+    """Whether the module's forward dispatches through transformers' attention functions, the engine's way in
+    (a forward written without them computes its attention where no policy can reach it)."""
+    forward = inspect.unwrap(type(attention).forward)
+    return "ALL_ATTENTION_FUNCTIONS" in getattr(forward, "__globals__", {})
 
 
 def _layer_rope(model, attention, layer_type: str) -> Rope:

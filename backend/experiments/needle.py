@@ -6,7 +6,8 @@ The haystack, for a cell (length L, depth d, seed s), deterministic from (L, d, 
   the Union addresses; ``texts.py``), in order, starting at a sentence chosen by the seed, as many as fit.
 * **Needle**: ``NEEDLE`` holding a random number of 5 to 7 digits (drawn from the seed, the length and the
   depth), inserted between two filler sentences at the fraction ``d`` of them (0 = first, 1 = last).
-* **Question** at the end: ``QUESTION``. The whole is one user turn of the model's chat template.
+* **Question** at the end: ``QUESTION``. The whole is one user turn of the model's chat template; a base
+  model (no chat template) reads it as is, followed by ``BASE_CUE`` for it to complete.
 * **Length**: the prompt takes ``L - new_tokens`` tokens (within a few), so prompt and answer fill ``L``:
   at the model's context (8192) the answer still fits.
 
@@ -72,7 +73,7 @@ def haystack(lm: LoadedModel, cell: Cell, new_tokens: int = NEW_TOKENS) -> tuple
         filler = [sentences[(start + i) % len(sentences)] for i in range(count)]
         at = round(cell.depth * count)
         body = " ".join(filler[:at] + [NEEDLE.format(number=cell.number())] + filler[at:])
-        text = f"{body}\n\n{QUESTION}" + ("" if lm.chat else BASE_CUE)
+        text = f"{body}\n\n{QUESTION}" + ("" if lm.chats else BASE_CUE)
         return text, lm.encode(text, chat=True)
 
     # The most whole sentences that fit: double until too long, then bisect (a dozen encodes at 8k tokens).
