@@ -46,7 +46,8 @@ def test_the_last_tick_stops_the_timer_and_the_heavy_views_catch_up(run):
     assert step == last and f"at step {last}" in kept
     assert isinstance(timer, gr.Timer) and timer.active is False
     assert button.value == app.PLAY and playing is False
-    assert len(heatmap.data) == 2 and len(heatmap.layout.shapes) == 2  # the masks, the last row marked
+    panels = [trace for trace in heatmap.data if trace.type == "heatmap"]
+    assert len(panels) == 2 and len(heatmap.layout.shapes) == 2  # the masks, the last row marked
     assert f"at step {last}" in over_steps.layout.title.text
 
 

@@ -263,6 +263,60 @@ def test_binned_masks_show_a_few_kept_old_tokens_apart_from_empty_cells():
     assert not fig.layout.coloraxis3.showscale and "16 tokens per cell" in fig.layout.title.text
 
 
+def test_one_token_per_cell_shares_and_the_step_row_take_the_log_share_scale():
+    """Zoomed to one token per cell over all layers and heads, a token one head of six keeps is 1/6 of a cell;
+    in the step row (Play's strip) an old token kept by one head is 1/48 of a cell (8 tokens, 6 heads): both far
+    from rose."""
+    from viz import panels, share_scale
+
+    run = long_run()
+    zoom = panels.heatmaps(run, "all", "all", zoom=(3900, 640, 128))
+    heat = next(t for t in zoom.data if isinstance(t, go.Heatmap) and t.name == "tova")
+    assert heat.coloraxis == "coloraxis3" and "%{z:.2~p} of layers/heads" in heat.hovertemplate
+    z = np.asarray(heat.z)
+    assert z[0, 700 - 640] == pytest.approx(1 / 6)  # token 700, step 3900
+    one = panels.heatmaps(run, "1", "2", zoom=(3900, 640, 128))  # one layer and head: kept or not, in two colours
+    assert next(t for t in one.data if isinstance(t, go.Heatmap)).coloraxis == "coloraxis"
+    row = panels.step_row(run, 4000, "all", "all")
+    strip = next(t for t in row.data if isinstance(t, go.Heatmap))
+    assert strip.coloraxis == "coloraxis" and list(row.layout.coloraxis.colorscale) == [
+        tuple(stop) for stop in share_scale.colorscale()]
+    cells = np.asarray(strip.z)[list(strip.y).index("tova")]
+    kept_cell = cells[700 // row_size(row)]
+    assert row_size(row) == 8 and kept_cell == pytest.approx(1 / 48)
+    axis = row.layout.coloraxis
+    nothing = rgb_at(axis.colorscale, axis.cmin, axis.cmax, 0.0)
+    assert np.linalg.norm(rgb_at(axis.colorscale, axis.cmin, axis.cmax, kept_cell) - nothing) > 150
+
+
+def row_size(fig) -> int:
+    return int(next(t for t in fig.data if isinstance(t, go.Heatmap)).dx)
+
+
+def test_the_masks_draw_the_models_own_window_where_a_layer_has_one():
+    """Gemma's local layers read only the latest `window` keys: a dashed edge at token = step - window, in the
+    chosen windowed layer or over all layers (saying how many), and none on a global layer."""
+    from viz import panels
+
+    run = long_run()
+    for trace in run.traces:
+        trace.meta["layer_windows"] = [512, None]
+    everything = panels.heatmaps(run, "all", "all")
+    assert "the model's own window, 512 keys in 1 of 2 layers" in everything.layout.title.text
+    edges = [s for s in everything.layout.shapes if s.line.dash == "dash"]
+    assert len(edges) == 3  # one per panel
+    edge = edges[0]  # cells of 16 tokens: step 512 -> token 0 down to step 4095 -> token 3583
+    assert (edge.x0, edge.y0) == pytest.approx(((0 + .5) / 16 - .5, (512 + .5) / 16 - .5))
+    assert (edge.x1, edge.y1) == pytest.approx(((3583 + .5) / 16 - .5, (4095 + .5) / 16 - .5))
+    zoomed = panels.heatmaps(run, "0", "all", zoom=(600, 0, 256))  # steps 600-855 x tokens 0-255, a cell each
+    edges = [s for s in zoomed.layout.shapes if s.line.dash == "dash"]
+    assert len(edges) == 3 and (edges[0].x0, edges[0].y0, edges[0].x1, edges[0].y1) == (88, 0, 255, 167)
+    assert not [s for s in panels.heatmaps(run, "0", "all", zoom=(1000, 0, 256)).layout.shapes  # all beyond it
+                if s.line.dash == "dash"]
+    assert "512 keys" in zoomed.layout.title.text and "layers" not in zoomed.layout.title.text.split("·")[-1]
+    assert not [s for s in panels.heatmaps(run, "1", "all").layout.shapes if s.line.dash == "dash"]
+
+
 def pcolors_rgb(hex_color: str) -> np.ndarray:
     import plotly.colors as pcolors
 
@@ -502,6 +556,19 @@ def test_score_over_steps_follows_each_token(scores):
     assert np.isnan(y[gone - j:]).all() and np.isfinite(y[:gone - j]).all()
     (marker,) = [t for t in fig.data if t.mode == "markers" and t.yaxis == "y2"]
     assert list(marker.x) == [gone]
+
+
+def test_score_over_steps_is_on_log_axes_so_a_sink_leaves_the_others_readable():
+    """A sink scoring 1000 next to a token scoring 0.5: on log axes both lines span decades of their own."""
+    steps = 40
+    sink, other = np.linspace(1, 1000, steps), np.full(steps, 0.5)
+    forgotten = 0.3 ** np.arange(steps)  # A2SF's forgetting, 10^-20 at the end
+    fig = score_over_steps_figure(np.stack([sink, other]), np.stack([sink, forgotten]), [0, 0], ["a"], alpha=0.3)
+    assert fig.layout.yaxis.type == fig.layout.yaxis2.type == "log"
+    low, high = fig.layout.yaxis.range
+    assert low <= np.log10(0.5) and high >= 3  # the 0.5 line sits inside the axis, not on its floor
+    low2, _ = fig.layout.yaxis2.range
+    assert low2 == pytest.approx(np.log10(1000) - 6)  # six decades below the top, no further
 
 
 # ---------------------------------------------------------------- divergence and summary

@@ -16,7 +16,9 @@ axis reaches a decade below the lowest kept score, so evicted tokens scored far 
 
 ``score_over_steps_figure`` mirrors A2SF Fig. 6: the score of a few chosen tokens along the
 generation steps, A2S above and A2SF below; with keep masks, a line stops where its token is
-evicted (an x marks the step).
+evicted (an x marks the step). Its y axes are log too, so a followed sink does not flatten the other
+tokens' lines, and A2SF's forgetting (a factor alpha a step) reads as a straight descent; they reach
+``OVER_STEPS_DECADES`` decades below the highest score.
 
 Inputs are plain arrays (``backend.analysis.metrics.score_curves`` computes them): for the snapshot, every
 token's score at the step and whether it is kept ([step + 1] each); for the curves, one row per
@@ -38,6 +40,7 @@ from .style import finish, plotly_text, visible_token
 EVICTED_BAR = "#C8C8C8"
 BAR_LIMIT = 256  # tokens drawn as bars; a longer text is a line of scores and a marker per kept token
 NAMED_TOKENS = 2048  # past this many tokens the grey line's hover gives the position only (texts weigh 100s of kB)
+OVER_STEPS_DECADES = 6  # the scores over the steps: a forgotten token's fall below that leaves the axis
 
 
 def _shaped(name: str, a, shape: tuple) -> np.ndarray:
@@ -165,6 +168,7 @@ def score_over_steps_figure(a2s: np.ndarray, a2sf: np.ndarray, tokens_to_show: S
         label = f"{j} {_texts(token_texts[j:j + 1], 1)[0]}"
         for row, (scores, keep) in enumerate(zip((a2s, a2sf), keeps), start=1):
             values = scores[i, j:].astype(np.float32)
+            values[values <= 0] = np.nan  # no place on a log axis
             gone = None
             if keep is not None and not keep[i, j:].all():
                 gone = int(np.argmin(keep[i, j:]))
@@ -175,12 +179,18 @@ def score_over_steps_figure(a2s: np.ndarray, a2sf: np.ndarray, tokens_to_show: S
                 hovertemplate="token %{fullData.name}<br>step %{x}<br>score %{y:.4g}<extra></extra>"),
                 row=row, col=1)
             if gone is not None:
+                last = float(scores[i, j + max(gone - 1, 0)])  # the score it left with
                 fig.add_trace(go.Scatter(
-                    x=[j + gone], y=[float(scores[i, j + gone - 1]) if gone > 0 else 0.0], mode="markers",
+                    x=[j + gone], y=[last if last > 0 else np.nan], mode="markers",
                     marker=dict(symbol="x", size=9, color=color), legendgroup=label, showlegend=False,
                     name=f"{label} evicted",
                     hovertemplate="token %{fullData.name} at step %{x}<extra></extra>"),
                     row=row, col=1)
-            fig.update_yaxes(title_text="accumulated score", row=row, col=1)
+    for row, scores in enumerate((a2s, a2sf), start=1):
+        top = float(np.max(scores, initial=0.0))
+        low = float(np.min(scores[scores > 0], initial=top)) / 2
+        log_range = [math.log10(max(low, top * 10.0 ** -OVER_STEPS_DECADES)), math.log10(top) + 0.2] if top > 0 else None
+        fig.update_yaxes(title_text="accumulated score (log)", type="log", exponentformat="power", range=log_range,
+                         row=row, col=1)
     fig.update_xaxes(title_text="decode step", row=2, col=1)
     return finish(fig, title or "Accumulated score of chosen tokens over the steps", height=height)

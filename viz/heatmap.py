@@ -3,13 +3,13 @@
 What the viewer sees: one cell per (query step t, token j). Row t is what the query at position t
 read; the triangle above the diagonal (j > t, tokens that have not arrived yet) is left white.
 
-* Mask only (``attention=None``): read cells are dark blue, evicted / not-selected cells pale rose.
-  A float array in [0, 1] instead of a bool mask (the share of layers/heads that read each cell) shades
-  each cell by that share: rose (none) -> blue (all).
-* Binned mask (``size`` > 1, no attention): the share of the cell's pairs that were read, on the **log
-  colour scale** of ``share_scale`` (0.1% .. 100%, light to dark, exactly 0 = nothing read in rose): a
-  cell holding one kept token among a thousand pairs is visibly not empty (a linear scale rounds it to
-  nothing, and every policy draws the same diagonal band).
+* Mask only (``attention=None``, a bool mask of one layer and head): read cells are dark blue, evicted /
+  not-selected cells pale rose.
+* A share (a float array in [0, 1]: of the layers/heads that read each cell, or, binned with ``size`` > 1,
+  of the cell's pairs that were read), on the **log colour scale** of ``share_scale`` (0.1% .. 100%, light
+  to dark, exactly 0 = nothing read in rose): a cell holding one kept token among a thousand pairs, or a
+  token one head of ninety keeps, is visibly not empty (a linear scale rounds it to nothing, and every
+  policy draws the same diagonal band).
 * With ``attention`` of the same shape (one layer and head): read cells show the attention weight
   on a **log10 colour scale** (Viridis over ``decades`` decades below ``zmax``; weights below that
   floor, exact zeros included, get the floor colour), and cells not read get a rose band just below
@@ -146,7 +146,7 @@ def _hovertemplate(reads: np.ndarray, attention: np.ndarray | None, floor: float
                 f"<i>{floor - NOT_READ_GAP:.2f} = not read (evicted)</i><extra></extra>")
     if reads.dtype == bool:
         return head + "read: %{z:.0f} (1 = kept, 0 = evicted)<extra></extra>"
-    return head + "read by %{z:.0%} of layers/heads<extra></extra>"
+    return head + f"read by {share_scale.HOVER} of layers/heads<extra></extra>"
 
 
 def _checked_panel(panel: Mapping) -> dict:
@@ -171,7 +171,7 @@ def _labels(panel: Mapping) -> tuple[list[str], list[str]]:
 def _coloraxis_of(panel: Mapping) -> str:
     if panel["attention"] is not None:
         return WEIGHT_AXIS
-    return SHARE_AXIS if panel["size"] > 1 else MASK_AXIS
+    return MASK_AXIS if panel["reads"].dtype == bool and panel["size"] == 1 else SHARE_AXIS
 
 
 def _panel(panel: Mapping, zmax, decades) -> go.Heatmap:
@@ -287,9 +287,33 @@ def mask_heatmaps(panels: Mapping[str, Mapping], title: str = "", zmax: float | 
     return fig
 
 
+def mark_window(fig: go.Figure, window: int, steps: tuple[int, int], positions: tuple[int, int], size: int = 1,
+                color: str = "#555555") -> go.Figure:
+    """A dashed line in every panel where the model's own sliding window ends (token = step - ``window``): on
+    such a layer a query reads nothing to its left, whatever the policy keeps. The panels show the steps and
+    positions ``(first, last)`` of ``steps`` / ``positions``, ``size`` tokens a cell."""
+    start = max(steps[0], positions[0] + window)  # the first shown step whose window edge is shown
+    end = min(steps[1], positions[1] + window)
+    if start > end:
+        return fig
+
+    def at(token: int, first: int) -> float:  # a token's centre in cell coordinates (cell k spans k +- 0.5)
+        return (token - first + 0.5) / size - 0.5
+
+    for trace in fig.data:
+        if isinstance(trace, go.Heatmap):
+            fig.add_shape(type="line", xref=trace.xaxis or "x", yref=trace.yaxis or "y",
+                          x0=at(start - window, positions[0]), y0=at(start, steps[0]),
+                          x1=at(end - window, positions[0]), y1=at(end, steps[0]),
+                          line=dict(color=color, width=1.5, dash="dash"))
+    return fig
+
+
 def mark_row(fig: go.Figure, row: int, color: str = "#C0392B") -> go.Figure:
     """A line across every panel through row ``row`` (a cell index: the step Play or the step slider is at)."""
     for trace in fig.data:
+        if not isinstance(trace, go.Heatmap):  # a colour bar's marker trace
+            continue
         x, y = trace.xaxis or "x", trace.yaxis or "y"
         fig.add_shape(type="line", xref=f"{x} domain", x0=0, x1=1, yref=y, y0=row, y1=row,
                       line=dict(color=color, width=1.5, dash="dot"), opacity=0.8)

@@ -25,7 +25,7 @@ from .colors import policy_colors
 from .continuation import continuation_cell
 from .curves import score_curves_figure, score_over_steps_figure
 from .divergence import divergence_figure, divergence_notes, summary_table as summary_frame
-from .heatmap import mark_row, mask_heatmaps
+from .heatmap import mark_row, mark_window, mask_heatmaps
 from .highlight import MAX_OUTSIDE, WINDOW, continuations_html, kept_tokens_html, text_window
 from .reach import distance_figure, reach_figure
 from .retention import first_token_retention_figure, lifetime_by_position_figure, non_recent_share_figure, pos_table
@@ -185,13 +185,31 @@ def heatmaps(run, layer: str, head: str, zoom: tuple[int, int, int] | None = Non
         rows, cols = first["reads"].shape
         window = (f", steps {first['first_step']}–{first['first_step'] + rows - 1} x positions "
                   f"{first['first_pos']}–{first['first_pos'] + cols - 1}")
-    fig = mask_heatmaps(panels, title=f"What each query read ({where}, {who}{window})",
+    model_window, note = _model_window(run.full, layer)
+    fig = mask_heatmaps(panels, title=f"What each query read ({where}, {who}{window}){note}",
                         colors=policy_colors([t.spec for t in run.traces]))
     first = next(iter(panels.values()))
+    if model_window is not None:
+        size, n = first.get("size", 1), max(len(t.tokens) for t in run.traces)
+        rows, cols = first["reads"].shape
+        first_step, first_pos = first.get("first_step", 0), first.get("first_pos", 0)
+        mark_window(fig, model_window, (first_step, min(first_step + rows * size, n) - 1),
+                    (first_pos, min(first_pos + cols * size, n) - 1), size)
     row = None if step is None else (int(step) - first.get("first_step", 0)) // first.get("size", 1)
     if row is not None and 0 <= row < first["reads"].shape[0]:
         mark_row(fig, row)
     return fig
+
+
+def _model_window(trace: Trace, layer: str) -> tuple[int | None, str]:
+    """The model's own sliding window on the chosen layer(s), and the line the masks' title says of it."""
+    windows = trace.meta.get("layer_windows") or []
+    chosen = windows if layer == "all" else windows[int(layer):int(layer) + 1]
+    sliding = [w for w in chosen if w is not None]
+    if not sliding:
+        return None, ""
+    where = "" if layer != "all" else f" in {len(sliding)} of {len(windows)} layers"
+    return max(sliding), f" · dashed: the model's own window, {max(sliding):,} keys{where}"
 
 
 def kept_tokens(run, step: int, layer: str, head: str, window: int = WINDOW, far: int = MAX_OUTSIDE) -> str:

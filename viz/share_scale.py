@@ -77,7 +77,7 @@ def colorbar_axis(title: str = "share read", bands: Sequence[tuple[str, str]] = 
     labels = [label for label, _ in bands] + [f"{10.0 ** d:.{max(0, -d - 2)}%}" for d in decades]
     return dict(cmin=low, cmax=top, colorscale=scale,
                 colorbar=dict(title=dict(text=title, side="right"), tickvals=ticks, ticktext=labels,
-                              thickness=14, **colorbar))
+                              **{"thickness": 14, **colorbar}))
 
 
 def colorbar_trace(axis: str) -> go.Scatter:

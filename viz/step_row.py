@@ -1,9 +1,10 @@
 """The masks' row at one step: what the query at that step reads, one strip per policy.
 
-What the viewer sees: for each policy a horizontal strip over the token positions, coloured from pale rose
-(nothing read) to dark blue (everything read) as in the masks, blank after the step (tokens not yet
-written), and a red line at the step itself. A long text comes in cells of ``size`` positions, each the
-share of its tokens read (``backend.analysis.reads.binned_row``). The figure is a few kilobytes at any
+What the viewer sees: for each policy a horizontal strip over the token positions, coloured as the masks'
+shares are (``share_scale``: rose = nothing read, then light to dark on a log scale from 0.1% to 100%),
+blank after the step (tokens not yet written), and a red line at the step itself. A long text comes in
+cells of ``size`` positions, each the share of its tokens (and of the chosen layers and heads) read
+(``backend.analysis.reads.binned_row``): one old token kept by one head of ninety still shows. The figure is a few kilobytes at any
 length, so Play can redraw it at every step while the full masks (megabytes at 8k) wait until it pauses.
 """
 from __future__ import annotations
@@ -13,7 +14,8 @@ from collections.abc import Mapping
 import numpy as np
 import plotly.graph_objects as go
 
-from .colors import EVICTED_COLOR, KEPT_COLOR, policy_colors
+from . import share_scale
+from .colors import policy_colors
 from .style import finish, plotly_text
 
 STEP_LINE = "#C0392B"  # the outline of the current token in the kept-tokens view
@@ -37,11 +39,11 @@ def step_row_figure(rows: Mapping[str, np.ndarray], step: int, n: int, size: int
     labels = [plotly_text(name) for name in names]
     where = "token %{x:.0f}" if size == 1 else f"tokens %{{x:.0f}} ± {size // 2}"
     fig = go.Figure(go.Heatmap(
-        z=z, y=labels, x0=(size - 1) / 2, dx=size, zmin=0.0, zmax=1.0, hoverongaps=False, xgap=0, ygap=2,
-        colorscale=[[0.0, EVICTED_COLOR], [0.5, "#9DB6CF"], [1.0, KEPT_COLOR]],
-        colorbar=dict(title=dict(text="read", side="right"), tickvals=[0, 0.5, 1],
-                      ticktext=["evicted", "50%", "kept"], thickness=12),
-        hovertemplate=f"%{{y}}<br>{where}<br>read: %{{z:.0%}}<extra></extra>"))
+        z=z, y=labels, x0=(size - 1) / 2, dx=size, coloraxis="coloraxis", hoverongaps=False, xgap=0, ygap=2,
+        hovertemplate=f"%{{y}}<br>{where}<br>read: {share_scale.HOVER}<extra></extra>"))
+    fig.update_layout(coloraxis=share_scale.coloraxis(),
+                      coloraxis2=share_scale.colorbar_axis("read", thickness=12, len=1.0, y=0.5))
+    fig.add_trace(share_scale.colorbar_trace("coloraxis2"))
     fig.add_shape(type="line", x0=step, x1=step, y0=0, y1=1, yref="paper", line=dict(color=STEP_LINE, width=2))
     colors = dict(colors) if colors else policy_colors(names)
     fig.update_yaxes(autorange="reversed", automargin=True, tickvals=labels,
