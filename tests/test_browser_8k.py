@@ -7,6 +7,7 @@ import re
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.test_browser import app_url, page  # noqa: F401  (fixtures: this module gets its own app and browser)
@@ -76,6 +77,43 @@ def test_tova_keeps_old_tokens_far_below_the_diagonal_where_sinks_keeps_only_the
     scored.locator("#heatmap").scroll_into_view_if_needed()
     scored.locator("#heatmap").screenshot(path=str(target))
     assert target.stat().st_size > 50_000
+
+
+def test_the_pixels_below_the_band_show_tovas_old_tokens_and_sinks_nothing(scored, tmp_path):
+    """What a person sees: in the drawn panels, far below the diagonal, TOVA's kept old tokens are pixels of
+    another colour than the background, and sinks' (its first column aside) are all background."""
+    from PIL import Image
+
+    plot = scored.locator("#heatmap .js-plotly-plot").first
+    plot.scroll_into_view_if_needed()
+    shot = tmp_path / "masks.png"
+    plot.screenshot(path=str(shot))
+    pixels = np.asarray(Image.open(shot).convert("RGB"), float)
+    areas = plot.evaluate("""el => el._fullData.filter(t => t.type === 'heatmap').map(t => {
+        const x = el._fullLayout[t.xaxis.replace('x', 'xaxis')], y = el._fullLayout[t.yaxis.replace('y', 'yaxis')];
+        return {name: t.name, left: x._offset, width: x._length, top: y._offset, height: y._length}; })""")
+    background = np.array([0xF2, 0xC9, 0xC2], float)  # the rose of nothing read
+    differing = {}
+    for area in areas:
+        left, top = round(area["left"]), round(area["top"])
+        panel = pixels[top + 2: top + round(area["height"]) - 2, left + 2: left + round(area["width"]) - 2]
+        rows, cols = np.indices(panel.shape[:2])
+        below = rows / panel.shape[0] - cols / panel.shape[1] > 0.15  # well below the band of recent tokens
+        below &= cols > panel.shape[1] * 0.03  # the first column: sinks' own
+        distance = np.linalg.norm(panel - background, axis=-1)[below]
+        differing[area["name"].split(":")[0]] = float((distance > 40).mean())
+    assert differing["sinks"] < 0.01, differing
+    assert differing["tova"] > 0.2 and differing["h2o"] > 0.2, differing  # here: 0.61 and 1.0
+
+
+def test_every_long_example_loads_with_one_click(page):  # noqa: F811
+    for path in sorted((ROOT / "assets" / "examples").glob("*tokens.txt")):
+        label = path.stem.replace("_", " ")
+        page.locator("#examples").get_by_text(label, exact=True).click()
+        expected = path.read_text().strip()
+        page.wait_for_function(f"() => document.querySelector('#prompt textarea').value.length === {len(expected)}",
+                               timeout=20_000)
+        assert page.locator("#prompt textarea").input_value() == expected
 
 
 def test_play_moves_the_step_on_and_pause_stops_it(scored):
