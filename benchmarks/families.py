@@ -1,6 +1,7 @@
 """The decoder families table of docs/results.md: for each family's tiny random-weight model (the same models as
 tests/test_families.py), how far Full is from the plain model, how many policies at a budget above the length
-equal Full, and how many give the same result on the prompt path as token by token.
+equal Full, and how many give the same result on the prompt path as token by token. The plain model is
+transformers' own eager attention.
 
     python -m benchmarks.families
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from backend.engine.attention import ATTN_IMPLEMENTATION
 from backend.engine.runner import compute_traces, score_text
 from backend.policies import POLICIES
 from tests.test_families import FAMILIES, IDS, NAMES, refused, tiny_family
@@ -20,8 +22,10 @@ def main() -> None:
     print("|---|---:|---|---|")
     for family in FAMILIES:
         lm = tiny_family(family)
+        lm.model.set_attn_implementation("eager")  # the plain model: transformers' own attention
         with torch.inference_mode():
             plain = torch.log_softmax(lm.model(torch.tensor([IDS])).logits[0].float(), -1)
+        lm.model.set_attn_implementation(ATTN_IMPLEMENTATION)
         expected = plain[:-1].gather(-1, torch.tensor(IDS[1:])[:, None])[:, 0].numpy()
         (full,), _ = compute_traces(lm, ["full"], [POLICIES["full"]()], IDS, record_layers=())
         gap = float(np.abs(full.logprobs - expected).max())
