@@ -46,12 +46,18 @@ def main() -> None:
             share = reads.binned_reads(trace, [layer], [0], size)
             figure.add_heatmap(z=share, colorscale="Blues", zmin=0, zmax=1, showscale=col == len(shown) and row == 1,
                                x0=0, dx=size, y0=0, dy=size, row=row, col=col)
+            window = trace.window(layer)
+            if window:  # the model's own edge: left of it this layer reads nothing, whatever the policy keeps
+                figure.add_shape(type="line", x0=0, y0=window, x1=len(ids) - 1 - window, y1=len(ids) - 1,
+                                 line=dict(color="#555555", width=1.5, dash="dash"), row=row, col=col)
             count = trace.reads_at(layer, len(ids) - 1).sum()
             print(f"{trace.spec:18s} layer {layer:2d}: the last query reads {count} of {len(ids)} tokens")
     figure.update_yaxes(autorange="reversed", title_text="step")
     figure.update_xaxes(title_text="position")
     figure.update_layout(title=f"Gemma 3 270M, {len(ids)} tokens: what each query reads (blue) in a sliding-window "
-                               f"layer and a global layer", width=1200, height=760, margin=dict(t=90))
+                               f"layer and a global layer<br><sup>dashed: the model's own window edge (a local layer reads nothing "
+                               f"left of it); white below it in the global layer: the policy's evictions</sup>",
+                         width=1200, height=760, margin=dict(t=100))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     pio.write_html(figure, out.with_suffix(".html"), include_plotlyjs=True)
