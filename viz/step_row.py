@@ -41,8 +41,11 @@ def step_row_figure(rows: Mapping[str, np.ndarray], step: int, n: int, size: int
     fig = go.Figure(go.Heatmap(
         z=z, y=labels, x0=(size - 1) / 2, dx=size, coloraxis="coloraxis", hoverongaps=False, xgap=0, ygap=2,
         hovertemplate=f"%{{y}}<br>{where}<br>read: {share_scale.HOVER}<extra></extra>"))
-    fig.update_layout(coloraxis=share_scale.coloraxis(),
-                      coloraxis2=share_scale.colorbar_axis("read", thickness=12, len=1.0, y=0.5))
+    bar = share_scale.colorbar_axis("read", thickness=12, len=1.0, y=0.5)
+    shown = ("nothing", "1%", "100%")  # a strip a few rows high has room for three labels
+    ticks = [(v, t) for v, t in zip(bar["colorbar"]["tickvals"], bar["colorbar"]["ticktext"]) if t in shown]
+    bar["colorbar"].update(tickvals=[v for v, _ in ticks], ticktext=[t for _, t in ticks])
+    fig.update_layout(coloraxis=share_scale.coloraxis(), coloraxis2=bar)
     fig.add_trace(share_scale.colorbar_trace("coloraxis2"))
     fig.add_shape(type="line", x0=step, x1=step, y0=0, y1=1, yref="paper", line=dict(color=STEP_LINE, width=2))
     colors = dict(colors) if colors else policy_colors(names)
@@ -51,5 +54,5 @@ def step_row_figure(rows: Mapping[str, np.ndarray], step: int, n: int, size: int
                                for name, label in zip(names, labels)])
     fig.update_xaxes(title_text="token position", range=[-0.5, n - 0.5], showgrid=False, zeroline=False)
     note = "" if size == 1 else f" · {size} tokens per cell"
-    return finish(fig, (title or f"What the query at step {step} reads") + note, height=110 + 34 * len(names),
+    return finish(fig, (title or f"What the query at step {step} reads") + note, height=130 + 40 * len(names),
                   plot_bgcolor="white")
