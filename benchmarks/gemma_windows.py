@@ -54,9 +54,10 @@ def main() -> None:
             print(f"{trace.spec:18s} layer {layer:2d}: the last query reads {count} of {len(ids)} tokens")
     figure.update_yaxes(autorange="reversed", title_text="step")
     figure.update_xaxes(title_text="position")
+    note = ("dashed: the model's own window edge (a local layer reads nothing left of it); "
+            "white below it in the global layer: the policy's evictions")
     figure.update_layout(title=f"Gemma 3 270M, {len(ids)} tokens: what each query reads (blue) in a sliding-window "
-                               f"layer and a global layer<br><sup>dashed: the model's own window edge (a local layer reads nothing "
-                               f"left of it); white below it in the global layer: the policy's evictions</sup>",
+                               f"layer and a global layer<br><sup>{note}</sup>",
                          width=1200, height=760, margin=dict(t=100))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -189,8 +189,8 @@ def score_over_steps_figure(a2s: np.ndarray, a2sf: np.ndarray, tokens_to_show: S
     for row, scores in enumerate((a2s, a2sf), start=1):
         top = float(np.max(scores, initial=0.0))
         low = float(np.min(scores[scores > 0], initial=top)) / 2
-        log_range = [math.log10(max(low, top * 10.0 ** -OVER_STEPS_DECADES)), math.log10(top) + 0.2] if top > 0 else None
-        fig.update_yaxes(title_text="accumulated score (log)", type="log", exponentformat="power", range=log_range,
-                         row=row, col=1)
+        floor = max(low, top * 10.0 ** -OVER_STEPS_DECADES)
+        fig.update_yaxes(title_text="accumulated score (log)", type="log", exponentformat="power", row=row, col=1,
+                         range=[math.log10(floor), math.log10(top) + 0.2] if top > 0 else None)
     fig.update_xaxes(title_text="decode step", row=2, col=1)
     return finish(fig, title or "Accumulated score of chosen tokens over the steps", height=height)

@@ -4,8 +4,9 @@ What the viewer sees: for each policy a horizontal strip over the token position
 shares are (``share_scale``: rose = nothing read, then light to dark on a log scale from 0.1% to 100%),
 blank after the step (tokens not yet written), and a red line at the step itself. A long text comes in
 cells of ``size`` positions, each the share of its tokens (and of the chosen layers and heads) read
-(``backend.analysis.reads.binned_row``): one old token kept by one head of ninety still shows. The figure is a few kilobytes at any
-length, so Play can redraw it at every step while the full masks (megabytes at 8k) wait until it pauses.
+(``backend.analysis.reads.binned_row``): one old token kept by one head of ninety still shows. The figure
+is a few kilobytes at any length, so Play can redraw it at every step while the full masks (megabytes at 8k)
+wait until it pauses.
 """
 from __future__ import annotations
 
