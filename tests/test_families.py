@@ -1,6 +1,7 @@
 """Every policy on every common decoder family, each a tiny random-weight model built from its transformers
 config with the feature that sets it apart: Full equals the plain model, a budget at or above the length
-equals Full, and the prompt path equals token-by-token decoding."""
+equals Full, and the prompt path equals token-by-token decoding. The policies are the registry's, with the
+plugins KVLENS_PLUGINS names."""
 import numpy as np
 import pytest
 import torch
@@ -10,7 +11,7 @@ from backend.engine.attention import ATTN_IMPLEMENTATION
 from backend.engine.features import UnsupportedModel, read_features
 from backend.engine.models import LoadedModel
 from backend.engine.runner import compute_traces, score_text
-from backend.policies import POLICIES
+from backend.policies import POLICIES, load_plugins
 from tests.conftest import TinyTokenizer
 
 COMMON = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
@@ -34,7 +35,8 @@ FAMILIES = {
     "smollm3": {"no_rope_layers": [1, 0, 1]},  # a NoPE layer
 }
 IDS = torch.randint(3, 101, (20,), generator=torch.Generator().manual_seed(1)).tolist()
-NAMES = [name for name in POLICIES if POLICIES[name].__module__.startswith("backend.")]
+load_plugins()  # the operator's plugins (KVLENS_PLUGINS) run on every family too
+NAMES = list(POLICIES)
 
 
 def tiny_family(family: str) -> LoadedModel:
