@@ -121,7 +121,8 @@ def test_the_features_are_read_from_the_config_and_the_modules():
 
 
 class HandWrittenAttention(torch.nn.Module):
-    """An attention module that computes softmax attention itself, never calling transformers' functions."""
+    """Stands in for an attention module written by hand: its own forward never dispatches through transformers'
+    attention functions (here it only wraps the original, so the model still runs)."""
 
     def __init__(self, inner):
         super().__init__()

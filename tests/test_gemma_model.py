@@ -52,7 +52,6 @@ def test_generate_mode_reads_a_base_model_prompt_as_is_through_the_front_door(ge
     """The app's and the CLI's path: a base model gets no chat template, and its few-shot example is answered."""
     from backend import api
     from backend.api import RunRequest
-    from backend.engine.models import GEMMA_MODEL
     from backend.traces.store import TraceStore
 
     text = (ROOT / "assets" / "examples" / "base_model_few_shot.txt").read_text().strip()
