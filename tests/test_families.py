@@ -62,17 +62,21 @@ def refused(lm: LoadedModel, name: str) -> bool:
     return not POLICIES[name].honours_layer_limits and bool(features.softcap or any(features.windows))
 
 
-def test_full_equals_the_plain_model(lm):
-    """The plain model is transformers' own eager attention (soft-capping and windows in its own code)."""
+def plain_logprobs(lm: LoadedModel) -> np.ndarray:
+    """Log-probs of IDS under the plain model: transformers' own eager attention (soft-capping and windows in
+    the model's code, not KV Lens's)."""
     lm.model.set_attn_implementation("eager")
     try:
         with torch.inference_mode():
             plain = torch.log_softmax(lm.model(torch.tensor([IDS])).logits[0].float(), -1)
     finally:
         lm.model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    expected = plain[:-1].gather(-1, torch.tensor(IDS[1:])[:, None])[:, 0].numpy()
+    return plain[:-1].gather(-1, torch.tensor(IDS[1:])[:, None])[:, 0].numpy()
+
+
+def test_full_equals_the_plain_model(lm):
     (full,), _ = compute_traces(lm, ["full"], [POLICIES["full"]()], IDS, record_layers=())
-    np.testing.assert_allclose(full.logprobs, expected, atol=2e-5)
+    np.testing.assert_allclose(full.logprobs, plain_logprobs(lm), atol=2e-5)
 
 
 @pytest.mark.parametrize("name", NAMES)
