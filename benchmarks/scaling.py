@@ -2,12 +2,18 @@
 at each length, against one plain SDPA forward of the same text measured in the same process.
 
     python -m benchmarks.scaling [--lengths 1024,2048,4096,8192] [--policies sinks,h2o,tova,a2sf] [--budget 256]
-                                 [--record] [--chunk 256] [--model gemma3-270m] [--plain-head last]
+                                 [--record] [--chunk 256] [--model gemma3-270m] [--plain-head last] [--pairs 3]
 
-Each length runs in its own child process, so its peak RSS is its own. Reported per length: the run's wall
-time, the plain forward's, their ratio (and per row), the child's peak RSS and the bytes of the traces as
-stored. The text is the shipped inaugural addresses, concatenated. Goals at 8k: the whole run
-at most 5x one plain forward, peak RSS at most 6 GB.
+Each length runs in its own child process, so its peak RSS is its own. How the ratio is measured: in that
+process, after an untimed warm-up (a plain forward of 64 tokens and a run over the first ``2 * chunk`` tokens),
+the plain forward and the run are timed in ``--pairs`` pairs, A B A B ... (plain, run, plain, run, ...); each
+pair gives run / plain, and the ratio reported is the median of those per-pair ratios, with their min-max as
+the spread. So a load that comes and goes on the machine slows both halves of a pair instead of one side of
+the ratio. Each run computes afresh (``compute_traces`` has no store); its traces are dropped before the next
+pair. Reported per length: the median run time, the median plain forward's, the ratio and its spread (and the
+ratio per row), the child's peak RSS and the bytes of the last run's traces as stored. The text is the shipped
+inaugural addresses, concatenated. Goals at 8k: the whole run at most 5x one plain forward, peak RSS at most
+6 GB.
 """
 from __future__ import annotations
 
@@ -17,7 +23,6 @@ import json
 import resource
 import subprocess
 import sys
-import time
 
 import torch
 
@@ -27,7 +32,7 @@ from backend.texts import corpus_files, corpus_text
 
 from backend.engine.models import DEFAULT_MODEL
 
-from .common import model
+from .common import DEFAULT_PAIRS, add_pairs_argument, model, paired
 
 
 def long_text() -> str:
@@ -58,8 +63,8 @@ def plain_forward(model, ids: list[int], head: str) -> None:
 
 
 def measure(length: int, policies: list[str], budget: int, record: bool, chunk: int, name: str,
-            plain_head: str = "all") -> dict:
-    """One length, in this process: plain forward, then the instrumented run.
+            plain_head: str = "all", pairs: int = DEFAULT_PAIRS) -> dict:
+    """One length, in this process: ``pairs`` pairs of (plain forward, instrumented run), A B A B ...
 
     The plain forward computes the logits of every position at once (`plain_head="all"`), or 64 positions at a
     time ("chunked": the same work, for a vocabulary whose logits at every position would not fit in memory),
@@ -67,22 +72,28 @@ def measure(length: int, policies: list[str], budget: int, record: bool, chunk: 
     lm = model(name)
     ids = lm.tokenizer(long_text()).input_ids[:length]
     specs = [f"{name}:budget={budget}" for name in policies]
-    with torch.inference_mode():
-        plain_forward(lm.model, ids[:64], plain_head)  # warm-up
-        plain = float("inf")
-        for _ in range(2):  # the better of two
-            start = time.perf_counter()
+    layers = default_record_layers(lm) if record else ()
+
+    def run(tokens=ids):
+        return compute_traces(lm, specs, [parse_spec(s) for s in specs], tokens, mode="prompt", chunk=chunk,
+                              record_layers=layers)
+
+    def warmup():  # imports, the compiled walk, first allocations: not the measure
+        with torch.inference_mode():
+            plain_forward(lm.model, ids[:64], plain_head)
+        run(ids[:2 * chunk])
+
+    def plain():
+        with torch.inference_mode():
             plain_forward(lm.model, ids, plain_head)
-            plain = min(plain, time.perf_counter() - start)
-    start = time.perf_counter()
-    traces, full = compute_traces(lm, specs, [parse_spec(s) for s in specs], ids, mode="prompt", chunk=chunk,
-                       record_layers=default_record_layers(lm) if record else ())
-    wall = time.perf_counter() - start
+
+    timing = paired(plain, run, pairs, warmup=warmup)
+    traces, full = timing.last
     trace_bytes = {t.spec: len(t.to_bytes()) for t in [*traces, full]}
     bare = max(_bare_bytes(t) for t in traces)
     config = lm.model.config
     return {"bare_trace_max": bare, "layers": config.num_hidden_layers, "kv_heads": config.num_key_value_heads,
-            "tokens": len(ids), "rows": len(specs) + 1, "plain_s": plain, "run_s": wall,
+            "tokens": len(ids), "rows": len(specs) + 1, **timing.as_dict(), "plain_s": timing.baseline,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "trace_bytes": trace_bytes,
             "recorded_bytes": sum(_recorded_bytes(t) for t in [*traces, full])}
 
@@ -98,34 +109,37 @@ def main() -> None:
     parser.add_argument("--plain-head", choices=("all", "chunked", "last"), default="all",
                         help="the plain forward's logits: every position's at once, or 64 at a time, or the last "
                              "one's (as generate's prefill)")
+    add_pairs_argument(parser)
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # the child: measure one length, print JSON
     args = parser.parse_args()
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if args.one:
         print(json.dumps(measure(args.one, policies, args.budget, args.record, args.chunk, args.model,
-                                 args.plain_head)))
+                                 args.plain_head, args.pairs)))
         return
     print(f"{args.model}: {', '.join(policies)} + Full at budget {args.budget}, prompt mode, plain forward with "
           f"{args.plain_head} logits"
-          f"{', recording the app layers' if args.record else ''} (torch threads: {torch.get_num_threads()})")
-    print("| T | run | plain forward | ratio | per row | peak RSS | Full trace | each policy trace "
+          f"{', recording the app layers' if args.record else ''} (torch threads: {torch.get_num_threads()}); "
+          f"{args.pairs} pairs plain, run, ... per length: median times, median of the per-pair ratios (min-max)")
+    print("| T | run | plain forward | ratio | ratio min-max | per row | peak RSS | Full trace | each policy trace "
           "| largest policy trace, unrecorded (goal) | recorded (run) |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for length in (int(x) for x in args.lengths.split(",")):
         child = [sys.executable, "-m", "benchmarks.scaling", "--one", str(length), "--policies", args.policies,
                  "--budget", str(args.budget), "--chunk", str(args.chunk), "--model", args.model,
-                 "--plain-head", args.plain_head] + \
+                 "--plain-head", args.plain_head, "--pairs", str(args.pairs)] + \
             (["--record"] if args.record else [])
         result = subprocess.run(child, capture_output=True, text=True)
         if result.returncode != 0:
             print(f"| {length} | failed: {result.stderr.strip().splitlines()[-1] if result.stderr else result.returncode} |")
             continue
         r = json.loads(result.stdout.strip().splitlines()[-1])
-        ratio = r["run_s"] / r["plain_s"]
+        ratio = r["ratio"]  # the median of the per-pair ratios
         goal = 4 * r["layers"] * r["kv_heads"] * r["tokens"] + 2 * 2**20  # 4 B per layer, KV head, token + 2 MB
         sizes = r["trace_bytes"]
         others = [v for k, v in sizes.items() if k != "full"]
-        print(f"| {r['tokens']} | {r['run_s']:.1f} s | {r['plain_s']:.2f} s | {ratio:.1f}x | {ratio / r['rows']:.2f}x "
+        print(f"| {r['tokens']} | {r['run_s']:.1f} s | {r['plain_s']:.2f} s | {ratio:.1f}x "
+              f"| {r['ratio_min']:.1f}-{r['ratio_max']:.1f}x | {ratio / r['rows']:.2f}x "
               f"| {r['peak_rss_mb'] / 1024:.2f} GB | {sizes['full'] / 2**20:.1f} MB "
               f"| {sum(others) / len(others) / 2**20:.1f} MB | {r['bare_trace_max'] / 2**20:.2f} MB "
               f"({goal / 2**20:.1f} MB) | {r['recorded_bytes'] / 2**20:.1f} MB |", flush=True)

@@ -78,9 +78,18 @@ def test_adakv_gives_slots_to_the_best_scores_across_heads_with_a_floor():
     # B' = 3 per head, 6 slots: the best six over both heads are 0.5, 0.6 (head 1) and 1, 2, 3, 4 (head 0).
     keep = AdaKV(budget=3, scorer="knorm", alpha_floor=0.0).keep(view(5, heads=2, keys=keys))
     assert np.flatnonzero(keep[0]).tolist() == [0, 1, 2, 3] and np.flatnonzero(keep[1]).tolist() == [1, 2]
-    # alpha 0.2: capacity round(4 x 0.8 + int(0.6)) = 3 and round(2 x 0.8) = 2.
+    # alpha 0.2: a floor of int(0.6) = 0 per head, then the same six slots: the heads share exactly 2 x 3.
     keep = AdaKV(budget=3, scorer="knorm", alpha_floor=0.2).keep(view(5, heads=2, keys=keys))
-    assert keep.sum(-1).tolist() == [3, 2]
+    assert keep.sum(-1).tolist() == [4, 2]
+    # alpha 0.5: each head first keeps its int(1.5) = 1 best (head 1's 0.5, head 0's 1), then the four best
+    # others over both heads (0.6 of head 1, 2, 3, 4 of head 0): still 6 in all.
+    keep = AdaKV(budget=3, scorer="knorm", alpha_floor=0.5).keep(view(5, heads=2, keys=keys))
+    assert np.flatnonzero(keep[0]).tolist() == [0, 1, 2, 3] and np.flatnonzero(keep[1]).tolist() == [1, 2]
+    # B' = 4, floor 2: head 0 keeps 1, 2 and head 1 keeps 0.5, 10 whatever the others; the four other slots
+    # go to 3, 4, 5 (head 0) and 20 (head 1): 8 in all.
+    norms[1] = [10, 0.5, 20, 30, 40]
+    keep = AdaKV(budget=4, scorer="knorm", alpha_floor=0.5).keep(view(5, heads=2, keys=np.stack([norms, 0 * norms], -1)))
+    assert keep.sum(-1).tolist() == [5, 3] and np.flatnonzero(keep[1]).tolist() == [0, 1, 2]
     # alpha 1: every head keeps exactly its floor, B' = 3: uniform, as plain Knorm.
     np.testing.assert_array_equal(AdaKV(budget=3, scorer="knorm", alpha_floor=1.0).keep(view(5, heads=2, keys=keys)),
                                   Knorm(budget=3).keep(view(5, heads=2, keys=keys)))
@@ -167,3 +176,59 @@ def test_the_schedule_is_said_for_the_mode_a_trace_ran_in():
     assert policy.schedule("generate") == "once after the prompt, then every 16 decoding steps"
     assert policy.schedule("prompt") == "every 32 tokens"
     assert parse_spec("tova").schedule("prompt") == "every step"
+
+
+def test_snapkv_order_pools_the_groups_mean_or_each_query_head_then_the_mean():
+    # One KV head, two query heads, one window query (the last token), 6 cached tokens, kernel 3, max.
+    # g0 attends 1.0 to token 1, g1 1.0 to token 3. Pool each, then mean: token 2 sees both peaks (1.0),
+    # tokens 0, 1, 3, 4 one of them (0.5). Mean first (0.5 at 1 and 3), then pool: 0.5 at 0..4 alike.
+    heads = np.zeros((1, 2, 1, 6))
+    heads[0, 0, 0, 1] = heads[0, 1, 0, 3] = 1.0
+    v = view(6, attn_window=heads.mean(1))
+    v.attn_window_heads = heads
+    pool_mean = SnapKV(budget=2, window=1, kernel=3, order="pool-mean").score(v)[0, :5]
+    mean_pool = SnapKV(budget=2, window=1, kernel=3).score(v)[0, :5]
+    np.testing.assert_allclose(pool_mean, [0.5, 0.5, 1.0, 0.5, 0.5])
+    np.testing.assert_allclose(mean_pool, [0.5, 0.5, 0.5, 0.5, 0.5])
+    assert np.flatnonzero(SnapKV(budget=2, window=1, kernel=3, order="pool-mean").keep(v)[0]).tolist() == [2, 5]
+    # Average pooling is linear: the two orders agree.
+    np.testing.assert_allclose(SnapKV(budget=2, window=1, kernel=3, pooling="avg", order="pool-mean").score(v),
+                               SnapKV(budget=2, window=1, kernel=3, pooling="avg").score(v))
+    assert SnapKV(budget=16, order="pool-mean").window_by_query_head and not SnapKV(budget=16).window_by_query_head
+
+
+def test_snapkv_preset_kvpress_takes_kvpress_settings_and_parameters_beside_it_override():
+    policy = parse_spec("snapkv:budget=128,preset=kvpress")
+    assert (policy.window, policy.kernel, policy.pooling, policy.order) == (64, 5, "avg", "pool-mean")
+    policy = parse_spec("snapkv:budget=40,preset=kvpress,window=8")
+    assert (policy.window, policy.kernel, policy.pooling, policy.order) == (8, 5, "avg", "pool-mean")
+    assert parse_spec(policy.spec()) == policy  # the spec prints every parameter, so it parses back
+    for bad in ("snapkv:preset=nope", "snapkv:preset=kvpress,preset=kvpress", "tova:preset=kvpress"):
+        with pytest.raises(ValueError, match="preset") as err:
+            parse_spec(bad)
+        assert "\n" not in str(err.value)
+
+
+def test_snapkv_pool_mean_in_the_engine_is_kvpress_scoring_on_each_query_heads_own_attention(tiny, text_ids):
+    # Independently, as kvpress's SnapKVPress.score: the eager attention of the last `window` prompt queries,
+    # per query head, mean over the queries, max-pooled over the tokens before the window, mean over the
+    # group; the best budget - window of them and the window stay.
+    import copy
+
+    import torch
+
+    prompt, budget, window, kernel = text_ids[:30], 10, 3, 3
+    policy = SnapKV(budget=budget, window=window, kernel=kernel, order="pool-mean")
+    (trace,), _ = compute_traces(tiny, ["s"], [policy], prompt, mode="generate", max_new_tokens=1, record_layers=())
+    eager = copy.deepcopy(tiny.model)
+    eager.config._attn_implementation = "eager"
+    with torch.no_grad():
+        attentions = eager(torch.tensor([prompt]), output_attentions=True).attentions
+    n, group = len(prompt), tiny.n_heads // tiny.n_kv_heads
+    for layer, attn in enumerate(attentions):
+        votes = attn[0, :, n - window:, : n - window].double().mean(1).numpy()  # [H_q, n - window]
+        score = pool(votes, kernel, "max").reshape(tiny.n_kv_heads, group, -1).mean(1)
+        for head in range(tiny.n_kv_heads):
+            best = np.argsort(-score[head], kind="stable")[: budget - window]
+            expected = sorted(best.tolist()) + list(range(n - window, n))
+            assert np.flatnonzero(trace.evicted_at[layer, head, :n] == -1).tolist() == expected, (layer, head)

@@ -145,10 +145,34 @@ def test_rkv_importance_pools_the_groups_logits_by_max_before_the_softmax():
                                rtol=1e-7)
 
 
-def test_rkv_compresses_after_the_prompt_then_each_time_the_buffer_fills():
-    policy = RKV()  # the paper's buffer, 128 tokens
-    assert [t for t in range(400) if policy.compresses_after(t, 10)] == [9, 137, 265, 393]
-    assert [t for t in range(300) if policy.compresses_after(t, None)] == [127, 255]
+def test_rkv_compresses_each_time_the_cache_reaches_budget_plus_buffer():
+    policy = RKV()  # budget 64, the paper's buffer, 128 tokens
+    # Generate mode, a prompt over the budget: once it is read, then each time 128 tokens have been added.
+    assert [t for t in range(400) if policy.compresses_after(t, 100)] == [99, 227, 355]
+    # A prompt within the budget leaves nothing to drop: the first compression comes at 64 + 128 tokens.
+    assert [t for t in range(400) if policy.compresses_after(t, 10)] == [191, 319]
+    assert [t for t in range(400) if policy.compresses_after(t, 64)] == [191, 319]
+    # Prompt mode: at budget + interval tokens, then every interval tokens.
+    assert [t for t in range(400) if policy.compresses_after(t, None)] == [191, 319]
+    assert [t for t in range(400) if RKV(budget=100, every=0).compresses_after(t, 150)] == [149]
+    assert policy.schedule("generate") == "once after a prompt over 64 tokens, then when the cache reaches 64 + 128"
+    assert policy.schedule("prompt") == "when the cache reaches 64 + 128 tokens"
+
+
+def test_rkv_first_compression_comes_at_budget_plus_buffer_in_prompt_mode(tiny, text_ids):
+    policy = parse_spec("rkv:budget=8,window=2,interval=6")
+    (trace,), _ = compute_traces(tiny, [policy.spec()], [policy], text_ids[:28], record_layers=())
+    assert set(np.unique(trace.evicted_at)) == {-1, 14, 20, 26}
+    reads = trace.reads(0).sum(-1)  # [H, T]: up to 8 + 6, then 8 kept + 1, ..., 6 since each compression
+    assert (reads[:, :14] == np.arange(1, 15)).all()
+    assert (reads[:, 14:26] == np.tile(8 + np.arange(1, 7), 2)).all()
+
+
+def test_rkv_first_compression_comes_at_budget_plus_buffer_after_a_short_prompt(tiny, text_ids):
+    policy = parse_spec("rkv:budget=8,window=2,every=4")
+    (trace,), _ = compute_traces(tiny, [policy.spec()], [policy], text_ids[:6], mode="generate", max_new_tokens=12,
+                                 record_layers=())
+    assert set(np.unique(trace.evicted_at)) == {-1, 12, 16}
 
 
 def test_rkv_cache_grows_to_budget_plus_buffer_while_decoding_then_back(tiny, text_ids):

@@ -8,9 +8,10 @@ import math
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
-from backend.policies import KVzip, Random, parse_spec
+from backend.policies import KVzip, Random, SpecError, parse_spec
 from backend.policies.random_eviction import uniform
 from backend.engine.reconstruction import RereadCache
 from backend.engine.runner import compute_traces
@@ -63,24 +64,100 @@ def test_random_drops_are_spread_over_the_cache_none_protected_not_always_the_ol
     assert np.abs(share - 1 / budget).max() < 0.02, share  # 8,000 draws: sd of a share ~ 0.004
 
 
+def test_random_layers_share_the_draws_by_default_or_each_layer_draws_its_own(tiny, text_ids):
+    # "shared", as kvpress's RandomPress with a seed (it re-seeds in every layer); "each", as it without one.
+    def evicted(layers):
+        policy = Random(budget=8, seed=3, layers=layers)
+        (trace,), _ = compute_traces(tiny, ["random"], [policy], text_ids, record_layers=())
+        return trace.evicted_at  # [L, H, T]
+
+    shared, each = evicted("shared"), evicted("each")
+    np.testing.assert_array_equal(shared[0], shared[1])
+    assert not np.array_equal(each[0], each[1])
+    np.testing.assert_array_equal(evicted("each"), each)
+    with pytest.raises(SpecError, match="layers"):
+        parse_spec("random:budget=8,layers=all")
+
+
 # --- KVzip ----------------------------------------------------------------------------------------------
 
 
 def test_kvzip_prompts_are_the_authors_first_piece_then_later_pieces_quoting_8_tokens():
-    policy = KVzip(budget=8, chunk=5)
+    policy = KVzip(budget=8, chunk=5, sinks=2)
     ids = list(range(100, 112))
 
     def encode(text):
         return [len(text)]  # one stand-in token per instruction
 
-    assert policy.pieces(0, 12) == [(0, 5), (5, 10), (10, 12)]
+    assert policy.pieces(2, 12) == [(2, 7), (7, 12)]
     assert policy.pieces(8, 12) == [(8, 12)]
-    first = policy.prompt(ids, 0, 5, encode, [7, 7])
-    assert first == [len("\n\nRepeat the previous context exactly.")] + [7, 7] + ids[0:5]
-    later = policy.prompt(ids, 10, 12, encode, [7])
-    quoted = ids[2:10]  # the 8 tokens before the piece
-    assert later == [len(KVzip.LATER)] + quoted + [7] + ids[10:12]
-    assert KVzip.LATER == "\n\nRepeat the part of the previous context exactly, starting with "
+    # A plain text: the context starts after the sinks, and its first piece gets the first prompt.
+    first = policy.prompt(ids, 2, 7, encode, [7, 7], prefix=0)
+    assert first == [len("\n\nRepeat the previous context exactly.")] + [7, 7] + ids[2:7]
+    later = policy.prompt(ids, 7, 12, encode, [7], prefix=0)
+    quoted = ids[0:7]  # the tokens before the piece, at most 8
+    assert later == [len("\n\nRepeat the part of the previous context exactly, starting with ")] + quoted + [7] + ids[7:12]
+    # kvpress quotes without the trailing space.
+    kvpress = KVzip(budget=8, chunk=5, sinks=2, quote_space=False).prompt(ids, 7, 12, encode, [7], prefix=0)
+    assert kvpress[0] == len("\n\nRepeat the part of the previous context exactly, starting with")
+    # A chat prompt whose header is 5 tokens: the context starts after it, unless the header is re-read.
+    assert policy.prompt(ids, 5, 10, encode, [7], prefix=5)[0] == len(KVzip.FIRST)
+    assert policy.rereads_from(policy.init_state(1), prefix=5) == 5
+    assert KVzip(budget=8, sinks=2, prefix="reread").rereads_from(policy.init_state(1), prefix=5) == 2
+    assert policy.rereads_from(policy.init_state(1), prefix=0) == 2  # never the sinks
+
+
+def test_kvzip_model_scope_ranks_every_layer_and_head_together_on_a_hand_built_table():
+    # Two layers x two heads x 6 positions, sinks 1, budget 2: 2 x 2 x 2 = 8 slots in all, 4 go to the sinks.
+    # The other 4 go to the best scores wherever they are: 0.9 (L0 h0 p3), 0.8 (L1 h1 p2), 0.7 (L1 h1 p5),
+    # 0.6 (L1 h1 p4); layer 0's head 1 keeps only its sink, layer 1's head 1 keeps 4 tokens.
+    table = np.array([[[0, .1, .2, .9, .1, .1], [0, .2, .1, .1, .05, .05]],
+                      [[0, .3, .1, .1, .2, .5], [0, .1, .8, .3, .6, .7]]])
+    table[0, 0, 5] = .55  # the fifth best: it is dropped
+    held = [np.ones((2, 6), bool), np.ones((2, 6), bool)]
+
+    def plan(**kw):
+        policy = KVzip(budget=2, sinks=1, **kw)
+        states = []
+        for layer in range(2):
+            state = policy.init_state(2)
+            policy.record(state, 1, 6, table[layer, :, 1:])
+            states.append(state)
+        policy.plan(states, held, t=5, prefix=0)
+        return [np.flatnonzero(s["plan"][h]).tolist() for s in states for h in range(2)]
+
+    assert plan() == [[0, 3], [0], [0], [0, 2, 4, 5]]
+    # layer: each layer's 2 x 2 slots over its heads (kvpress's layerwise=True); head: 2 per head.
+    assert plan(scope="layer") == [[0, 3, 5], [0], [0], [0, 2, 5]]
+    assert plan(scope="head") == [[0, 3], [0, 1], [0, 5], [0, 2]]
+    # A position no longer held is never kept, and the slots go to the next best.
+    held[1][1, 2] = False
+    assert plan() == [[0, 3, 5], [0], [0], [0, 4, 5]]
+    # Only a compression over the scope's total would drop anything.
+    policy = KVzip(budget=3, sinks=1)
+    uneven = [np.array([[1, 1, 1, 1, 0, 0], [1, 1, 0, 0, 0, 0]], bool)] * 2  # 6 held per layer, 3 x 2 allowed
+    assert not policy.would_drop(uneven, prefix=0)
+    assert KVzip(budget=3, sinks=1, scope="head").would_drop(uneven, prefix=0)
+    # A kept chat header is besides the budget: 2 header tokens per head leave 4 per layer, within 3 x 2.
+    assert not KVzip(budget=2, sinks=1, scope="layer").would_drop(uneven, prefix=3)
+    assert KVzip(budget=2, sinks=1, scope="layer", prefix="zero").would_drop(uneven, prefix=3)
+
+
+def test_kvzip_prefix_keep_zero_or_reread():
+    # A 3-token chat header (a sink, then 2): kept besides the budget (the authors), scored 0 (kvpress: it goes
+    # first), or scored as the context.
+    policy = KVzip(budget=3, sinks=1)
+    state = policy.init_state(1)
+    policy.record(state, 3, 6, np.array([[.5, .2, .1]]))
+    held = [np.ones((1, 6), bool)]
+    for prefix, kept in (("keep", [0, 1, 2, 3, 4]), ("zero", [0, 3, 4])):
+        p = KVzip(budget=3, sinks=1, prefix=prefix)
+        p.plan([state], held, t=5, prefix=3)
+        assert np.flatnonzero(state["plan"][0]).tolist() == kept, prefix
+    p = KVzip(budget=3, sinks=1, prefix="reread")
+    p.record(state, 1, 3, np.array([[.3, .05]]))  # the pass re-read the header too
+    p.plan([state], held, t=5, prefix=3)
+    assert np.flatnonzero(state["plan"][0]).tolist() == [0, 1, 3]
 
 
 def test_kvzip_score_is_the_max_over_the_groups_query_heads_and_the_pass_of_a_softmax_over_sinks_piece_and_pass():
@@ -108,27 +185,48 @@ def test_kvzip_score_is_the_max_over_the_groups_query_heads_and_the_pass_of_a_so
 
 def test_kvzip_keeps_the_tokens_the_reconstruction_attends_to_most(tiny, text_ids):
     # Independently: the model reads prompt + "Repeat the previous context exactly." + "\n\nAnswer: " (the
-    # tiny tokenizer has no chat template) + prompt in one eager forward; a prompt token's score is the max
-    # attention from the repeat part, over the query heads of its KV head's group; the sinks and the best
-    # others are kept.
+    # tiny tokenizer has no chat template) + the prompt after its sinks in one eager forward; a prompt token's
+    # score is the max attention from the repeat part, over the query heads of its KV head's group, the
+    # softmax spanning the sinks, the re-read tokens and the pass; the sinks and the best others are kept,
+    # per head (scope=head) or over all layers and heads (scope=model).
     prompt, budget, sinks = text_ids[:24], 8, 2
-    policy = KVzip(budget=budget, sinks=sinks)
-    (trace,), _ = compute_traces(tiny, ["kvzip"], [policy], prompt, mode="generate", max_new_tokens=2, record_layers=())
-    repeat = [ord(c) % 101 for c in KVzip.FIRST + KVzip.NO_TEMPLATE] + prompt
+    repeat = [ord(c) % 101 for c in KVzip.FIRST + KVzip.NO_TEMPLATE] + prompt[sinks:]
     eager = copy.deepcopy(tiny.model)
     eager.config._attn_implementation = "eager"
     with torch.no_grad():
         attentions = eager(torch.tensor([prompt + repeat]), output_attentions=True).attentions
     n, group = len(prompt), tiny.n_heads // tiny.n_kv_heads
+    # The eager softmax spans the whole cache; re-normalise it over the sinks, the re-read part and the pass.
+    scores = []
+    for attn in attentions:
+        a = attn[0, :, n:, :].double()
+        p = a / a.sum(-1, keepdim=True)  # nothing to leave out: the sinks, the re-read part, the pass
+        scores.append(p[..., sinks:n].reshape(tiny.n_kv_heads, group, len(repeat), n - sinks).amax(dim=(1, 2)).numpy())
+    scores = np.stack(scores)  # [L, H, n - sinks]
+
+    def kept_of(trace):
+        return [[np.flatnonzero(trace.evicted_at[layer, head, :n] != n).tolist() for head in range(tiny.n_kv_heads)]
+                for layer in range(len(attentions))]
+
+    (trace,), _ = compute_traces(tiny, ["kvzip"], [KVzip(budget=budget, sinks=sinks, scope="head")], prompt,
+                                 mode="generate", max_new_tokens=2, record_layers=())
     assert trace.meta["extra_pass_tokens"] == len(repeat)
-    for layer, attn in enumerate(attentions):
-        score = attn[0, :, n:, :n].reshape(tiny.n_kv_heads, group, len(repeat), n).amax(dim=(1, 2)).numpy()
-        for head in range(tiny.n_kv_heads):
-            best = np.argsort(-score[head, sinks:], kind="stable")[: budget - sinks] + sinks
-            expected = sorted([*range(sinks), *best.tolist()])
-            kept = np.flatnonzero(trace.evicted_at[layer, head, :n] != n).tolist()
-            assert kept == expected, (layer, head)
+    expected = [[sorted([*range(sinks), *(np.argsort(-scores[layer, head], kind="stable")[: budget - sinks]
+                                          + sinks).tolist()]) for head in range(tiny.n_kv_heads)]
+                for layer in range(len(attentions))]
+    assert kept_of(trace) == expected
     assert set(np.unique(trace.evicted_at[..., :n])) == {-1, n}  # one compression, when the prompt was read
+
+    (trace,), _ = compute_traces(tiny, ["kvzip"], [KVzip(budget=budget, sinks=sinks)], prompt,
+                                 mode="generate", max_new_tokens=2, record_layers=())
+    slots = budget * tiny.n_kv_heads * len(attentions) - sinks * tiny.n_kv_heads * len(attentions)
+    best = np.argsort(-scores, axis=None, kind="stable")[:slots]
+    chosen = np.zeros(scores.shape, bool)
+    chosen.flat[best] = True
+    expected = [[[*range(sinks), *(np.flatnonzero(chosen[layer, head]) + sinks).tolist()]
+                 for head in range(tiny.n_kv_heads)] for layer in range(len(attentions))]
+    assert kept_of(trace) == expected
+    assert len({len(k) for layer in expected for k in layer}) > 1  # the heads' shares differ
 
 
 def test_kvzip_rereads_each_token_once_and_the_summary_shows_the_extra_pass(tiny, text_ids):
@@ -137,10 +235,11 @@ def test_kvzip_rereads_each_token_once_and_the_summary_shows_the_extra_pass(tiny
     policy = parse_spec("kvzip:budget=8,interval=4")
     traces, full = compute_traces(tiny, ["kvzip:budget=8,interval=4", "snapkv:budget=8,window=2"],
                        [policy, parse_spec("snapkv:budget=8,window=2")], text_ids, record_layers=())
-    # Passes after tokens 12, 16, ..., 40 (none while 8 or fewer are cached): the first re-reads tokens 0-11
-    # after the first prompt; each later one re-reads its 4 new tokens after the later prompt and 8 quoted.
+    # Passes after tokens 12, 16, ..., 40 (none while 8 or fewer are cached): the first re-reads tokens 4-11
+    # (never the 4 sinks) after the first prompt; each later one re-reads its 4 new tokens after the later
+    # prompt and 8 quoted.
     suffix = len(KVzip.NO_TEMPLATE)
-    expected = len(KVzip.FIRST) + suffix + 12 + 7 * (len(KVzip.LATER) + 8 + suffix + 4)
+    expected = len(KVzip.FIRST) + suffix + 8 + 7 * (len(KVzip.LATER + " ") + 8 + suffix + 4)
     assert traces[0].meta["extra_pass_tokens"] == expected
     assert "extra_pass_tokens" not in traces[1].meta
     assert sorted(set(np.unique(traces[0].evicted_at)) - {-1}) == [12, 16, 20, 24, 28, 32, 36, 40]
@@ -153,3 +252,31 @@ def test_kvzip_makes_no_pass_when_nothing_would_be_dropped(tiny, text_ids):
     (trace,), full = compute_traces(tiny, ["kvzip"], [KVzip(budget=64)], text_ids[:30], mode="generate", max_new_tokens=3,
                          record_layers=())
     assert trace.meta["extra_pass_tokens"] == 0 and (trace.evicted_at == -1).all()
+
+
+def test_kvzip_pass_rereads_the_context_after_the_chat_header_and_after_the_sinks_of_a_plain_text(default_lm):
+    from backend.engine.reconstruction import _encode, assistant_turn, template_header
+
+    text = open("assets/examples/needle.txt").read()
+    lm = default_lm
+    chat = lm.encode(text, chat=True)
+    # SmolLM2's header, by hand: "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by
+    # Hugging Face<|im_end|>\n<|im_start|>user\n" is 24 tokens; the needle prompt is 241.
+    assert len(chat) == 241 and template_header(lm, chat) == 24
+    assert lm.tokenizer.decode(chat[:24]).endswith("<|im_end|>\n<|im_start|>user\n")
+    first = len(_encode(lm, KVzip.FIRST)) + len(assistant_turn(lm, KVzip.NO_TEMPLATE))
+    prefixes = {"keep": 241 - 24, "zero": 241 - 24, "reread": 241 - 4}
+    traces, _ = compute_traces(lm, list(prefixes), [KVzip(budget=32, prefix=p) for p in prefixes], chat,
+                               mode="generate", max_new_tokens=1, record_layers=())
+    for (prefix, reread), trace in zip(prefixes.items(), traces):
+        assert trace.meta["extra_pass_tokens"] == first + reread, prefix
+        kept = trace.evicted_at[..., :241] == -1
+        assert kept[..., :4].all()  # the sinks, always
+        assert kept[..., 4:24].all() == (prefix == "keep")
+        if prefix == "zero":
+            assert not kept[..., 4:24].any()  # scored 0: the header goes first
+    plain = lm.encode(text)
+    assert template_header(lm, plain) == 0
+    (trace,), _ = compute_traces(lm, ["kvzip"], [KVzip(budget=32)], plain, mode="generate", max_new_tokens=1,
+                                 record_layers=())
+    assert trace.meta["extra_pass_tokens"] == first + len(plain) - 4  # never the sinks

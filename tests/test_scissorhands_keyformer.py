@@ -1,12 +1,14 @@
 """Scissorhands and Keyformer on small attention rows worked out by hand."""
 import numpy as np
 import pytest
+import torch
 
 from backend.policies import H2O, SpecError, parse_spec
 from backend.policies import keyformer as keyformer_module
 from backend.policies.keyformer import Keyformer, gumbel
 from backend.policies.scissorhands import Scissorhands
 from backend.engine.runner import score_text
+from tests.conftest import make_tiny
 
 
 def walk(policy, rows):
@@ -75,8 +77,37 @@ def test_scissorhands_spares_the_recent_window_and_breaks_ties_by_the_earliest_p
     assert walk(Scissorhands(budget=3, recent=1, drop=0.34), rows)[1] == [None, None, [0]]
 
 
+# Alg. 1-2 by hand at the paper's defaults (m = 0.5 x budget), budget 6, r = 1. Counts below the average 1/n
+# by step 5 (full): token 1: 5 (steps 1-5), token 2: 4, token 3: 2 (steps 4, 5), tokens 0 and 4: 0.
+# m = 3 go at once: 1, 2, 3. Steps 6 and 7 hold 4 and 5 tokens: nothing leaves. Step 8 is full again;
+# counts: token 4: 3 (steps 6-8), token 6: 3, token 7: 2, tokens 0 and 5: 0, token 8 recent: 4, 6, 7 go.
+PAPER = [[1.0], [0.7, 0.3], [0.5, 0.2, 0.3], [0.4, 0.1, 0.2, 0.3], [0.4, 0.05, 0.1, 0.15, 0.3],
+         [0.3, 0.05, 0.05, 0.1, 0.3, 0.2], [0.4, 0, 0, 0, 0.2, 0.3, 0.1], [0.4, 0, 0, 0, 0.1, 0.25, 0.15, 0.1],
+         [0.35, 0, 0, 0, 0.1, 0.2, 0.1, 0.15, 0.1]]
+
+
+def test_scissorhands_at_the_papers_defaults_drops_half_the_budget_when_full_then_waits_m_steps():
+    policy = Scissorhands(budget=6, recent=1)
+    assert (policy.drop, policy.window, policy.m) == (0.5, 400, 3)
+    state, dropped = walk(policy, PAPER)
+    assert dropped == [None] * 5 + [[1, 2, 3], None, None, [4, 6, 7]]
+    assert low_counts(state)[0, [0, 5]].tolist() == [0, 0]
+
+
+def test_scissorhands_average_is_over_the_tokens_read_or_over_every_token_seen():
+    # Token 1 is dropped before step 3: 3 tokens read (average 1/3), 4 seen (Alg. 2's 1/t: 1/4).
+    attn, alive = np.array([[0.2, 0.0, 0.5, 0.3]]), np.array([[True, False, True, True]])
+    for average, low in (("read", [1, 0, 0, 1]), ("seen", [1, 0, 0, 0])):
+        policy = Scissorhands(budget=10, recent=1, average=average)
+        state, _ = policy.step(policy.init_state(1), attn, alive, 3)
+        assert low_counts(state).tolist() == [low]
+    with pytest.raises(SpecError, match="average"):
+        parse_spec("scissorhands:budget=16,average=mean")
+
+
 def test_scissorhands_drop_amount_is_a_fraction_of_the_budget_within_what_is_not_recent():
-    assert Scissorhands(budget=64).m == 26  # the paper's m = 0.4 budget, with r = 10, w = 400
+    assert Scissorhands(budget=64).m == 32  # the paper's m = 0.5 budget, with r = 10, w = 400
+    assert Scissorhands(budget=64, drop=0.4).m == 26  # the value cold-compress names as the paper's
     assert Scissorhands(budget=12, recent=10).m == 2
     assert Scissorhands(budget=5, recent=0, drop=0.01).m == 1
     assert Scissorhands.for_budget(4) == Scissorhands(budget=4, recent=2)
@@ -96,7 +127,7 @@ ROWS = [[1.0], [0.6, 0.4], [0.2, 0.5, 0.3]]
 
 @pytest.fixture
 def no_noise(monkeypatch):
-    monkeypatch.setattr(keyformer_module, "gumbel", lambda seed, t, positions: np.zeros(positions.shape))
+    monkeypatch.setattr(keyformer_module, "gumbel", lambda seed, layer, t, positions: np.zeros(positions.shape))
 
 
 def test_keyformer_without_noise_at_temperature_one_is_h2o(no_noise):
@@ -120,24 +151,60 @@ def test_keyformer_adds_a_gumbel_softmax_row_over_the_cached_tokens():
     attn = np.array([[0.5, 0.0, 0.3, 0.2]])  # token 1 was dropped
     kept = np.array([[True, False, True, True]])
     policy = Keyformer(budget=10, tau_init=1.5, tau_end=1.5, seed=3)
-    state, _ = policy.step({"score": np.zeros((1, 3))}, attn, kept, 3)
-    z = (np.log(attn[0, [0, 2, 3]]) + gumbel(3, 3, np.array([[0, 2, 3]]))[0]) / 1.5
+    state, _ = policy.step(policy.layer_state(1, 2), attn, kept, 3)
+    z = (np.log(attn[0, [0, 2, 3]]) + gumbel(3, 2, 3, np.array([[0, 2, 3]]))[0]) / 1.5  # layer 2's noise
     expected = np.exp(z) / np.exp(z).sum()
     np.testing.assert_allclose(state["score"][0, [0, 2, 3]], expected)
     assert state["score"][0, 1] == 0.0
 
 
 def test_keyformer_noise_follows_the_token_position_not_its_column():
-    everything = gumbel(7, 12, np.array([[0, 1, 2, 3, 4], [0, 1, 2, 3, 4]]))
-    compacted = gumbel(7, 12, np.array([[0, 3, 4], [1, 2, 4]]))
+    everything = gumbel(7, 0, 12, np.array([[0, 1, 2, 3, 4], [0, 1, 2, 3, 4]]))
+    compacted = gumbel(7, 0, 12, np.array([[0, 3, 4], [1, 2, 4]]))
     np.testing.assert_array_equal(compacted, [everything[0, [0, 3, 4]], everything[1, [1, 2, 4]]])
     assert everything[0, 0] != everything[1, 0]  # each KV head draws its own noise
-    assert (gumbel(7, 13, np.array([[0, 1, 2]])) != everything[0, :3]).all()  # and fresh noise every step
-    assert (gumbel(8, 12, np.array([[0, 1, 2]])) != everything[0, :3]).all()
+    assert (gumbel(7, 0, 13, np.array([[0, 1, 2]])) != everything[0, :3]).all()  # and fresh noise every step
+    assert (gumbel(8, 0, 12, np.array([[0, 1, 2]])) != everything[0, :3]).all()
+
+
+def test_keyformer_noise_is_drawn_afresh_in_every_layer_and_reproducible_by_seed():
+    positions = np.array([[0, 1, 2, 3, 4], [0, 1, 2, 3, 4]])
+    layers = [gumbel(7, layer, 12, positions) for layer in range(4)]
+    for a in range(4):
+        for b in range(a):
+            assert (layers[a] != layers[b]).all()  # same seed, step, heads and positions; another layer
+    np.testing.assert_array_equal(gumbel(7, 2, 12, positions), layers[2])
+
+
+def test_keyformer_keeps_its_layer_in_its_state():
+    policy = Keyformer(budget=3, recent=1, seed=5)
+    state = policy.layer_state(2, 3)
+    assert state["layer"].tolist() == [3] and state["score"].shape == (2, 0)
+    assert policy.init_state(2)["layer"].tolist() == [0]
+    state, _ = policy.step(state, np.array([[0.6, 0.4], [0.5, 0.5]]), np.ones((2, 2), bool), 1)
+    assert state["layer"].tolist() == [3] and state["score"].shape == (2, 2)
+
+
+def test_keyformer_layers_with_the_same_attention_keep_different_tokens(text_ids):
+    # q = 0 in every layer: each query reads its tokens uniformly, in every layer alike, so only the noise
+    # tells the layers apart.
+    lm = make_tiny(layers=3)
+    with torch.no_grad():
+        for layer in lm.model.model.layers:
+            layer.self_attn.q_proj.weight.zero_()
+
+    def evicted(seed):
+        cache, _, _ = score_text(lm, text_ids, [Keyformer(budget=8, seed=seed)], chunk=16)
+        return cache.evicted_at(1)  # [L, H, T]
+
+    first = evicted(1)
+    assert (first >= 0).any()
+    assert not np.array_equal(first[0], first[1]) and not np.array_equal(first[1], first[2])
+    np.testing.assert_array_equal(evicted(1), first)
 
 
 def test_keyformer_noise_is_standard_gumbel():
-    g = gumbel(0, 5, np.arange(200_000)[None, :])[0]
+    g = gumbel(0, 0, 5, np.arange(200_000)[None, :])[0]
     assert abs(g.mean() - np.euler_gamma) < 0.01 and abs(g.var() - np.pi**2 / 6) < 0.03
 
 
@@ -155,8 +222,8 @@ def test_keyformer_same_seed_gives_the_same_trace_and_another_seed_another(tiny,
 def test_keyformer_scores_a_token_alike_whichever_column_holds_it():
     # Before compaction token 1's column is still there (dropped); after it, positions 0, 2, 3 fill 3 columns.
     policy = Keyformer(budget=10, seed=5)
-    wide, _ = policy.step({"score": np.zeros((1, 3))}, np.array([[0.5, 0.0, 0.3, 0.2]]),
+    wide, _ = policy.step(policy.init_state(1), np.array([[0.5, 0.0, 0.3, 0.2]]),
                           np.array([[True, False, True, True]]), 3)
-    narrow, _ = policy.step({"score": np.zeros((1, 2))}, np.array([[0.5, 0.3, 0.2]]), np.ones((1, 3), bool), 3,
+    narrow, _ = policy.step(policy.init_state(1), np.array([[0.5, 0.3, 0.2]]), np.ones((1, 3), bool), 3,
                             np.array([[0, 2, 3]]))
     np.testing.assert_allclose(narrow["score"], wide["score"][:, [0, 2, 3]])

@@ -145,13 +145,13 @@ class RowLayerState:
         self.layer, self.n_layers = layer, n_layers
         self.rope = rope  # the model's RoPE, for compression policies that rotate queries (CacheView.rope)
         self.n_kv_heads = n_kv_heads
-        self.state = policy.init_state(n_kv_heads)
+        self.state = policy.layer_state(n_kv_heads, layer)
         # Eviction and compression: the positions the row holds, per KV head in position order (-1 pads
         # heads that hold fewer, as AdaKV's do); every policy array of shape [H, columns] follows them.
         self.slots = np.zeros((n_kv_heads, 0), np.int64)
         self.alive = np.zeros((n_kv_heads, 0), bool)  # compression: by position, for its CacheView
         self.evicted_at = np.zeros((n_kv_heads, 0), np.int32)
-        self.window_rows: list[tuple] = []  # compression: (positions, attention row, query [H, G, d], t)
+        self.window_rows: list[tuple] = []  # compression: (positions, attention row, query [H, G, d], t, rows [H, G, c])
         self.spans = SpanRecorder(n_kv_heads) if policy.kind == "selection" else None
         self.top = TopRecorder(record_top_k) if record_top_k else None
         self.stat_rows: dict[str, list[np.ndarray]] = {}  # attending policies: per-step numbers
@@ -336,7 +336,10 @@ class RowLayerState:
             if compression:
                 acts = policy.compresses_after(t, n_prompt)  # only then can kept change
                 before = kept.copy() if acts else None
-                self._compress(attn, t, columns[:, :c], kept, key, value, n_prompt, q[:, :, i])
+                # Each query head's own softmax row [H, G, c], for a scorer that pools before the group's mean.
+                by_head = (w * (group * share) * alive_f[:, None, :c]
+                           if weights is not None and policy.window_by_query_head else None)
+                self._compress(attn, t, columns[:, :c], kept, key, value, n_prompt, q[:, :, i], by_head)
                 gone = before & ~kept if acts else None
                 if acts and gone.any():
                     dropped_at[:, :c][gone] = i
@@ -379,28 +382,35 @@ class RowLayerState:
         for h in range(len(alive)):
             self.slots[h, : counts[h]] = columns[h, alive[h]]
 
-    def _compress(self, attn, t: int, columns: np.ndarray, kept: np.ndarray, key, value, n_prompt, query) -> None:
-        """After query t has read: remember its attention row, and compress if the schedule says so.
+    def _compress(self, attn, t: int, columns: np.ndarray, kept: np.ndarray, key, value, n_prompt, query,
+                  by_head: np.ndarray | None = None) -> None:
+        """After query t has read: remember its attention row (and each query head's, ``by_head``, when the
+        policy asks), and compress if the schedule says so.
 
         The policy sees a CacheView by position (0..t), as it would in a model that removes tokens; building
         it costs O(t) but happens once per ``interval`` tokens (prompt mode) or once per prompt.
         """
         policy = self.policy
         if policy.window_queries:
-            self.window_rows = [*self.window_rows, (columns, attn, query, t)][-policy.window_queries:]
+            self.window_rows = [*self.window_rows, (columns, attn, query, t, by_head)][-policy.window_queries:]
         if not policy.compresses_after(t, n_prompt):
             return
         window = np.zeros((self.n_kv_heads, len(self.window_rows), t + 1))
-        for j, (where, row, _, _) in enumerate(self.window_rows):
+        window_heads = None
+        if policy.window_by_query_head:
+            window_heads = np.zeros((self.n_kv_heads, query.shape[1], len(self.window_rows), t + 1))
+        for j, (where, row, _, _, rows) in enumerate(self.window_rows):
             heads, cols = np.nonzero(where >= 0)  # -1 pads a head that holds fewer tokens: it has no position
             window[heads, j, where[heads, cols]] = row[heads, cols]
+            if window_heads is not None and rows is not None:
+                window_heads[heads, :, j, where[heads, cols]] = rows[heads, :, cols]
         held = self.alive[:, : t + 1]
-        queries = (torch.stack([query for _, _, query, _ in self.window_rows], 2) if self.window_rows
+        queries = (torch.stack([row[2] for row in self.window_rows], 2) if self.window_rows
                    else key.new_zeros(self.n_kv_heads, 0, 0, key.shape[-1]))
         view = CacheView(t=t, n_prompt=n_prompt, layer=self.layer, n_layers=self.n_layers, attn_window=window,
                          keys=key[:, : t + 1], values=value[:, : t + 1], kept=held.copy(), state=self.state,
-                         queries=queries, query_positions=np.array([q_t for *_, q_t in self.window_rows], np.int64),
-                         rope=self.rope)
+                         queries=queries, query_positions=np.array([row[3] for row in self.window_rows], np.int64),
+                         rope=self.rope, attn_window_heads=window_heads)
         dropped = held & ~policy.keep(view)
         self.alive[:, : t + 1] &= ~dropped
         self.evicted_at[:, : t + 1][dropped] = t + 1

@@ -5,8 +5,9 @@ context after a repeat prompt. The runner cuts its forward calls at every step w
 (``cuts``) and, after each, calls ``reread``: for each row due, the row's unscored context goes through the
 model again, piece by piece (``pieces``, ``prompt``, from ``rereads_from``), over a one-row cache
 (``RereadCache``) that starts from the row's keys and values, inside ``PolicyCache.side_pass`` so the text's
-captured pre-RoPE vectors stay as they were; the policy stores each position's score (``record``), and
-every layer compresses (``RowLayerState.compress_now``). The tokens of the pass are the method's cost: the
+captured pre-RoPE vectors stay as they were; the policy stores each position's score (``record``), decides
+what every layer keeps (``plan``: a budget may be shared across layers) and every layer compresses
+(``RowLayerState.compress_now``). The chat template's header (``template_header``) is the policy's to skip. The tokens of the pass are the method's cost: the
 cache counts them per row (``PolicyCache.extra_pass_tokens``) and traces report them.
 """
 from __future__ import annotations
@@ -88,6 +89,21 @@ def assistant_turn(lm: LoadedModel, fallback: str) -> list[int]:
     return _encode(lm, text.split(mark, 1)[1])
 
 
+def template_header(lm: LoadedModel, ids: list[int]) -> int:
+    """How many of ``ids``' first tokens are the chat template's header before the user's text (its system
+    prompt and the user turn's opening, kvpress's ``prefix_length``); 0 when the text is not wrapped in it."""
+    tokenizer = lm.tokenizer
+    if not getattr(tokenizer, "chat_template", None):
+        return 0
+    mark = "\x00KVLENS\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": mark}], add_generation_prompt=True,
+                                         tokenize=False)
+    header = _encode(lm, text.split(mark, 1)[0])
+    # The header's last token may merge with the text's first one: a header matched up to it still counts.
+    same = next((i for i, (x, y) in enumerate(zip(header, ids)) if x != y), min(len(header), len(ids)))
+    return same if header and same >= len(header) - 1 else 0
+
+
 def _rereading(cache: PolicyCache) -> list[int]:
     return [row for row, p in enumerate(cache.policies) if p.rereads]
 
@@ -100,27 +116,26 @@ def cuts(cache: PolicyCache, start: int, n: int) -> set[int]:
             if any(cache.policies[r].compresses_after(start + e - 1, cache.n_prompt) for r in rows)}
 
 
-def _pass_needed(cache: PolicyCache, row: int, t: int) -> bool:
-    """Would a compression after step t drop anything in some layer? If not, no pass: nothing to decide."""
-    budget = cache.policies[row].budget
-    return any(layer[row].alive[:, : t + 1].sum(1).max() > budget for layer in cache.rows)
-
-
 def reread(lm: LoadedModel, cache: PolicyCache, t: int) -> None:
-    """After step t: every rereading row due to compress re-reads its unscored context, then compresses."""
+    """After step t: every rereading row due to compress re-reads its unscored context, then compresses (a
+    compression that would drop nothing makes no pass: there is nothing to decide)."""
     for row in _rereading(cache):
         policy = cache.policies[row]
-        if not policy.compresses_after(t, cache.n_prompt) or not _pass_needed(cache, row, t):
-            continue
         states = [layer[row] for layer in cache.rows]
-        lo = policy.rereads_from(states[0].state)
+        if not policy.compresses_after(t, cache.n_prompt):
+            continue
+        held = [s.alive[:, : t + 1] for s in states]
         ids = cache.fed[row, : t + 1].tolist()
+        prefix = template_header(lm, ids)
+        if not policy.would_drop(held, prefix):
+            continue
+        lo = policy.rereads_from(states[0].state, prefix)
         suffix = assistant_turn(lm, policy.NO_TEMPLATE)
         for a, b in policy.pieces(lo, t + 1):
-            tokens = policy.prompt(ids, a, b, lambda text: _encode(lm, text), suffix)
+            tokens = policy.prompt(ids, a, b, lambda text: _encode(lm, text), suffix, prefix)
             side = RereadCache([layer.keys[row: row + 1, :, : t + 1] for layer in cache.layers],
                                [layer.values[row: row + 1, :, : t + 1] for layer in cache.layers],
-                               [s.alive[:, : t + 1] for s in states], a, b, policy.pass_sinks())
+                               held, a, b, policy.pass_sinks())
             device = lm.model.device
             positions = torch.arange(t + 1, t + 1 + len(tokens), device=device)[None]
             with cache.side_pass():
@@ -129,5 +144,6 @@ def reread(lm: LoadedModel, cache: PolicyCache, t: int) -> None:
             for state, score in zip(states, side.scores):
                 policy.record(state.state, a, b, score)
             cache.add_extra_pass(row, len(tokens))
+        policy.plan([s.state for s in states], held, t, prefix)
         for state, layer in zip(states, cache.layers):
             state.compress_now(t, layer.keys[row], layer.values[row], cache.n_prompt)

@@ -45,8 +45,12 @@ _FLOAT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]{1,3})?")
 
 
 def _convert(policy: str, key: str, raw: str, typ):
-    """Typed value of a parameter (field types are ints, floats or strings)."""
+    """Typed value of a parameter (field types are ints, floats, booleans or strings)."""
     typ = getattr(typ, "__name__", typ)
+    if typ == "bool":
+        if raw.lower() not in ("true", "false"):
+            raise SpecError(f"{policy}: parameter {key} must be true or false, got {raw!r}")
+        return raw.lower() == "true"
     if typ == "int":
         if not _INT.fullmatch(raw):
             raise SpecError(f"{policy}: parameter {key} must be an integer of at most 9 digits, got {raw!r}")
@@ -59,19 +63,28 @@ def _convert(policy: str, key: str, raw: str, typ):
 
 
 def parse_spec(spec: str) -> Policy:
-    """``name[:key=value,...]`` -> a policy instance, or SpecError with a one-line reason."""
+    """``name[:key=value,...]`` -> a policy instance, or SpecError with a one-line reason.
+
+    ``preset=NAME`` takes a named set of parameters the policy offers (``Policy.presets``, e.g. kvpress's
+    settings); parameters given beside it override the set's."""
     name, _, rest = spec.strip().partition(":")
     name = name.strip().lower()
     if name not in POLICIES:
         raise SpecError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
     cls = POLICIES[name]
     known = {f.name: f for f in fields(cls)}
-    kwargs = {}
+    kwargs, preset = {}, None
     for item in filter(None, (p.strip() for p in rest.split(","))):
         key, eq, raw = item.partition("=")
         key = key.strip()
         if not eq:
             raise SpecError(f"{name}: expected key=value, got {item!r}")
+        if key == "preset" and "preset" not in known:
+            if preset is not None or raw.strip() not in cls.presets:
+                offered = ", ".join(cls.presets) or "none"
+                raise SpecError(f"{name}: preset must be given once and be one of: {offered}; got {raw.strip()!r}")
+            preset = raw.strip()
+            continue
         if key not in known:
             allowed = ", ".join(known) or "none"
             raise SpecError(f"{name}: unknown parameter {key!r} (parameters: {allowed})")
@@ -79,7 +92,7 @@ def parse_spec(spec: str) -> Policy:
             raise SpecError(f"{name}: parameter {key} is given twice")
         kwargs[key] = _convert(name, key, raw.strip(), known[key].type)
     try:
-        return cls(**kwargs)
+        return cls(**{**cls.presets.get(preset, {}), **kwargs})
     except ValueError as err:
         raise SpecError(str(err)) from None
 
@@ -108,7 +121,9 @@ def describe() -> str:
             f"{f.name}={f.default}" for f in fields(cls) if f.default is not MISSING
         ) or "no parameters"
         summary = (cls.__doc__ or "").strip().splitlines()[0]
-        lines.append(f"  {name:<8} {params}\n           {summary}")
+        presets = "".join(f"\n           preset={key}: " + ", ".join(f"{k}={v}" for k, v in values.items())
+                          for key, values in cls.presets.items())
+        lines.append(f"  {name:<8} {params}\n           {summary}{presets}")
     return "\n".join(lines)
 
 

@@ -54,6 +54,8 @@ class Policy:
     color: ClassVar[str] = ""  # its colour in every figure ("" = the next free palette colour)
     # Bump when the policy's decisions change: its traces in the store are then recomputed, never replayed.
     version: ClassVar[int] = 1
+    # Named sets of parameters a spec can take whole (``preset=kvpress``): another implementation's settings.
+    presets: ClassVar[dict[str, dict]] = {}
     # Window and sinks never look at attention: the engine skips computing it for them.
     uses_attention: ClassVar[bool] = True
     # What a row costs (limits.row_cost): every key for every query (selection), and passes over the text
@@ -78,7 +80,8 @@ class Policy:
     honours_layer_limits: ClassVar[bool] = True
     # A compression policy that scores its cache from an extra pass over the text, which the runner feeds it
     # before it compresses (backend/engine/reconstruction.py; KVzip); the pass asks CompressionPolicy's
-    # ``rereads_from``, ``pieces``, ``prompt``, ``pass_sinks``, ``record`` and ``NO_TEMPLATE``.
+    # ``rereads_from``, ``pieces``, ``prompt``, ``pass_sinks``, ``record``, ``would_drop``, ``plan`` and
+    # ``NO_TEMPLATE``.
     rereads: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
@@ -113,6 +116,12 @@ class Policy:
     def init_state(self, n_heads: int) -> State:
         """The policy's state in one layer of one batch row before the first token (arrays [H, ...])."""
         return {}
+
+    def layer_state(self, n_heads: int, layer: int) -> State:
+        """The state in layer ``layer`` before the first token: what the engine starts each layer from. A
+        policy whose decisions depend on the layer (Keyformer's noise) keeps it here, since ``step`` is not
+        told; an array not shaped [H, tokens] stays as it is when the engine drops tokens."""
+        return self.init_state(n_heads)
 
     def may_cut(self, end: int) -> bool:
         """May a forward call on a prompt end before position ``end``? ReAttention says no inside one of its
@@ -229,6 +238,8 @@ class CacheView:
     uses KV head h), at positions ``query_positions`` [w]; converted on first read like keys.
     rope(x [H, L, d] tensor, positions [L] tensor): the model's RoPE (None in bare unit tests); RoPE is a
     rotation, so ``rope(x, -p)`` undoes it at position p.
+    attn_window_heads: [H, G, w, t+1] the same rows per query head (head h*G + g), each its own softmax; given
+    only to a policy whose ``window_by_query_head`` is true (None otherwise).
     """
 
     t: int
@@ -243,6 +254,7 @@ class CacheView:
     queries: "np.ndarray | torch.Tensor | None" = None
     query_positions: np.ndarray | None = None
     rope: Callable | None = None
+    attn_window_heads: np.ndarray | None = None
 
     def __getattribute__(self, name):
         value = object.__getattribute__(self, name)
@@ -288,6 +300,11 @@ class CompressionPolicy(Policy):
         """How many recent queries' attention rows the scorer reads (``CacheView.attn_window``)."""
         return 0
 
+    @property
+    def window_by_query_head(self) -> bool:
+        """Does the scorer read those rows per query head too (``CacheView.attn_window_heads``)?"""
+        return False
+
     def schedule(self, mode: str | None = None) -> str:
         generate = "once after the prompt" + (f", then every {self.every} decoding steps" if self.every else "")
         prompt = f"every {self.interval} tokens"
@@ -314,17 +331,19 @@ class CompressionPolicy(Policy):
     # The assistant turn after the pass's prompt for a model with no chat template.
     NO_TEMPLATE: ClassVar[str] = ""
 
-    def rereads_from(self, state: State) -> int:
-        """Where the context the pass has not scored yet starts: the pass re-reads positions from there on."""
+    def rereads_from(self, state: State, prefix: int) -> int:
+        """Where the context the pass has not scored yet starts: the pass re-reads positions from there on.
+        ``prefix``: how many leading tokens are the chat template's header (its system prompt and the user
+        turn's opening; 0 for a plain text)."""
         return 0
 
     def pieces(self, lo: int, hi: int) -> list[tuple[int, int]]:
         """The pieces [a, b) the pass re-reads positions lo..hi-1 in, one forward call each."""
         return [(lo, hi)]
 
-    def prompt(self, ids: list[int], a: int, b: int, encode: Callable, suffix: list[int]) -> list[int]:
+    def prompt(self, ids: list[int], a: int, b: int, encode: Callable, suffix: list[int], prefix: int) -> list[int]:
         """The pass's tokens for piece [a, b) of ``ids`` (the row's tokens so far), ``suffix`` being the
-        model's assistant turn; ``encode(text)`` gives token ids."""
+        model's assistant turn and ``prefix`` the chat header's length; ``encode(text)`` gives token ids."""
         return list(suffix) + list(ids[a:b])
 
     def pass_sinks(self) -> int:
@@ -333,6 +352,16 @@ class CompressionPolicy(Policy):
 
     def record(self, state: State, a: int, b: int, score: np.ndarray) -> None:
         """Store the pass's scores [H, b - a] of positions a..b-1 in ``state``."""
+
+    def would_drop(self, held: list[np.ndarray], prefix: int) -> bool:
+        """Would a compression now drop anything, ``held`` being what each layer caches ([H, t+1] per layer) and
+        ``prefix`` the chat header's length? If not, the pass is skipped: there is nothing to decide."""
+        return any(int(h.sum(1).max()) > self.budget for h in held)
+
+    def plan(self, states: list[State], held: list[np.ndarray], t: int, prefix: int) -> None:
+        """After the pass, before every layer compresses after step t: see every layer's state and what each
+        holds ([H, t+1] per layer), and note in each state what that layer keeps (a budget shared across
+        layers, as KVzip's). ``keep`` then returns it."""
 
 
 @dataclass(frozen=True)

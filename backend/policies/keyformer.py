@@ -21,11 +21,11 @@ def _mix(x):
     return x ^ x >> np.uint64(31)
 
 
-def gumbel(seed: int, t: int, positions: np.ndarray) -> np.ndarray:
-    """Standard Gumbel noise [H, m], a function of (seed, step t, KV head, token position) only: the same
-    token gets the same draw whichever column it sits in (the prompt and decode paths order them alike but
-    compact them at different times)."""
-    step = _mix(seed << 32 | t)
+def gumbel(seed: int, layer: int, t: int, positions: np.ndarray) -> np.ndarray:
+    """Standard Gumbel noise [H, m], a function of (seed, layer, step t, KV head, token position) only: every
+    layer draws its own, and the same token gets the same draw whichever column it sits in (the prompt and
+    decode paths order them alike but compact them at different times)."""
+    step = _mix(_mix(seed << 32 | t) ^ _mix(layer))
     heads = np.array([_mix(step ^ h) for h in range(len(positions))], np.uint64)
     x = _mix(positions.astype(np.uint64) ^ heads[:, None])
     u = (x >> np.uint64(11)) * 2.0**-53 + 2.0**-54  # in (0, 1)
@@ -36,8 +36,8 @@ def gumbel(seed: int, t: int, positions: np.ndarray) -> np.ndarray:
 @dataclass(frozen=True)
 class Keyformer(EvictionPolicy):
     """Score = sum over the steps of softmax((logit + g) / tau) over the cached tokens, g Gumbel noise drawn
-    afresh each step (the paper's Keyformer score function); keep the ``recent`` latest tokens and drop the
-    lowest score, one token a step, as H2O with this score.
+    afresh each step and in each layer (the paper's Keyformer score function); keep the ``recent`` latest
+    tokens and drop the lowest score, one token a step, as H2O with this score.
 
     Temperature: tau rises linearly from ``tau_init`` to ``tau_end``. The authors' code adds
     (tau_end - tau_init) / max_new_tokens per decoding step (128 new tokens in their summarisation runs)
@@ -51,7 +51,9 @@ class Keyformer(EvictionPolicy):
     the KV head's query heads stands for the head's distribution (its log for the logit) with one noise draw
     per KV head (the authors' models, GPT-J, MPT and Cerebras-GPT, have no GQA).
 
-    Seeded: g is a hash of (seed, step, KV head, position), so a seed gives the same trace every time.
+    Seeded: g is a hash of (seed, layer, step, KV head, position), so a seed gives the same trace every time,
+    and each layer draws its own noise, as the authors' per-layer gumbel_softmax calls do. A step is not
+    told its layer: the state carries it (``layer_state``).
 
     budget: tokens each query reads, its own included.
     recent: latest tokens never dropped; -1 means int(0.3 x budget) (the authors' default); must be < budget.
@@ -64,6 +66,7 @@ class Keyformer(EvictionPolicy):
     summary = "accumulated Gumbel-softmax attention (temperature `tau_init` to `tau_end`, seeded) + recent window"
     paper = "Adnan et al., 2024, *Keyformer* (MLSys)"
     color = "#DDCC77"
+    version = 2
     recent: int = -1
     tau_init: float = 1.0
     tau_end: float = 2.0
@@ -87,15 +90,18 @@ class Keyformer(EvictionPolicy):
         return self.tau_init + (self.tau_end - self.tau_init) * min(t, self.steps) / self.steps
 
     def init_state(self, n_heads):
-        return {"score": np.zeros((n_heads, 0))}
+        return self.layer_state(n_heads, 0)
+
+    def layer_state(self, n_heads, layer):
+        return {"score": np.zeros((n_heads, 0)), "layer": np.array([layer])}
 
     def step(self, state, attn, kept, t, positions=None):
         if positions is None:
             positions = np.broadcast_to(np.arange(kept.shape[-1]), kept.shape)
         logit = np.log(attn, out=np.full(attn.shape, -np.inf), where=kept & (attn > 0))  # -inf: not read
-        z = (logit + gumbel(self.seed, t, positions)) / self.tau(t)
+        z = (logit + gumbel(self.seed, int(state["layer"][0]), t, positions)) / self.tau(t)
         p = np.exp(z - z.max(-1, keepdims=True))
-        state = {"score": grow(state["score"], kept.shape[-1]) + p / p.sum(-1, keepdims=True)}
+        state = {**state, "score": grow(state["score"], kept.shape[-1]) + p / p.sum(-1, keepdims=True)}
         return super().step(state, attn, kept, t, positions)
 
     def score(self, state, attn, t, positions):

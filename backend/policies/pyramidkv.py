@@ -26,20 +26,38 @@ def pyramid(mean: int, available: int, n_layers: int, beta: int) -> np.ndarray:
     return floor
 
 
+def kvpress_layer_budget(budget: int, length: int, window: int, n_layers: int, layer: int, beta: int) -> int:
+    """kvpress's ``PyramidKVPress.get_layer_budget``: tokens layer ``layer`` keeps, its window included, on a
+    cache of ``length`` tokens compressed to ``budget`` on average. The pyramid's mean is the budget, window
+    included, and its ends are rounded per layer (Python's round); where the last layer would keep fewer
+    than the window (``budget / beta < window``) every layer keeps ``budget``: plain SnapKV."""
+    low = budget / beta
+    high = 2 * budget - low
+    if high >= length - window:
+        high = length - window
+        low = 2 * budget - high
+    if n_layers == 1 or not length >= high >= low >= window:
+        return budget
+    return round(high - layer * (high - low) / (n_layers - 1))
+
+
 @register
 @dataclass(frozen=True)
 class PyramidKV(SharesBudget):
     """A budget per layer: layer l keeps the scorer's window + a share that falls linearly with depth.
 
-    The shares are the paper's schedule as KVCache-Factory computes it: the last layer gets
-    (budget - window) / beta, the first 2 (budget - window) minus that, capped by what is cached; the
+    The shares (``plan=factory``) are the paper's schedule as KVCache-Factory computes it: the last layer
+    gets (budget - window) / beta, the first 2 (budget - window) minus that, capped by what is cached; the
     total over layers is budget x n_layers (KVCache-Factory floors the step and overshoots by up to ~5%;
     the largest-remainder rounding here hits the total exactly). A cache of at most ``budget`` tokens is
-    kept whole.
+    kept whole. ``plan=kvpress`` is kvpress's ``PyramidKVPress`` (``kvpress_layer_budget``): the window
+    inside the pyramid's mean, each layer rounded on its own, and plain SnapKV (``budget`` in every layer)
+    whenever budget / beta < window. ``preset=kvpress`` takes that plan and kvpress's SnapKV pooling.
 
     budget: mean tokens kept per KV head and layer, the window included.
     beta: the first-to-last ratio parameter (20, the authors' default).
-    scorer: whose scores (snapkv, as the paper; any registered compression policy).
+    scorer: whose scores (snapkv, as the paper; any registered compression policy). scorer_preset: the
+        scorer's preset (kvpress). plan: factory or kvpress (how the layers' budgets are computed).
     interval, every: when it compresses (see CompressionPolicy).
     """
 
@@ -48,14 +66,19 @@ class PyramidKV(SharesBudget):
     paper = "Cai et al., 2024, *PyramidKV*, Sec. 3.3"
     color = "#117733"
     allocation = "pyramid across layers"
+    presets = {"kvpress": {"plan": "kvpress", "scorer_preset": "kvpress"}}
     beta: int = 20
+    plan: str = "factory"
 
     def __post_init__(self):
         super().__post_init__()
-        if self.beta < 1:
-            raise ValueError(f"pyramidkv: beta must be >= 1, got {self.beta}")
+        if self.beta < 1 or self.plan not in ("factory", "kvpress"):
+            raise ValueError(f"pyramidkv: need beta >= 1 and plan factory or kvpress, got beta={self.beta}, "
+                             f"plan={self.plan!r}")
 
     def layer_budget(self, view: CacheView) -> int:
+        if self.plan == "kvpress":
+            return kvpress_layer_budget(self.budget, view.t + 1, self.recent, view.n_layers, view.layer, self.beta)
         # Every layer plans with the same length (the tokens read so far, KVCache-Factory's prompt length),
         # so the layers' shares add up even when, compressing again, each holds a different cache.
         available = view.t + 1 - self.recent

@@ -7,6 +7,7 @@ from .base import EvictionPolicy
 from .registry import register
 
 _GAMMA = np.uint64(0x9E3779B97F4A7C15)  # splitmix64's increment
+LAYERS = ("shared", "each")  # every layer drops alike, or each layer draws its own
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -16,13 +17,15 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-def uniform(seed: int, t: int, positions: np.ndarray) -> np.ndarray:
-    """A uniform number in [0, 1) for each (seed, step t, KV head h, position) of ``positions`` [H, m]:
-    a counter-based hash, so a draw never depends on the order columns come in or on earlier draws."""
+def uniform(seed: int, t: int, positions: np.ndarray, layer: int | None = None) -> np.ndarray:
+    """A uniform number in [0, 1) for each (seed, step t, KV head h, position) of ``positions`` [H, m], and
+    ``layer`` unless None: a counter-based hash, so a draw never depends on the order columns come in or on
+    earlier draws."""
     positions = np.asarray(positions, dtype=np.int64)
     heads = np.arange(positions.shape[0], dtype=np.uint64)[:, None]
     x = _mix(np.full(positions.shape, seed, np.uint64) + _GAMMA)
-    for value in (np.uint64(t), heads, positions.astype(np.uint64)):
+    values = (np.uint64(t), heads, positions.astype(np.uint64))
+    for value in values if layer is None else (np.uint64(layer), *values):
         x = _mix((x ^ value) + _GAMMA)
     return (x >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
 
@@ -34,12 +37,14 @@ class Random(EvictionPolicy):
 
     No token is protected, as in kvpress's ``RandomPress`` (no sinks, no recent window; the current token
     may leave too). Each draw is a hash of (seed, step, KV head, position), not a random stream: the same
-    seed gives the same trace, and the prompt path and token-by-token decoding draw alike. Layers share the
-    draws (the policy does not see its layer), so a head index drops the same tokens in every layer;
-    kvpress draws per layer.
+    seed gives the same trace, and the prompt path and token-by-token decoding draw alike. By default the
+    layers share the draws, so a head index drops the same tokens in every layer: so does kvpress's
+    ``RandomPress`` with a seed, which re-seeds its generator in every layer (without one its layers draw
+    apart). ``layers="each"`` mixes the layer into the hash, so every layer draws its own.
 
     budget: tokens each query reads, its own included.
     seed: which random draws.
+    layers: "shared" (every layer draws alike) or "each" (every layer draws its own).
     """
 
     name = "random"
@@ -48,11 +53,20 @@ class Random(EvictionPolicy):
     color = "#888888"
     uses_attention = False
     seed: int = 0
+    layers: str = "shared"
 
     def __post_init__(self):
         super().__post_init__()
         if self.seed < 0:
             raise ValueError(f"random: seed must be >= 0, got {self.seed}")
+        if self.layers not in LAYERS:
+            raise ValueError(f"random: layers must be one of {LAYERS}, got {self.layers!r}")
+
+    def init_state(self, n_heads):
+        return self.layer_state(n_heads, 0)
+
+    def layer_state(self, n_heads, layer):
+        return {"layer": np.array([layer])} if self.layers == "each" else {}
 
     def score(self, state, attn, t, positions):
-        return uniform(self.seed, t, positions)
+        return uniform(self.seed, t, positions, int(state["layer"][0]) if self.layers == "each" else None)

@@ -36,8 +36,9 @@ def redundancy(keys: np.ndarray, threshold: float, retain: int) -> np.ndarray:
 @register
 @dataclass(frozen=True)
 class RKV(WindowedCompression):
-    """Keep the tokens that are important and not redundant: score = lambda x importance - (1 - lambda) x
-    redundancy; the ``window`` latest tokens (the observation window) are always kept.
+    """Each time the cache reaches budget + buffer, keep the ``budget`` most important, least redundant tokens.
+    Score = lambda x importance - (1 - lambda) x redundancy; the ``window`` latest tokens (the observation
+    window) are always kept.
 
     Importance (step 2): the attention the ``window`` latest queries pay to the cached tokens before the
     window, a softmax over those tokens, averaged over the window's queries and max-pooled over ``kernel``
@@ -50,19 +51,23 @@ class RKV(WindowedCompression):
     ``rkv/utils.py``): B_buffer 128, alpha (window) 8, lambda 0.1; the code's run script uses lambda 0.07
     (a parameter here). From the code, where the paper leaves it open: threshold 0.5, beta = 1 (the most
     recent copy), kernel 7 max-pooling, GQA pooling by the max over the group's query heads of q.k/sqrt(d)
-    before the softmax, and a first compression once the prompt is read when it exceeds the budget. The
-    code buffers by total length (compresses when the length is a multiple of 128); here every ``every``
-    decoding steps after the prompt's compression, so the cache fills exactly budget + buffer each time.
-    Not followed: the code zeroes a key's similarity to token 0 when it has no near-duplicate (an argmax
-    over an all-false row).
+    before the softmax, and a first compression once the prompt is read when it exceeds the budget.
+    When (``compresses_after``), as the paper (Sec. 3.1): whenever the cache reaches budget + buffer, so it
+    holds budget + 1 to budget + buffer tokens between compressions. Generate mode: once the prompt is read
+    if it holds more than ``budget`` tokens, then each time ``every`` tokens have been added since; a
+    shorter prompt first fills up to budget + ``every``. Prompt mode: after budget + k x ``interval``
+    tokens, k >= 1. The code buffers by total length instead (compresses when the length is a multiple of
+    128, doing nothing below the budget). Not followed: the code zeroes a key's similarity to token 0 when
+    it has no near-duplicate (an argmax over an all-false row).
 
     budget: tokens kept per KV head at each compression, the window included (B_budget).
     window: the observation window (alpha): queries that score, and latest tokens kept.
     mix_lambda: the weight of importance against redundancy. threshold: cosine similarity above which two
     keys are near-duplicates. retain: near-duplicates kept as the recent copies (beta). kernel: pooling
     width (odd).
-    every: the buffer (B_buffer): generated tokens appended between compressions. interval: the same in
-    prompt mode (teacher-forced text, no prompt boundary), 128 by default as the buffer.
+    every: the buffer (B_buffer): tokens added between compressions in generate mode, the cache then holding
+    budget + every; 0: only the prompt is compressed. interval: the same in prompt mode (teacher-forced
+    text, no prompt boundary): the first compression comes after budget + interval tokens.
     """
 
     name = "rkv"
@@ -70,6 +75,7 @@ class RKV(WindowedCompression):
                "key redundancy (cosine similarity) + the observation window")
     paper = "Cai et al., 2025, *R-KV: Redundancy-aware KV Cache Compression for Reasoning Models*, Sec. 3"
     color = "#EE8866"
+    version = 2
     interval: int = 128
     every: int = 128
     mix_lambda: float = 0.1
@@ -86,6 +92,24 @@ class RKV(WindowedCompression):
                              f"{self.threshold}, retain={self.retain}")
         if self.kernel < 1 or self.kernel % 2 == 0:
             raise ValueError(f"{self.name}: kernel must be an odd number >= 1, got {self.kernel}")
+
+    def compresses_after(self, t: int, n_prompt: int | None) -> bool:
+        """After query t, does the cache hold budget + buffer tokens (or, in generate mode, a prompt over the
+        budget just read)? Until the first compression the cache holds every token so far."""
+        if n_prompt is None:
+            added, buffer = t + 1 - self.budget, self.interval
+        elif t + 1 == n_prompt:
+            return n_prompt > self.budget
+        else:
+            added, buffer = t + 1 - max(n_prompt, self.budget), self.every
+        return buffer > 0 and added > 0 and added % buffer == 0
+
+    def schedule(self, mode: str | None = None) -> str:
+        reaches = f"when the cache reaches {self.budget} + "
+        generate = (f"once after a prompt over {self.budget} tokens"
+                    + (f", then {reaches}{self.every}" if self.every else ""))
+        prompt = f"{reaches}{self.interval} tokens"
+        return {"generate": generate, "prompt": prompt}.get(mode, f"{generate} (prompt mode: {prompt})")
 
     def score(self, view: CacheView) -> np.ndarray:
         """Per KV head, over its cached tokens: lambda x importance - (1 - lambda) x redundancy."""

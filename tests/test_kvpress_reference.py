@@ -1,0 +1,40 @@
+"""KV Lens's kvpress-compatible settings keep exactly kvpress 0.5.5's tokens.
+
+The fixture (tests/fixtures/kvpress_kept.json) holds kvpress's kept positions per layer and KV head on the needle
+example in SmolLM2's chat template, written in a separate venv by benchmarks/kvpress_reference.py (its docstring
+has the commands); benchmarks/kvpress_compare.py prints the whole comparison, defaults and answers included.
+"""
+from pathlib import Path
+
+import pytest
+
+from benchmarks.kvpress_compare import MATCHED, fits, fixture, kept_sets, run
+
+# TOVA evicts a token a step (the paper), kvpress once after the prompt; Random draws from another generator.
+DIFFERENT = {"tova", "random_seed0"}
+BUDGETS = (40, 96)
+
+
+@pytest.fixture(scope="module")
+def kvpress():
+    return fixture()
+
+
+def test_the_fixture_is_kv_lens_own_tokens(default_lm, kvpress):
+    assert default_lm.encode(Path(kvpress["text"]).read_text(), chat=True) == kvpress["input_ids"]
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_kvpress_compatible_settings_keep_kvpress_tokens_in_every_layer_and_head(default_lm, kvpress, budget):
+    presses = [p for p in MATCHED if p not in DIFFERENT and fits(p, budget)]
+    specs = [MATCHED[p].format(b=budget, b1=budget + 1) for p in presses]
+    traces = run(default_lm, specs, kvpress["input_ids"], max_new_tokens=1)
+    n = kvpress["n"]
+    for press, trace in zip(presses, traces):
+        theirs = kvpress["presses"][press]["budgets"][str(budget)]
+        tied = {tuple(h) for h in theirs.get("tied_heads", [])}  # where kvpress's topk broke a tie its own way
+        ours = kept_sets(trace, n)
+        for layer, heads in enumerate(theirs["kept"]):
+            for head, kept in enumerate(heads):
+                if (layer, head) not in tied:
+                    assert ours[layer][head] == kept, (press, layer, head)
