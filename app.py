@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import html
+import json
 import logging
 import os
 import shutil
@@ -27,6 +28,7 @@ from pathlib import Path
 import gradio as gr
 import numpy as np
 import pandas as pd
+import pydantic
 from gradio.route_utils import FnIndexInferError
 from gradio.utils import get_upload_folder as gradio_upload_folder
 from starlette.middleware import Middleware
@@ -352,13 +354,16 @@ def on_run(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, mo
 def on_sweep(prompt, mode, max_new, names, sinks, alpha, heads, model, request: gr.Request = None,
              progress=gr.Progress()):
     try:
-        table = api.sweep(sweep_request(prompt, mode, max_new, names, sinks, alpha, heads, model), STORE,
-                                      lambda frac, what: progress(frac, desc=what))
+        result = api.sweep(sweep_request(prompt, mode, max_new, names, sinks, alpha, heads, model), STORE,
+                           lambda frac, what: progress(frac, desc=what))
     except RequestError as err:
         raise shown(err) from None
     finally:
         _leave(request)
-    return panels.sweep_figure(table), "Budgets stored: moving the budget slider now replays them instantly."
+    if not result.stored:  # a full or read-only disk: the sweep ran, but the slider has nothing to replay
+        return panels.sweep_figure(result.table), ("The trace store could not write here, so these budgets are not "
+                                                   "stored: moving the budget slider computes them again.")
+    return panels.sweep_figure(result.table), "Budgets stored: moving the budget slider now replays them instantly."
 
 
 def shipped_long_context(folder: Path = shipped.ASSETS):
@@ -504,6 +509,19 @@ async def unknown_endpoint(request, exc):
     return PlainTextResponse("No such endpoint.", status_code=404)
 
 
+FN_INDEX = pydantic.TypeAdapter(int | None)  # how Gradio reads a body's fn_index ("3" and true are indices too)
+
+
+def unknown_function(body: bytes) -> tuple[int, str] | None:
+    """A call that names a function by an ``fn_index`` the page does not have (queue/join, run/predict): 404 in
+    one line, and nothing in the log (Gradio would answer 500, a KeyError's traceback in the log)."""
+    try:
+        index = FN_INDEX.validate_python(json.loads(body).get("fn_index"))
+    except (ValueError, AttributeError, RecursionError):  # not JSON, not an object, no index: Gradio answers
+        return None
+    return None if index is None or index in demo.fns else (404, f"No such function: fn_index {index}.")
+
+
 def build() -> gr.Blocks:
     # Export zips (in Gradio's cache) are deleted within 20 minutes of their making.
     with QuietBlocks(title="KV Lens", delete_cache=(EXPORT_TTL_S, EXPORT_TTL_S)) as demo:
@@ -536,7 +554,9 @@ def build() -> gr.Blocks:
                 cost_line = gr.Markdown(elem_id="cost")
                 status = gr.Markdown(elem_id="status")
             with gr.Column(scale=3):
-                summary = gr.Dataframe(label="Summary (vs Full)", interactive=False, elem_id="summary", wrap=True)
+                # Before any run the table shows its real headers over no rows (else Gradio's 1, 2, 3).
+                summary = gr.Dataframe(label="Summary (vs Full)", headers=list(panels.SUMMARY_HEADERS),
+                                       interactive=False, elem_id="summary", wrap=True)
                 with gr.Row():
                     layer = gr.Dropdown(panels.layer_choices(), value="all", label="Layer", elem_id="layer")
                     head = gr.Dropdown(panels.head_choices(), value="all", label="KV head", elem_id="head")
@@ -701,7 +721,7 @@ def launch(**options) -> None:
     settings = {"server_name": os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
                 "server_port": int(os.environ.get("GRADIO_SERVER_PORT", "7860")), **options}
     demo.launch(css_paths=[ROOT / "assets" / "style.css"], max_file_size=1,
-                app_kwargs={"middleware": [Middleware(RequestGuard, max_body=MAX_BODY)],
+                app_kwargs={"middleware": [Middleware(RequestGuard, max_body=MAX_BODY, refuse=unknown_function)],
                             "exception_handlers": {FnIndexInferError: unknown_endpoint}}, **settings)
 
 

@@ -31,8 +31,8 @@ from .engine.models import DEFAULT_MODEL, DEVICES, DTYPES, LoadedModel, ModelErr
 from .engine.runner import Progress, check_fits, default_record_layers
 from .experiments.grid import GridError, run_grid
 from .experiments.needle import NEW_TOKENS, needle_frame, needle_jobs
-from .experiments.sweep import MAX_ROWS, sweep as sweep_budgets
-from .limits import Limits, counted, longest_fitting, most_fitting, row_cost, rows_cost
+from .experiments.sweep import MAX_ROWS, SweepResult, sweep as sweep_budgets
+from .limits import Limits, RowPrice, counted, longest_fitting, most_fitting, row_cost, rows_cost
 from .policies import Policy, SpecError, parse_spec
 from .runs import Run, replay_or_compute
 from .traces.store import TraceStore, load_trace, run_key
@@ -230,10 +230,17 @@ def _check_context(lm: LoadedModel, length: int) -> None:
                            f"{lm.context}.")
 
 
-def _check_cost(lm: LoadedModel, policies: list[Policy], ids: list[int], request, limit: int, what: str) -> None:
+def _check_cost(lm: LoadedModel, policies: list[Policy], ids: list[int], request, limits: Limits, what: str,
+                sweep: bool = False) -> None:
     length = _length(len(ids), request)
     _check_context(lm, length)
-    _check_row_tokens(policies, length, limit, what, "use fewer policies, fewer new tokens or a shorter text")
+    _check_row_tokens(policies, length, _row_token_limit(lm, limits, length, sweep), what,
+                      "use fewer policies, fewer new tokens or a shorter text")
+
+
+def _row_token_limit(lm: LoadedModel | None, limits: Limits, length: int, sweep: bool = False) -> int:
+    """The row-tokens a request may use on ``lm`` (its price, from its shapes, bounds the command line's)."""
+    return limits.row_token_limit(None if lm is None else RowPrice.of(lm.model.config), length, sweep)
 
 
 def _check_row_tokens(policies: Sequence[Policy], length: int, limit: int, what: str, advice: str) -> None:
@@ -286,17 +293,16 @@ def cost(request: RunRequest, limits: Limits = LIMITS) -> Cost:
     length = _length(n, request)
     if lm is not None:
         _check_context(lm, length)
-    spent = rows_cost(policies, length)
-    fits = spent <= limits.row_tokens
-    line = _cost_line(policies, request, n, length, spent, limits, lm)
-    return Cost(tokens=n, length=length, rows=len(counted(policies)), row_tokens=spent, limit=limits.row_tokens,
-                fits=fits, exact=lm is not None, line=line)
+    spent, limit = rows_cost(policies, length), _row_token_limit(lm, limits, length)
+    line = _cost_line(policies, request, n, length, spent, limit, limits, lm)
+    return Cost(tokens=n, length=length, rows=len(counted(policies)), row_tokens=spent, limit=limit,
+                fits=spent <= limit, exact=lm is not None, line=line)
 
 
-def _cost_line(policies: list[Policy], request: RunRequest, n: int, length: int, spent: int, limits: Limits,
-               lm: LoadedModel | None) -> str:
+def _cost_line(policies: list[Policy], request: RunRequest, n: int, length: int, spent: int, limit: int,
+               limits: Limits, lm: LoadedModel | None) -> str:
     """E.g. "Cost: 3 policies x 8,058 tokens = 24,174 of 32,768 row-tokens.", and what fits when it does not."""
-    rows, limit = counted(policies), limits.row_tokens
+    rows = counted(policies)
     about = "" if lm is not None else "about "
     estimated = "" if lm is not None else " (estimated from the characters until the model is loaded)"
     if not rows:
@@ -339,7 +345,7 @@ def run(request: RunRequest, store: TraceStore | None, progress: Progress | None
     policies = check_run(request, limits)
     lm = get_model(request.model, request.device, request.dtype)
     ids = _tokens(lm, request, policies, limits)
-    _check_cost(lm, policies, ids, request, limits.row_tokens, "This run")
+    _check_cost(lm, policies, ids, request, limits, "This run")
     extra = {} if chunk is None else {"chunk": chunk}
     try:
         result = replay_or_compute(lm, request.specs, policies, ids, request.mode, request.max_new_tokens, store,
@@ -355,12 +361,12 @@ def run(request: RunRequest, store: TraceStore | None, progress: Progress | None
 
 
 def sweep(request: SweepRequest, store: TraceStore | None, progress: Progress | None = None,
-          limits: Limits = LIMITS) -> pd.DataFrame:
-    """The sweep's table (``experiments.sweep``), every trace through the store."""
+          limits: Limits = LIMITS) -> SweepResult:
+    """The sweep's table (``experiments.sweep``), every trace through the store, and whether the store kept them."""
     policies = check_sweep(request, limits)
     lm = get_model(request.model, request.device, request.dtype)
     ids = _tokens(lm, request, policies, limits)
-    _check_cost(lm, policies, ids, request, limits.sweep_row_tokens, "This sweep")
+    _check_cost(lm, policies, ids, request, limits, "This sweep", sweep=True)
     record = default_record_layers(lm) if request.record else ()
     try:
         return sweep_budgets(lm, ids, request.jobs, progress, request.max_rows, store, request.mode, request.max_new_tokens,
@@ -447,7 +453,7 @@ def check_needle(specs: Sequence[str], lengths: Sequence, model: str, limits: Li
     specs, policies = _check_specs(["full", *specs], limits)
     _check_model_name(model, limits)
     for length in chosen:
-        _check_row_tokens(policies, length, limits.row_tokens, f"A {length}-token cell",
+        _check_row_tokens(policies, length, _row_token_limit(None, limits, length), f"A {length}-token cell",
                           "pick fewer policies or a shorter length")
     return needle_jobs(model, specs, chosen, NEEDLE_DEPTHS, (NEEDLE_SEED,), NEW_TOKENS)
 

@@ -25,7 +25,7 @@ from .policies import PluginError, SpecError, describe, load_plugins, policy_tab
 from .engine.runner import DEFAULT_CHUNK
 from . import api
 from .api import RequestError, RunRequest, SweepRequest, check_run, check_sweep
-from .limits import Limits
+from .limits import Limits, machine_memory
 from .traces.store import TraceStore
 from .experiments.sweep import (DEFAULT_BUDGETS, DEFAULT_POLICIES, MAX_ROWS, budget_jobs, parse_budgets, split_policies, summarize,
                     write_tables)
@@ -164,7 +164,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     out = writable_dir(args.out)
     if len(requests) == 1 and args.ray is None:  # one text, one model: in this process, as the app runs it
         store = open_store(args.no_cache)
-        df = api.sweep(requests[0], store, progress_printer(), LIMITS)
+        df = api.sweep(requests[0], store, progress_printer(), LIMITS).table
         if sys.stderr.isatty():
             print(file=sys.stderr)
         df.insert(0, "document", docs[0][0])
@@ -293,12 +293,19 @@ def _ray_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=None, help="Ray actors (default: one per CPU)")
 
 
+def row_token_rule() -> str:
+    """The row-tokens a run may use here, in words: the operator's number, or what the memory holds."""
+    if LIMITS.row_tokens is not None:
+        return f"{LIMITS.row_tokens:,} row-tokens"
+    return (f"as many row-tokens as this machine's {machine_memory() / 2 ** 30:.0f} GiB hold at the model's price "
+            f"(from its shapes: each token's keys and values, each row's logits over the vocabulary)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m backend", description="KV Lens: run KV-cache policies on a real model.",
         epilog=f"Limits here (they fit this machine's memory; KVLENS_MAX_<NAME> changes one): "
-               f"{LIMITS.row_tokens:,} row-tokens a run, {LIMITS.policies} policies, {LIMITS.new_tokens} new tokens; "
-               f"Full is free")
+               f"{row_token_rule()} a run, {LIMITS.policies} policies, {LIMITS.new_tokens} new tokens; Full is free")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="run policies on a text and write traces",
                        formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -3,14 +3,16 @@
 * ``Admission``: how many model-slot jobs (runs, sweeps) one browser session and one client address may
   have waiting or running at once. The app asks before a job enters the queue and says when it ends.
 * ``RequestGuard``: an ASGI middleware in front of the web app. The app has no upload, so Gradio's
-  upload route is closed (nothing a stranger sends stays on disk), and a request body over
-  ``max_body`` bytes is refused with HTTP 413 before anything reads it into a prompt.
+  upload route is closed (nothing a stranger sends stays on disk), a request body over
+  ``max_body`` bytes is refused with HTTP 413 before anything reads it into a prompt, and the app may
+  refuse a body it knows the web framework would choke on (``refuse``).
 """
 from __future__ import annotations
 
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 
 UPLOAD_PATHS = ("/upload", "/gradio_api/upload")
 
@@ -64,11 +66,15 @@ class Admission:
             return len(self._jobs)
 
 
-class RequestGuard:
-    """ASGI middleware: 403 for the upload route, 413 for a body over ``max_body`` bytes."""
+Verdict = tuple[int, str] | None  # (HTTP status, one line of text) to refuse with, or None to let it through
 
-    def __init__(self, app, max_body: int):
-        self.app, self.max_body = app, max_body
+
+class RequestGuard:
+    """ASGI middleware: 403 for the upload route, 413 for a body over ``max_body`` bytes, and what ``refuse``
+    says of a body once it is read."""
+
+    def __init__(self, app, max_body: int, refuse: Callable[[bytes], Verdict] = lambda body: None):
+        self.app, self.max_body, self.refuse = app, max_body, refuse
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -93,6 +99,9 @@ class RequestGuard:
             if not message.get("more_body"):
                 break
         body, sent = b"".join(chunks), False
+        verdict = self.refuse(body)
+        if verdict is not None:
+            return await _plain(send, *verdict)
 
         async def replay():
             nonlocal sent

@@ -18,7 +18,7 @@ from .traces.trace import Trace
 
 # Bump when the engine's decisions or outputs change for every policy (a policy's own changes bump its
 # ``version``): either puts the old traces out of reach.
-ENGINE_VERSION = 4
+ENGINE_VERSION = 5
 
 
 @dataclass

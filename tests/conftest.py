@@ -40,6 +40,26 @@ def make_tiny(layers: int = 2, heads: int = 6, kv_heads: int = 2, dtype=torch.fl
     return LoadedModel(name="tiny", model=model, tokenizer=TinyTokenizer(), fingerprint="tiny")
 
 
+def tiny_model_dir(directory, model_type: str, **config) -> str:
+    """A random-weight model of ``model_type`` saved as a local model directory, with a tokenizer of one token per
+    lowercase letter, space and stop: what ``--model DIR`` loads, in a second."""
+    from tokenizers import Tokenizer, models as vocabularies, pre_tokenizers
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<bos>", "<eos>", "<unk>"]
+    vocab = {token: i for i, token in enumerate(specials + list("abcdefghijklmnopqrstuvwxyz .,"))}
+    words = Tokenizer(vocabularies.WordLevel(vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Split("", "isolated")  # every character a token
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>", pad_token="<pad>",
+                                        bos_token="<bos>", eos_token="<eos>")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, vocab_size=len(vocab), pad_token_id=0,
+                                                                  bos_token_id=1, eos_token_id=2, **config))
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
 @pytest.fixture(scope="session")
 def tiny() -> LoadedModel:
     return make_tiny()

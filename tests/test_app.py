@@ -131,6 +131,21 @@ def test_zoom_controls_become_a_window_inside_the_text():
     assert app.panels.zoom_window(run, True, float("inf"), [], "64") == (0, 0, 64)
 
 
+def test_the_summary_shows_its_column_headers_before_any_run(tiny_session):
+    """Not Gradio's placeholders 1, 2, 3: the columns every run's summary has, and no rows."""
+    from viz import panels
+
+    summary = next(block for block in app.demo.blocks.values() if getattr(block, "elem_id", None) == "summary")
+    config = next(c["props"] for c in app.demo.config["components"] if c["props"].get("elem_id") == "summary")
+    headers = ["Policy", "Perplexity", "Mean KL to Full (nats)", "Top-1 agreement", "Token 0 kept",
+               "Non-recent share", "Decides", "Budget shared"]
+    assert list(panels.SUMMARY_HEADERS) == headers and config["value"]["headers"] == headers
+    shown = summary.postprocess(app.render_run(None)[0])  # what a page with no run shows after its load
+    assert shown.headers == headers and shown.data == []
+    run = api.run(RunRequest(prompt="the cat sat on the mat", specs=["tova:budget=6"], mode="prompt"), tiny_session)
+    assert list(app.render_run(run.run_id)[0].columns) == headers
+
+
 def test_summary_has_no_oracle_column_without_an_oracle(tiny_session):
     run = api.run(RunRequest(prompt="one two three four five six seven eight nine ten",
                                      specs=["tova:budget=6"], mode="prompt"), tiny_session)
@@ -173,6 +188,19 @@ def test_a_store_that_cannot_write_says_the_run_is_not_cached_and_offers_no_link
     run_id, status, *_ = app.on_run("the cat sat on the mat", "prompt", 8, ["tova"], 16, 4, 0.1, "paper default", "",
                                     DEFAULT_MODEL, progress=lambda *a, **k: None)
     assert status.endswith("computed.") and f"?run={run_id}" in app.render_run(run_id)[-1]
+
+
+def test_a_sweep_the_store_cannot_keep_says_so_in_one_line(tiny_session, monkeypatch):
+    def disk_full(self, *args):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(diskcache.Cache, "_row_insert", disk_full)
+    monkeypatch.setattr(diskcache.Cache, "_row_update", disk_full)
+    figure, message = app.on_sweep("the quick brown fox jumps over the lazy dog", "prompt", 8, ["tova"], 4, 0.1,
+                                   "paper default", DEFAULT_MODEL, progress=lambda *a, **k: None)
+    assert len(figure.data) == 1 and "\n" not in message
+    assert message == ("The trace store could not write here, so these budgets are not stored: moving the budget "
+                       "slider computes them again.")
 
 
 def test_exports_are_pruned_and_folders_of_processes_gone_are_removed(tiny_session, tmp_path, monkeypatch):

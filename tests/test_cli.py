@@ -175,3 +175,26 @@ def test_a_missing_device_and_an_unreachable_hub_id_are_one_line_errors(text_fil
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("error: could not load nobody-here/no-such-model")
+
+
+# Gemma shapes with no global layer: every layer keeps a sliding window only.
+ALL_SLIDING = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, sliding_window=16, query_pre_attn_scalar=16,
+                   layer_types=["sliding_attention"] * 4)
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "gemma2"])
+def test_a_gemma_model_whose_layers_all_slide_runs_and_records_its_layers(family, tmp_path):
+    from tests.conftest import tiny_model_dir
+
+    model = tiny_model_dir(tmp_path / "model", family, **ALL_SLIDING)
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("the quick brown fox jumps over the lazy dog. " * 2)
+    out = tmp_path / "out"
+    result = cli("run", "--text", str(prompt), "--model", model, "--policy", "full", "--policy", "tova:budget=512",
+                 "--mode", "prompt", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    trace = Trace.load(out / summary["tova:budget=512"]["trace"])
+    assert trace.meta["layer_windows"] == [16] * 4 and trace.meta["recorded_layers"] == [0, 2, 3]
+    assert trace.keys.shape[:2] == (3, 2) and summary["tova:budget=512"]["kl_to_full"] == pytest.approx(0, abs=1e-6)

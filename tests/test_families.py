@@ -34,14 +34,19 @@ FAMILIES = {
     "granite": {"attention_multiplier": 0.3, "logits_scaling": 2.0},  # its own attention and logit scales
     "smollm3": {"no_rope_layers": [1, 0, 1]},  # a NoPE layer
 }
+# No global layer at all: every layer keeps a sliding window only (Gemma 3's rotary embedding then has no
+# global RoPE). These run what the windows change: Full, every policy against Full, and the recorded keys.
+ALL_SLIDING = {f"{family} all sliding": {**FAMILIES[family], "layer_types": ["sliding_attention"] * 3}
+               for family in ("gemma2", "gemma3_text")}
 IDS = torch.randint(3, 101, (20,), generator=torch.Generator().manual_seed(1)).tolist()
 load_plugins()  # the operator's plugins (KVLENS_PLUGINS) run on every family too
 NAMES = list(POLICIES)
 
 
 def tiny_family(family: str) -> LoadedModel:
+    """A tiny model of a family of FAMILIES or ALL_SLIDING ("gemma2 all sliding" is a gemma2)."""
     torch.manual_seed(0)
-    config = AutoConfig.for_model(family, **COMMON, **FAMILIES[family])
+    config = AutoConfig.for_model(family.split()[0], **COMMON, **{**FAMILIES, **ALL_SLIDING}[family])
     config._attn_implementation = ATTN_IMPLEMENTATION
     model = AutoModelForCausalLM.from_config(config).to(torch.float64).eval()
     with torch.no_grad():  # sharper attention than the default init, so the policies' choices matter
@@ -53,6 +58,12 @@ def tiny_family(family: str) -> LoadedModel:
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def lm(request) -> LoadedModel:
+    return tiny_family(request.param)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES) + list(ALL_SLIDING))
+def any_lm(request) -> LoadedModel:
+    """Every family, and the all-sliding ones too."""
     return tiny_family(request.param)
 
 
@@ -74,13 +85,15 @@ def plain_logprobs(lm: LoadedModel) -> np.ndarray:
     return plain[:-1].gather(-1, torch.tensor(IDS[1:])[:, None])[:, 0].numpy()
 
 
-def test_full_equals_the_plain_model(lm):
+def test_full_equals_the_plain_model(any_lm):
+    lm = any_lm
     (full,), _ = compute_traces(lm, ["full"], [POLICIES["full"]()], IDS, record_layers=())
     np.testing.assert_allclose(full.logprobs, plain_logprobs(lm), atol=2e-5)
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_a_budget_at_least_the_length_equals_full(lm, name):
+def test_a_budget_at_least_the_length_equals_full(any_lm, name):
+    lm = any_lm
     policy = POLICIES[name].for_budget(64)
     if refused(lm, name):
         with pytest.raises(ValueError, match="does not honour this model's"):
@@ -100,6 +113,38 @@ def test_prompt_path_equals_token_by_token_decoding(lm, name):
     np.testing.assert_allclose(s_whole["logprobs"], s_single["logprobs"], atol=1e-9)
     if policy.kind in ("eviction", "compression"):
         np.testing.assert_array_equal(whole.evicted_at(1), single.evicted_at(1))
+
+
+def test_the_keys_after_rope_of_every_recorded_layer_are_the_ones_the_cache_held(any_lm):
+    """The t-SNE map's keys after RoPE: each recorded layer's keys, re-rotated with that layer's own RoPE (Gemma 3's
+    local and global bases, GLM's partial and Cohere's interleaved rotation, none on a NoPE layer), are the keys
+    the model's own attention read."""
+    from backend.analysis.metrics import key_samples
+
+    lm = any_lm
+    layers = tuple(range(lm.n_layers))
+    (trace,), _ = compute_traces(lm, ["window"], [POLICIES["window"](budget=64)], IDS, record_layers=layers)
+    cache, _, _ = score_text(lm, IDS, [], record_layers=())  # Full's row: every key as the model rotated it
+    for layer in layers:
+        for head in range(lm.n_kv_heads):
+            samples = key_samples(trace, layer, head)
+            cached = cache.layers[layer].keys[0, head, samples.positions].numpy()
+            # The trace keeps keys before RoPE as float16: agreement to its rounding.
+            np.testing.assert_allclose(samples.after_rope, cached, atol=2e-3 * np.abs(cached).max(),
+                                       err_msg=f"{lm.name}: layer {layer}, KV head {head}")
+
+
+def test_a_gemma_local_layer_keeps_its_own_rope_base():
+    """Gemma 3 turns its local layers' keys with base 10,000 and its global ones' with 1,000,000: the trace keeps
+    each layer's frequencies, in rotate_half's layout (dimension i with i + 8)."""
+    lm = tiny_family("gemma3_text")
+    (full,), _ = compute_traces(lm, ["full"], [POLICIES["full"]()], IDS, record_layers=(0, 2))
+    bases = lm.model.config.rope_parameters
+    for layer, kind in ((0, "sliding_attention"), (2, "full_attention")):
+        rope = full.rope(layer)
+        inv_freq = 1.0 / bases[kind]["rope_theta"] ** (np.arange(0, 16, 2) / 16)
+        np.testing.assert_allclose(rope.freq, np.concatenate([inv_freq, -inv_freq]), rtol=1e-5, atol=1e-9)
+        assert rope.partner.tolist() == [*range(8, 16), *range(8)] and rope.scaling == pytest.approx(1.0)
 
 
 def test_a_sliding_window_layer_reads_only_its_window():

@@ -349,6 +349,18 @@ def test_an_unknown_endpoint_is_a_404_with_nothing_in_the_log(server, capfd):
     assert "Traceback" not in capfd.readouterr().err
 
 
+@pytest.mark.parametrize("path, index", [("queue/join", 9999), ("queue/join", -1), ("queue/join", "9999"),
+                                         ("run/predict", 9999)],
+                         ids=["join", "join-negative", "join-as-text", "predict"])
+def test_an_unknown_function_index_is_a_404_with_nothing_in_the_log(server, capfd, path, index):
+    body = {"data": [], "fn_index": index, "session_hash": f"test-{time.time_ns()}", "event_data": None,
+            "trigger_id": None}
+    response = httpx.post(f"{server}/gradio_api/{path}", json=body, timeout=30)
+    assert response.status_code == 404 and response.text == f"No such function: fn_index {int(index)}."
+    assert "Traceback" not in capfd.readouterr().err
+    assert httpx.post(f"{server}/gradio_api/{path}", json={**body, "fn_index": "x"}, timeout=30).status_code == 422
+
+
 def test_a_control_out_of_range_is_one_line_with_nothing_in_the_log(server, capfd):
     # The view controls of render_views: layer, head, step, alpha, zoom, first step, first position, window.
     response = call_api(server, ["all", "all", -1e9, 0.3, False, -1e9, 0, 128], fn="render_views")

@@ -323,15 +323,3 @@ def test_an_explicit_full_costs_nothing(tiny_session):
                                                                       "a2sf:budget=8"]):
         with pytest.raises(RequestError, match="At most 2 policies side by side besides Full, got 3"):
             api.check_run(RunRequest(prompt="ab", specs=specs), two)
-
-
-def test_the_command_line_may_name_any_model_and_fits_its_limits_to_the_machine():
-    import os
-
-    from backend.limits import ROW_TOKEN_BYTES, Limits
-
-    machine, space = Limits.for_machine({}), Limits.from_env({})
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    assert machine.models is None and machine.row_tokens == max(space.row_tokens, memory // ROW_TOKEN_BYTES)
-    assert machine.policies > space.policies and machine.new_tokens > space.new_tokens
-    assert Limits.for_machine({"KVLENS_MAX_ROW_TOKENS": "5000"}).row_tokens == 5000  # the operator decides

@@ -356,6 +356,22 @@ def test_unrotate_keys_inverts_transformers_rope(scaling):
     assert not np.allclose(k_rot[0].numpy(), k[0].numpy(), atol=1e-3)  # the rotation did something
 
 
+def test_a_trace_with_one_model_wide_rope_still_gives_the_keys_after_rope():
+    """A stored trace that keeps one model-wide ``rope_inv_freq`` (rotate_half's layout) and the scaling in its
+    metadata, not a RoPE per layer: its keys after RoPE are transformers' own."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    n, d, scaling = 6, 8, 1.25
+    inv_freq = 1.0 / (10000 ** (np.arange(0, d, 2) / d))
+    keys = np.random.default_rng(0).normal(size=(1, 1, n, d)).astype(np.float16)
+    old = Trace.from_bytes(make_trace(n, keys=keys, recorded_layers=(0,), rope_inv_freq=inv_freq,
+                                      scaling=scaling).to_bytes())
+    angle = np.arange(n)[:, None] * inv_freq.astype(np.float32)[None].astype(np.float64)
+    emb = torch.tensor(np.concatenate([angle, angle], -1))[None]
+    _, expected = apply_rotary_pos_emb(*[torch.tensor(keys[0].astype(np.float64))] * 2, emb.cos() * scaling,
+                                       emb.sin() * scaling)
+    np.testing.assert_allclose(metrics.key_samples(old, 0, 0).after_rope, expected[0, 0].numpy(), atol=1e-5)
+
+
 def test_key_samples_recover_the_models_keys_before_rope():
     from backend.engine.runner import compute_traces
     from backend.policies import parse_spec

@@ -30,7 +30,7 @@ def lm():
 
 @pytest.fixture(scope="module")
 def table(lm):
-    return sweep(lm, IDS, budget_jobs(["window", "sinks:sinks=2", "tova", "full"], [6, 12, 64]))
+    return sweep(lm, IDS, budget_jobs(["window", "sinks:sinks=2", "tova", "full"], [6, 12, 64])).table
 
 
 def test_budget_spec_adds_the_budget_and_keeps_other_parameters():
@@ -77,7 +77,7 @@ def test_sweep_rows_equal_running_each_policy_alone(lm, table):
 def test_splitting_into_smaller_batches_gives_the_same_table(lm, table):
     calls = []
     small = sweep(lm, IDS, budget_jobs(["window", "sinks:sinks=2", "tova"], [6, 12, 64]), max_rows=4,
-                  progress=lambda frac, what: calls.append((frac, what)))
+                  progress=lambda frac, what: calls.append((frac, what))).table
     pd.testing.assert_frame_equal(small, table)
     assert {what.split(":")[0] for _, what in calls} == {"sweep 1/3", "sweep 2/3", "sweep 3/3"}
     assert calls[-1][0] == pytest.approx(1.0) and all(0 <= f <= 1 for f, _ in calls)
@@ -168,7 +168,7 @@ def test_sweep_stores_every_budget_so_the_app_replays(tmp_path):
     lm = make_tiny()
     ids = list(range(3, 40))
     store = TraceStore(tmp_path / "store")
-    sweep_module.sweep(lm, ids, budget_jobs(["tova", "window"], [4, 8]), store=store)
+    assert sweep_module.sweep(lm, ids, budget_jobs(["tova", "window"], [4, 8]), store=store).stored
     specs = ["tova:budget=4", "tova:budget=8", "window:budget=4", "window:budget=8"]
     result = replay_or_compute(lm, specs, [parse_spec(s) for s in specs], ids, "prompt", store=store, record_layers=())
     assert result.replayed == [True] * 4

@@ -24,7 +24,7 @@ from backend.traces.trace import Trace
 from .colors import policy_colors
 from .continuation import continuation_cell
 from .curves import score_curves_figure, score_over_steps_figure
-from .divergence import divergence_figure, divergence_notes, summary_table as summary_frame
+from .divergence import SUMMARY_COLUMNS, divergence_figure, divergence_notes, summary_table as summary_frame
 from .heatmap import mark_row, mark_window, mask_heatmaps
 from .highlight import MAX_OUTSIDE, WINDOW, continuations_html, kept_tokens_html, text_window
 from .reach import distance_figure, reach_figure
@@ -32,6 +32,12 @@ from .retention import first_token_retention_figure, lifetime_by_position_figure
 from .step_row import step_row_figure
 from .sweep import sweep_figure as sweep_plot
 from .tsne import tsne_figure
+
+ORACLE_COLUMN = "Similarity to oracle"
+# The columns of every run's summary, and the headers the page shows before its first run (an oracle, a second
+# pass and generate mode add theirs).
+RUN_COLUMNS = ("Token 0 kept", "Non-recent share", "Decides", "Budget shared")
+SUMMARY_HEADERS = (*(c for c in SUMMARY_COLUMNS if c != ORACLE_COLUMN), *RUN_COLUMNS)
 
 TSNE_POINTS = 512  # keys a t-SNE map embeds: both maps take 1-2.6 s at 512 on two cores, 4x that at 1024
 
@@ -150,12 +156,12 @@ def summary_table(run, shares: dict[str, np.ndarray] | None = None) -> pd.DataFr
         non_recent.append("—" if share is None else f"{share.mean():.0%}")
     frame = summary_frame(rows)
     if oracle is None:  # a column of dashes only pushes the others out of view
-        frame = frame.drop(columns="Similarity to oracle")
-    frame["Token 0 kept"] = first_token
-    frame["Non-recent share"] = non_recent
+        frame = frame.drop(columns=ORACLE_COLUMN)
     policies = [policy_of(t.meta) for t in run.traces]
-    frame["Decides"] = [p.schedule(t.meta["mode"]) if p else "—" for p, t in zip(policies, run.traces)]
-    frame["Budget shared"] = [p.allocation if p and p.kind != "full" else "—" for p in policies]
+    decides = [p.schedule(t.meta["mode"]) if p else "—" for p, t in zip(policies, run.traces)]
+    shared = [p.allocation if p and p.kind != "full" else "—" for p in policies]
+    for column, values in zip(RUN_COLUMNS, (first_token, non_recent, decides, shared)):
+        frame[column] = values
     if any("extra_pass_tokens" in t.meta for t in run.traces):  # a policy's own second pass (KVzip's)
         frame["Extra pass"] = [_extra_pass(t) for t in run.traces]
     if run.full.meta["mode"] == "generate":  # the answers beside the numbers that score them

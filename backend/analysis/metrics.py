@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import reads
+from ..traces.rope import KeyRope
 from ..traces.trace import Trace
 
 
@@ -412,33 +413,11 @@ def score_curves(trace: Trace, layer: int, head: int, alpha: float, budget: int,
 
 # --- K cache before and after RoPE, for t-SNE (ReAttention Fig. 8-9) ----------------------------------
 
-def rotate_half(x: np.ndarray) -> np.ndarray:
-    """transformers' rotate_half: (x1, x2) -> (-x2, x1) over the two halves of the last axis."""
-    half = x.shape[-1] // 2
-    return np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-
-
-def _rotate(keys: np.ndarray, inv_freq: np.ndarray, positions: np.ndarray | None, sign: float) -> np.ndarray:
-    """Keys [..., S, d] rotated by ``sign * position * inv_freq`` (RoPE's angles, over both halves of d)."""
-    keys = np.asarray(keys, np.float64)
-    pos = np.arange(keys.shape[-2]) if positions is None else np.asarray(positions)
-    angle = pos[:, None].astype(np.float64) * np.asarray(inv_freq, np.float64)[None, :]
-    angle = np.concatenate([angle, angle], axis=-1)
-    return keys * np.cos(angle) + sign * rotate_half(keys) * np.sin(angle)
-
-
-def rotate_keys(keys: np.ndarray, inv_freq: np.ndarray, scaling: float = 1.0,
-                positions: np.ndarray | None = None) -> np.ndarray:
-    """Apply RoPE to keys ``[..., S, d]`` at ``positions`` (default ``0..S-1``), as transformers does:
-    ``k_rot = (k * cos + rotate_half(k) * sin) * scaling`` with angles ``position * inv_freq``."""
-    return _rotate(keys, inv_freq, positions, 1.0) * scaling
-
-
 def unrotate_keys(keys: np.ndarray, inv_freq: np.ndarray, scaling: float = 1.0,
                   positions: np.ndarray | None = None) -> np.ndarray:
-    """Undo RoPE on keys ``[..., S, d]``: a rotation by ``-angle`` and a division by ``scaling`` (the inverse
-    of ``rotate_keys``)."""
-    return _rotate(keys, inv_freq, positions, -1.0) / scaling
+    """Undo RoPE in transformers' ``rotate_half`` layout on keys ``[..., S, d]`` at ``positions`` (default
+    ``0..S-1``): a rotation by ``-position * inv_freq`` and a division by ``scaling``."""
+    return KeyRope.halves(inv_freq, scaling).rotate(keys, positions, inverse=True)
 
 
 @dataclass
@@ -453,17 +432,18 @@ class KeySamples:
 
 def key_samples(trace: Trace, layer: int, head: int) -> KeySamples:
     """Keys of model ``layer`` (one of ``meta["recorded_layers"]``) and KV ``head`` before RoPE (as stored,
-    at ``Trace.key_positions``), after RoPE (rotated forward with ``rope_inv_freq`` and
-    ``rope_attention_scaling``, see ``rotate_keys``), and whether each is in the cache the last query read
-    (``kept``; False = evicted by then, or not selected at the last step for selection policies)."""
+    at ``Trace.key_positions``), after RoPE (rotated forward as that layer rotates them, ``Trace.rope``), and
+    whether each is in the cache the last query read (``kept``; False = evicted by then, or not selected at the
+    last step for selection policies)."""
     recorded = trace.meta.get("recorded_layers") or []
-    if trace.keys is None or trace.rope_inv_freq is None or layer not in recorded:
+    rope = trace.rope(layer)
+    if trace.keys is None or rope is None:
         raise ValueError(f"layer {layer} has no recorded keys in this trace (recorded layers: {recorded})")
     if not 0 <= head < trace.keys.shape[1]:
         raise ValueError(f"head must be within 0..{trace.keys.shape[1] - 1}, got {head}")
     positions = np.asarray(trace.key_positions)
     before = trace.keys[recorded.index(layer), head].astype(np.float32)
-    after = rotate_keys(before, trace.rope_inv_freq, trace.meta.get("rope_attention_scaling", 1.0), positions)
+    after = rope.rotate(before, positions)
     kept = trace.reads_at(layer, len(trace.tokens) - 1)[head][positions]
     return KeySamples(positions=positions, before_rope=before, after_rope=after.astype(np.float32),
                       kept=np.asarray(kept, bool))

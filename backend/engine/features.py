@@ -28,7 +28,10 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from ..traces.rope import KeyRope
 
 
 class UnsupportedModel(ValueError):
@@ -66,6 +69,26 @@ class LayerFeatures:
     window: int | None  # a sliding-window layer reads the latest ``window`` keys only; None: every key
     rope: Rope  # how the layer rotates queries and keys (the identity on a NoPE layer)
     capture: Capture
+
+
+def key_rope(rope: Rope, head_dim: int, device: torch.device | str = "cpu") -> KeyRope:
+    """A layer's rotation as numbers a trace keeps, read from the rotation itself, so any layout reads the same
+    (halves, interleaved pairs, a partial rotary part, none at all): each unit vector turned to position 1.
+
+    Turned there, dimension i of the unit vector of dimension i reads ``scaling * cos(freq[i])``, that of its
+    partner ``-scaling * sin(freq[i])``, and every other reads zero. Angles below pi per position (every RoPE's:
+    its fastest pair turns one radian) are read without ambiguity."""
+    eye = torch.eye(head_dim, dtype=torch.float64, device=device)[:, None]  # [d "heads", 1 position, d]
+    turned = rope(eye, torch.ones(1, dtype=torch.long, device=device))[:, 0].cpu().numpy().T  # [i, unit vector]
+    own = np.diag(turned).copy()
+    others = turned - np.diag(own)
+    partner = np.abs(others).argmax(1)
+    sin = -others[np.arange(head_dim), partner]  # scaling * sin(freq)
+    turns = sin != 0
+    scale = np.hypot(own, sin)[turns]
+    return KeyRope(freq=np.where(turns, np.arctan2(sin, own), 0.0),
+                   partner=np.where(turns, partner, np.arange(head_dim)),
+                   scaling=float(scale.mean()) if turns.any() else 1.0)
 
 
 @dataclass(frozen=True)

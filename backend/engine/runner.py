@@ -19,6 +19,7 @@ import torch
 
 from .allocator import give_back
 from .attention import PolicyCache
+from .features import key_rope
 from .models import LoadedModel
 from ..policies import Full, Policy
 from .reconstruction import cuts, reread
@@ -246,19 +247,25 @@ def default_record_layers(lm: LoadedModel) -> tuple[int, ...]:
     return tuple(sorted({0, lm.n_layers // 2, lm.n_layers - 1}))
 
 
-def _recorded(lm: LoadedModel, cache: PolicyCache, row: int, length: int) -> dict:
+def _recorded(cache: PolicyCache, row: int, length: int, ropes: dict[str, np.ndarray]) -> dict:
     """Attention rows (top-k entries) and sampled keys before RoPE of the recorded layers, over the row's
-    own length."""
+    own length, and how each recorded layer rotates its keys (``ropes``, from ``_recorded_ropes``)."""
     if not cache.record_layers:
         return {}
-    rotary = lm.model.model.rotary_emb
-    # One model-wide RoPE for the t-SNE of keys after RoPE; a model with per-layer RoPE (Gemma 3) gives its
-    # global layers'.
-    inv_freq = getattr(rotary, "inv_freq", None)
-    inv_freq = getattr(rotary, "full_attention_inv_freq", None) if inv_freq is None else inv_freq
     where = key_positions(length)
     return {"attention": cache.recorded_attention(row, length), "keys": cache.recorded_keys(row, where),
-            "key_positions": where, "rope_inv_freq": inv_freq.float().cpu().numpy().astype(np.float32)}
+            "key_positions": where, **ropes}
+
+
+def _recorded_ropes(lm: LoadedModel, record_layers: Sequence[int]) -> dict[str, np.ndarray]:
+    """Each recorded layer's own RoPE (Gemma 3's local and global bases differ; a NoPE layer has none), so the
+    keys after RoPE can be drawn from the keys a trace keeps."""
+    if not record_layers:
+        return {}
+    ropes = [key_rope(lm.features.layers[layer].rope, lm.head_dim, lm.model.device) for layer in record_layers]
+    return {"rope_freq": np.stack([r.freq for r in ropes]).astype(np.float32),
+            "rope_partner": np.stack([r.partner for r in ropes]).astype(np.int16),
+            "rope_scaling": np.array([r.scaling for r in ropes], np.float32)}
 
 
 def _meta(lm: LoadedModel, spec: str, policy: Policy, mode: str, tokens: Sequence[int], n_prompt: int,
@@ -270,7 +277,6 @@ def _meta(lm: LoadedModel, spec: str, policy: Policy, mode: str, tokens: Sequenc
         "n_prompt": n_prompt, "score_start": 0 if mode == "prompt" else n_prompt - 1,
         "token_texts": [lm.tokenizer.decode([t]) for t in tokens],
         "recorded_layers": list(record_layers),
-        "rope_attention_scaling": float(getattr(lm.model.model.rotary_emb, "attention_scaling", 1.0)),
         **({"layer_windows": lm.features.windows} if any(lm.features.windows) else {}),
     }
 
@@ -309,6 +315,8 @@ def compute_traces(lm: LoadedModel, specs: Sequence[str], policies: Sequence[Pol
         cache, continuations, index, stats = _generate_and_score(lm, ids, policies, max_new_tokens, chunk, progress,
                                                                  reference=True, record_layers=record)
 
+    ropes = _recorded_ropes(lm, record)
+
     def trace(spec: str, policy: Policy, row: int) -> Trace:
         own = ids if continuations is None else ids + continuations[row]
         generated = {} if continuations is None else {"generated_ids": np.array(continuations[row], np.int32)}
@@ -318,6 +326,6 @@ def compute_traces(lm: LoadedModel, specs: Sequence[str], policies: Sequence[Pol
             meta["extra_pass_tokens"] = cache.extra_pass_tokens[row] if cache.extra_pass_tokens else 0
         return Trace(meta=meta, tokens=np.array(own, np.int32),
                      scored_ids=np.array(scored, np.int32), **{k: v[row] for k, v in stats.items()},
-                     **_masks(cache, row, policy, len(own)), **_recorded(lm, cache, row, len(own)), **generated)
+                     **_masks(cache, row, policy, len(own)), **_recorded(cache, row, len(own), ropes), **generated)
 
     return [trace(s, p, row) for s, p, row in zip(specs, policies, index)], trace("full", Full(), 0)

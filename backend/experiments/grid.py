@@ -72,7 +72,7 @@ class Worker:
 
             ids = lm.encode(payload["text"])[: payload["max_tokens"]]
             frame = sweep(lm, ids, [tuple(j) for j in payload["jobs"]], store=self.store,
-                          max_rows=payload.get("max_rows", 32))
+                          max_rows=payload.get("max_rows", 32)).table
             rows = json.loads(frame.to_json(orient="records"))
             for row in rows:
                 row["document"] = payload["document"]

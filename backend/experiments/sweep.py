@@ -8,6 +8,7 @@ and ``python -m backend sweep`` (cli.py) writes the table and its figure.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -67,10 +68,16 @@ def budget_jobs(policy_names: Sequence[str], budgets: Sequence[int]) -> list[tup
             if name.strip().partition(":")[0].strip().lower() != "full" for b in budgets]
 
 
+@dataclass
+class SweepResult:
+    table: pd.DataFrame  # one row per job, in their order, then Full's (the COLUMNS)
+    stored: bool  # the store holds every trace (False without a store, or with one that could not write)
+
+
 def sweep(lm, text_ids: Sequence[int], jobs: Sequence[tuple[str, int, str]], progress: Progress | None = None,
           max_rows: int = MAX_ROWS, store: TraceStore | None = None, mode: str = "prompt", max_new_tokens: int = 64,
-          record_layers: Sequence[int] = ()) -> pd.DataFrame:
-    """Perplexity (and KL to Full, top-1 agreement) of every job on ``text_ids``.
+          record_layers: Sequence[int] = ()) -> SweepResult:
+    """Perplexity (and KL to Full, top-1 agreement) of every job on ``text_ids``, and whether the store kept them.
 
     ``jobs`` are (policy label, budget, spec) triples (``budget_jobs`` makes them from names and budgets);
     Full is always the topline row (``policy="full"``, ``budget`` empty). Rows come in the order of the
@@ -86,7 +93,7 @@ def sweep(lm, text_ids: Sequence[int], jobs: Sequence[tuple[str, int, str]], pro
     batches = [range(i, min(i + max_rows, len(jobs))) for i in range(0, len(jobs), max_rows)] or [range(0)]
 
     rows: list[dict] = []
-    full_row = None
+    full_row, stored = None, store is not None
     total = max(len(jobs), 1) * len(ids)
     done = 0  # row-tokens finished before the current call
     for number, batch in enumerate(batches):
@@ -98,7 +105,7 @@ def sweep(lm, text_ids: Sequence[int], jobs: Sequence[tuple[str, int, str]], pro
 
         result = replay_or_compute(lm, [jobs[i][2] for i in batch], [policies[i] for i in batch], ids, mode,
                               max_new_tokens, store=store, progress=report, record_layers=record_layers)
-        traces, full = result.traces, result.full
+        traces, full, stored = result.traces, result.full, stored and result.stored
         if full_row is None:
             full_row = {"policy": "full", "budget": None, "spec": "full", **metrics.summary_row(full, full),
                         "tokens": len(full.scored_ids)}
@@ -109,7 +116,7 @@ def sweep(lm, text_ids: Sequence[int], jobs: Sequence[tuple[str, int, str]], pro
         done += width
     frame = pd.DataFrame(rows + [full_row], columns=COLUMNS)
     frame["budget"] = frame["budget"].astype("Int64")
-    return frame
+    return SweepResult(frame, stored)
 
 
 SUMMARY_COLUMNS = ["model", "policy", "budget", "spec", "documents", "ppl_mean", "ppl_lo", "ppl_hi", "kl_mean"]

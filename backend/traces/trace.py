@@ -10,28 +10,33 @@ from pathlib import Path
 import numpy as np
 
 from .recorded import TopAttention
+from .rope import KeyRope
 from .spans import ReadSpans
 
 FORMAT_VERSION = 3
 ARRAY_FIELDS = ("tokens", "evicted_at", "scored_ids", "logprobs", "top1_ids", "kl_to_full", "generated_ids",
-                "keys", "key_positions", "rope_inv_freq")
+                "keys", "key_positions", "rope_freq", "rope_partner", "rope_scaling", "rope_inv_freq")
 
 
 class Trace:
     """Arrays of one policy's run (see docs/trace-format.md) plus its metadata dict.
 
     ``spans`` (selection policies) says what each query read; ``attention`` (recorded layers) is a
-    ``TopAttention``; ``keys`` are the recorded layers' keys before RoPE at ``key_positions``. For tests
+    ``TopAttention``; ``keys`` are the recorded layers' keys before RoPE at ``key_positions``, and
+    ``rope_freq``, ``rope_partner``, ``rope_scaling`` how each recorded layer rotates them (``rope``). For tests
     and small texts, ``selected`` (bool [L, H, T, T]) and a dense ``attention`` [R, H, T, T] are accepted
     and converted.
     """
 
     def __init__(self, meta: dict, tokens, scored_ids, logprobs, top1_ids, kl_to_full, evicted_at=None, spans=None,
                  selected=None, generated_ids=None, attention=None, keys=None, key_positions=None,
-                 rope_inv_freq=None, stats=None, **arrays):
+                 rope_freq=None, rope_partner=None, rope_scaling=None, rope_inv_freq=None, stats=None, **arrays):
         self.meta, self.tokens, self.scored_ids, self.logprobs = meta, tokens, scored_ids, logprobs
         self.top1_ids, self.kl_to_full, self.evicted_at = top1_ids, kl_to_full, evicted_at
-        self.generated_ids, self.keys, self.rope_inv_freq = generated_ids, keys, rope_inv_freq
+        self.generated_ids, self.keys = generated_ids, keys
+        self.rope_freq, self.rope_partner, self.rope_scaling = rope_freq, rope_partner, rope_scaling
+        # A stored trace may keep one model-wide rotation instead, in rotate_half's layout (``rope``).
+        self.rope_inv_freq = rope_inv_freq
         if selected is not None:
             spans = ReadSpans.from_masks(np.asarray(selected, bool))
         self.spans: ReadSpans | None = spans
@@ -87,6 +92,18 @@ class Trace:
         """The layer's sliding window (Gemma's local layers), None where it reads every key its policy keeps."""
         windows = self.meta.get("layer_windows")
         return None if not windows else windows[layer]
+
+    def rope(self, layer: int) -> KeyRope | None:
+        """How recorded ``layer`` rotated its keys; None when the trace recorded no RoPE for it."""
+        recorded = self.meta.get("recorded_layers") or []
+        if layer not in recorded:
+            return None
+        if self.rope_freq is not None:
+            r = recorded.index(layer)
+            return KeyRope(self.rope_freq[r], self.rope_partner[r], float(self.rope_scaling[r]))
+        if self.rope_inv_freq is not None:
+            return KeyRope.halves(self.rope_inv_freq, self.meta.get("rope_attention_scaling", 1.0))
+        return None
 
     def reads_at(self, layer: int, step: int) -> np.ndarray:
         """bool [H_kv, T]: the tokens query ``step`` read in this layer."""
