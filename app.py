@@ -611,7 +611,8 @@ def build() -> gr.Blocks:
                         first_token_plot = gr.Plot(elem_id="first-token")
                         non_recent_plot = gr.Plot(elem_id="non-recent")
                         retention_plot = gr.Plot(elem_id="retention")
-                        pos_table = gr.Dataframe(label="Mean lifetime by part of speech", interactive=False)
+                        pos_table = gr.Dataframe(panels.pos_placeholder(), label="Mean lifetime by part of speech",
+                                                 interactive=False)
                     with gr.Tab("Sweep"):
                         gr.Markdown(NOTES["sweep"])
                         sweep_button = gr.Button("Compute every budget")

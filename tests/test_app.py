@@ -146,6 +146,15 @@ def test_the_summary_shows_its_column_headers_before_any_run(tiny_session):
     assert list(app.render_run(run.run_id)[0].columns) == headers
 
 
+def test_the_part_of_speech_table_says_what_it_waits_for_before_any_run():
+    from viz import panels
+
+    config = next(c["props"] for c in app.demo.config["components"]
+                  if c["props"].get("label") == "Mean lifetime by part of speech")
+    assert config["value"]["headers"] == ["note"]
+    assert config["value"]["data"] == [list(panels.pos_placeholder()["note"])]
+
+
 def test_summary_has_no_oracle_column_without_an_oracle(tiny_session):
     run = api.run(RunRequest(prompt="one two three four five six seven eight nine ten",
                                      specs=["tova:budget=6"], mode="prompt"), tiny_session)

@@ -422,12 +422,17 @@ class _SharedTagger:
         return self.seen[key]
 
 
+def pos_placeholder() -> pd.DataFrame:
+    """What the part-of-speech table says before any run (rather than a grid headed 1, 2, 3)."""
+    return pd.DataFrame({"note": ["Run an eviction policy to see which parts of speech it keeps."]})
+
+
 def pos_lifetime_table(run) -> pd.DataFrame:
     """Mean lifetime per part of speech and eviction policy (tagging 8k tokens takes seconds), or a note
     saying why there is none."""
     evicting = [t for t in run.traces if t.evicted_at is not None]
     if not evicting:
-        return pd.DataFrame({"note": ["Pick an eviction policy to see which parts of speech it keeps."]})
+        return pos_placeholder()
     try:
         tagger, tags = _SharedTagger(pos.load_tagger()), {}
         columns = {}
