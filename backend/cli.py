@@ -1,5 +1,6 @@
 """Command line: ``python -m backend run ...`` writes one trace per policy and a summary.json;
-``python -m backend sweep ...`` writes perplexity vs budget.
+``python -m backend sweep ...`` writes perplexity vs budget; ``python -m backend lm-eval ...`` is
+lm-evaluation-harness's command line with KV Lens's ``kvlens`` model.
 
 Requests go through the app's front door (api.py: the same limits and checks). Everything that
 needs no model is checked first (the text file, the policies, the output directory), so a mistake is
@@ -21,7 +22,7 @@ import pandas as pd
 
 from .analysis import metrics
 from .engine.models import DEFAULT_MODEL, DEVICES, DTYPES, PACKAGED
-from .policies import PluginError, SpecError, describe, load_plugins, policy_table
+from .policies import PluginError, SpecError, describe, load_plugins, parse_spec, policy_table
 from .engine.runner import DEFAULT_CHUNK
 from . import api
 from .api import RequestError, RunRequest, SweepRequest, check_run, check_sweep
@@ -353,7 +354,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_needle)
     sub.add_parser("policies", help="print the registered policies as a Markdown table").set_defaults(
         func=cmd_policies)
+    sub.add_parser(
+        "lm-eval", add_help=False,
+        help="lm-evaluation-harness's own command line with KV Lens's model `kvlens` registered, e.g. --model kvlens "
+             "--model_args policy=tova:budget=256 --tasks niah_single_1 --metadata max_seq_lengths=[1024] "
+             "(`python -m backend lm-eval --help` lists the rest)")
     return parser
+
+
+def cmd_lm_eval(argv: list[str]) -> int:
+    """lm-eval's command line (``lm_eval ...``) on ``argv``, with ``kvlens`` in its model registry: lm-eval
+    imports no third-party model itself (experiments/lm_eval_model.py)."""
+    from lm_eval._cli import HarnessCLI
+    from lm_eval.utils import setup_logging
+
+    from .engine.models import ModelError
+    from .experiments.lm_eval_model import ruler_tokenizer  # importing it registers kvlens
+
+    own, sys.argv = sys.argv, ["python -m backend lm-eval", *argv]  # lm-eval parses sys.argv
+    try:  # what lm-eval's own entry point (lm_eval.__main__.cli_evaluate) does, with one step between
+        setup_logging()
+        harness = HarnessCLI()
+        args = harness.parse_args()
+        if getattr(args, "model", None) == "kvlens":  # `run` (or no command) with kvlens
+            model_args, metadata = args.model_args or {}, args.metadata or {}
+            parse_spec(str(model_args.get("policy", "full")))  # a bad spec is one line before anything loads
+            if "tokenizer" not in metadata:  # RULER sizes its samples with the metadata's tokenizer: the model's
+                args.metadata = {**metadata, "tokenizer": ruler_tokenizer(
+                    model_args.get("model", DEFAULT_MODEL), args.device, model_args.get("dtype", "float32"))}
+        harness.execute(args)
+    except (SpecError, ModelError) as err:  # kvlens's model arguments: one line, as every command says them
+        raise CliError(str(err)) from None
+    finally:
+        sys.argv = own
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -363,8 +397,11 @@ def main(argv: list[str] | None = None) -> int:
     except PluginError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
+        if argv[:1] == ["lm-eval"]:  # every argument after it is lm-eval's
+            return cmd_lm_eval(argv[1:])
+        args = build_parser().parse_args(argv)
         return args.func(args)
     except (CliError, RequestError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -1,0 +1,147 @@
+"""KV Lens as an lm-evaluation-harness model, ``kvlens``: lm-eval's tasks, prompts and scoring, with every
+answer generated under a KV Lens policy inside the engine.
+
+Importing this module registers ``kvlens`` with lm-eval's own registry. lm-eval 0.4.13 finds models only
+in that registry and imports no third-party module from its command line, so ``python -m backend lm-eval``
+is lm-eval's command line with this module imported; in Python, import it before ``lm_eval.simple_evaluate``
+(or call ``evaluate``). Its model arguments:
+
+* ``model``: a KV Lens model (``smollm2-135m-instruct``, the default, ``gemma3-270m``), a local model
+  directory, a ``.gguf`` file or a hub id; ``dtype`` as KV Lens's command line takes it, and lm-eval's
+  ``--device`` (``cpu``, ``cuda``, ``auto``; its default ``cuda:0`` means a GPU where there is one);
+* ``policy``: a KV Lens spec, e.g. ``tova:budget=256`` (default ``full``). lm-eval splits ``key=value,...``
+  arguments at commas outside quotes, so a spec with several parameters is quoted
+  (``--model_args 'policy="a2sf:budget=64,alpha=0.3"'``) or given in JSON;
+* ``max_gen_toks``: new tokens when a request does not say (a task's ``generation_kwargs`` do);
+* ``no_cache``: compute every run instead of replaying it from the trace store.
+
+RULER's generators size their samples with the model's tokenizer, which lm-eval looks up in the task
+metadata (``tokenizer``, else ``pretrained``, else ``model``): a model directory named by ``model`` serves as
+it is, but a packaged model's name is nothing lm-eval can load, so ``evaluate`` and ``python -m backend
+lm-eval`` put the model's own (``ruler_tokenizer``) in the metadata unless it names one.
+
+Each request is one generate-mode run through the store (``runs.replay_or_compute``, nothing recorded, as
+the needle grid runs): Full is the reference row and the policy a row beside it, so the same sample under the
+same policy replays, and its trace holds what every query read. The context is read as lm-eval wrote it,
+``gen_prefix`` included (and the chat template, when lm-eval is asked to apply it through
+``apply_chat_template``); decoding is greedy to EOS or the token limit, and the answer is cut at the first
+stop string by lm-eval's own ``postprocess_generated_text``. The cut answer equals what a decoder stopping
+at the string would give, since greedy tokens never depend on what follows them.
+"""
+from __future__ import annotations
+
+import lm_eval.models  # noqa: F401  lm-eval's own models: get_model imports them only while the registry is empty
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+from lm_eval.models.utils import normalize_gen_kwargs, postprocess_generated_text
+from tqdm import tqdm
+
+from ..engine.models import DEFAULT_MODEL, shared_model
+from ..engine.runner import check_fits
+from ..limits import Limits, RowPrice, rows_cost
+from ..policies import parse_spec
+from ..runs import replay_or_compute
+from ..traces.store import TraceStore
+from .tasks import tokenizer_source
+
+DEFAULT_GEN_TOKS = 256  # lm-eval's default for its own models
+LM_EVAL_DEVICE = "cuda:0"  # what lm-eval's command line passes as the device when --device is not given
+
+
+def kvlens_device(device: str | None) -> str:
+    """KV Lens's device for lm-eval's: its command line passes ``cuda:0`` when not told, which lm-eval's own hf
+    model takes as the GPU where there is one, else the CPU; so does kvlens (``auto``)."""
+    return "auto" if device in (None, LM_EVAL_DEVICE) else str(device)
+
+
+def ruler_tokenizer(model: str = DEFAULT_MODEL, device: str | None = None, dtype: str = "float32") -> str:
+    """What RULER's generators should load the tokenizer of ``model`` from (loading the model, once per process,
+    as kvlens does): a packaged model's name is no tokenizer lm-eval could load itself."""
+    return tokenizer_source(shared_model(str(model), kvlens_device(device), str(dtype)))
+
+
+@register_model("kvlens")
+class KVLensLM(LM):
+    """One KV Lens model under one policy. ``batch_size`` and ``max_batch_size`` (lm-eval passes them to every
+    model) are accepted and unused: each request is one batched run of Full and the policy."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, policy: str = "full", max_gen_toks: int = DEFAULT_GEN_TOKS,
+                 device: str = "cpu", dtype: str = "float32", no_cache: bool = False, batch_size=None,
+                 max_batch_size=None) -> None:
+        super().__init__()
+        self.spec = str(policy).strip()
+        self.policy = parse_spec(self.spec)  # SpecError (a ValueError) in one line, before the model loads
+        self.max_gen_toks = int(max_gen_toks)
+        self.lm = shared_model(str(model), kvlens_device(device), str(dtype))  # ModelError in one line
+        self.policy.check_model(head_dim=self.lm.head_dim, n_layers=self.lm.n_layers)
+        check_fits(self.lm, self.policy)
+        self.store = None
+        if not no_cache:
+            store = TraceStore()
+            self.store = store if store.available else None
+        self.keys: list[str] = []  # the store key of each answered request's trace, in order
+        self.limits = Limits.for_machine()  # the command line's: what the machine's memory holds
+
+    @property
+    def tokenizer_name(self) -> str:
+        return tokenizer_source(self.lm).replace("/", "__")
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        return self.lm.tokenizer.chat_template if self.lm.chats else None
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The chat as the model's template writes it; without a generation prompt lm-eval ends the chat with
+        an assistant turn holding ``gen_prefix``, which the model then continues."""
+        if not self.lm.chats:
+            raise ValueError(f"{self.lm.name} has no chat template; run it without --apply_chat_template")
+        return self.lm.tokenizer.apply_chat_template(chat_history, tokenize=False,
+                                                     add_generation_prompt=add_generation_prompt,
+                                                     continue_final_message=not add_generation_prompt)
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        return [self._answer(*request.args) for request in tqdm(requests, disable=disable_tqdm,
+                                                                 desc=f"kvlens {self.spec}")]
+
+    def _answer(self, context: str, gen_kwargs: dict) -> str:
+        kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
+        if kwargs.get("do_sample"):
+            raise ValueError("kvlens decodes greedily; the request asks for sampling (do_sample)")
+        new = kwargs["max_gen_toks"]
+        ids = self.lm.encode(context)
+        if len(ids) < 2:
+            raise ValueError("kvlens needs a context of at least 2 tokens")
+        length = len(ids) + new  # what every row reads
+        if length > self.lm.context:
+            raise ValueError(f"the context ({len(ids)} tokens) and {new} new tokens come to more than the "
+                             f"{self.lm.context} tokens {self.lm.name} reads")
+        asked = [] if self.policy.name == "full" else [self.policy]
+        cost, limit = rows_cost(asked, length), self.limits.row_token_limit(RowPrice.of(self.lm.model.config), length)
+        if cost > limit:  # one line rather than a process killed for its memory
+            raise ValueError(f"{self.spec} on {length} tokens costs {cost:,} row-tokens, more than the {limit:,} "
+                             f"this machine's memory holds")
+        run = replay_or_compute(self.lm, [self.spec] * len(asked), asked, ids, "generate", new, self.store,
+                                record_layers=())
+        trace, key = (run.traces[0], run.keys[0]) if asked else (run.full, run.full_key)
+        self.keys.append(key)
+        text = self.lm.tokenizer.decode(trace.generated_ids, skip_special_tokens=True)
+        return postprocess_generated_text(text, kwargs["until"], None)
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        raise NotImplementedError("kvlens only generates (generate_until tasks such as RULER's); it scores no "
+                                  "loglikelihood requests")
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+        raise NotImplementedError("kvlens only generates (generate_until tasks such as RULER's); it scores no "
+                                  "loglikelihood requests")
+
+
+def evaluate(tasks: list[str], length: int, model: str = DEFAULT_MODEL, policy: str = "full",
+             limit: int | None = None, chat: bool = False, **model_args) -> dict:
+    """``lm_eval.simple_evaluate`` of ``tasks`` with ``kvlens`` under ``policy``, the RULER samples made at
+    ``length`` tokens by the model's own tokenizer (``chat``: in the model's chat template, lm-eval's
+    ``apply_chat_template``); lm-eval's results dict."""
+    import lm_eval
+
+    lm = KVLensLM(model=model, policy=policy, **model_args)
+    return lm_eval.simple_evaluate(model=lm, tasks=list(tasks), limit=limit, apply_chat_template=chat,
+                                   metadata={"tokenizer": tokenizer_source(lm.lm), "max_seq_lengths": [int(length)]})

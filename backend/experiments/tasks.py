@@ -1,0 +1,80 @@
+"""The field's long-context tasks as lm-evaluation-harness makes and scores them: RULER's samples come from
+lm-eval's own generators and are scored by lm-eval's own metric, never written again here.
+
+A RULER task sizes its samples with a tokenizer to a length in tokens (``max_seq_lengths`` in the task's
+metadata), so the samples depend on the model that reads them: ``tokenizer_source`` names the loaded model's
+tokenizer (its local directory for a packaged model or a model directory). Six tasks make their samples
+offline (``OFFLINE``); the others read Paul Graham's essays from the hub (niah_single_2/3, niah_multikey_1,
+niah_multivalue, niah_multiquery) or SQuAD and HotpotQA (ruler_qa_squad, ruler_qa_hotpot), and on a machine
+without network ``load_task`` says so in one line (``TaskUnavailable``). All six make samples from 1024 tokens
+on; the needle tasks from 256 (niah_single_1 with the default model's tokenizer), while at 768 and below
+ruler_cwe's samples have no references and ruler_vt's generator does not finish.
+
+A sample is a dict with ``input`` (the prompt), ``outputs`` (the reference strings), ``gen_prefix`` (the
+start of the answer, which lm-eval appends to the prompt), ``length`` (the prompt's tokens) and
+``max_length`` (the length asked for). ``score`` runs the task's own ``process_results`` from its YAML
+(``string_match_all`` for the needle, variable-tracking and word-frequency tasks, ``string_match_part`` for
+QA): the share of the references found in the answer, ignoring case.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from ..engine.models import LoadedModel
+
+OFFLINE = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_vt", "ruler_fwe", "ruler_cwe")
+# Below these lengths (in the default model's tokens; 512, 640 and 768 tried) lm-eval's generator for
+# ruler_vt runs on without end: its instructions and shortest chain do not fit.
+SHORTEST = {"ruler_vt": 1024}
+
+
+class TaskUnavailable(RuntimeError):
+    """lm-eval cannot make the task's samples here; the message (one line) says why."""
+
+
+def tokenizer_source(lm: LoadedModel) -> str:
+    """What lm-eval's RULER generators load the model's tokenizer from: the directory the model was loaded
+    from (a packaged model's converted copy, a model directory) or its hub id."""
+    return lm.model.config._name_or_path
+
+
+@lru_cache(maxsize=4)  # indexing lm-eval's tasks takes seconds: one manager per (tokenizer, length)
+def _manager(tokenizer: str, length: int):
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(metadata={"tokenizer": tokenizer, "max_seq_lengths": [length]})
+
+
+@lru_cache(maxsize=8)  # making samples takes seconds at 1k tokens and longer at 32k: once per process
+def load_task(name: str, length: int, tokenizer: str):
+    """lm-eval's task ``name`` with its samples made at ``length`` tokens by ``tokenizer`` (a local directory or
+    a hub id), or TaskUnavailable."""
+    from datasets.exceptions import DatasetsError
+
+    if int(length) < SHORTEST.get(name, 0):
+        raise TaskUnavailable(f"{name} needs {SHORTEST[name]} tokens or more; lm-eval's generator does not "
+                              f"finish at {length}")
+    manager = _manager(tokenizer, int(length))
+    if not manager.match_tasks([name]):
+        raise TaskUnavailable(f"lm-eval has no task {name!r}; RULER's offline tasks are {', '.join(OFFLINE)}")
+    try:
+        task = manager.load([name])["tasks"][name]
+    except (OSError, DatasetsError) as err:  # no network, or the hub offline
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise TaskUnavailable(f"{name} needs data from the network that cannot be fetched here ({first}); "
+                              f"RULER's offline tasks are {', '.join(OFFLINE)}") from None
+    if not all(task.test_docs()["outputs"]):  # ruler_cwe below 1024 tokens: its metric would divide by zero
+        raise TaskUnavailable(f"{name} at {length} tokens makes samples without reference answers; ask for "
+                              f"a longer length")
+    return task
+
+
+def samples(name: str, length: int, tokenizer: str, limit: int | None = None) -> list[dict]:
+    """The first ``limit`` samples (all when None) of ``load_task(name, length, tokenizer)``."""
+    docs = load_task(name, length, tokenizer).test_docs()
+    return [dict(docs[i]) for i in range(len(docs) if limit is None else min(limit, len(docs)))]
+
+
+def score(task, sample: dict, answer: str) -> float:
+    """The task's own metric (its ``process_results``) of ``answer`` for ``sample``, from 0 to 1."""
+    return task.process_results(sample, [answer])[str(sample["max_length"])]

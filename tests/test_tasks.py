@@ -1,0 +1,189 @@
+"""RULER through lm-evaluation-harness: lm-eval's samples and scores pass through KV Lens unchanged, and
+``kvlens`` is an lm-eval model that answers every request under a policy, through the trace store."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from backend.engine import models
+from backend.engine.models import DEFAULT_MODEL
+from backend.experiments.tasks import TaskUnavailable, load_task, samples, score, tokenizer_source
+
+ROOT = Path(__file__).resolve().parents[1]
+SHORT = 256  # tokens: room for niah_single_1's instructions, needle and question in the default model's tokens
+
+
+@pytest.fixture
+def store_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVLENS_STORE_DIR", str(tmp_path / "store"))
+    return tmp_path / "store"
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> str:
+    """A random two-layer Llama with a tokenizer of one token a character: lm-eval sizes RULER's samples with it."""
+    from tests.conftest import tiny_model_dir
+
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model", "llama", hidden_size=32, intermediate_size=64,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=2048)
+
+
+@pytest.fixture
+def default_loaded(default_lm, monkeypatch):
+    """The default model as the one this process has loaded (what kvlens asks ``shared_model`` for)."""
+    monkeypatch.setitem(models.LOADED, DEFAULT_MODEL, default_lm)
+    return default_lm
+
+
+def test_a_needle_sample_scores_one_with_its_reference_and_zero_with_another_number(default_lm):
+    task = load_task("niah_single_1", SHORT, tokenizer_source(default_lm))
+    (sample,) = samples("niah_single_1", SHORT, tokenizer_source(default_lm), limit=1)
+    (number,) = sample["outputs"]
+    # By hand: one 7-digit number hidden once in the text, asked for by its key, the answer's start given.
+    assert number.isdigit() and len(number) == 7 and sample["input"].count(f"is: {number}.") == 1
+    assert sample["gen_prefix"].startswith("The special magic number for ") and sample["length"] <= SHORT
+    assert score(task, sample, number) == 1.0
+    assert score(task, sample, f" {number}.\nThat is all.") == 1.0  # found anywhere in the answer
+    other = str((int(number) + 1) % 10 ** 7)
+    assert score(task, sample, other) == 0.0 and score(task, sample, "") == 0.0
+
+
+def test_every_reference_counts_for_its_share_of_the_score(default_lm):
+    """ruler_cwe asks for the ten most common words: string_match_all gives the share of them in the answer."""
+    task = load_task("ruler_cwe", 1024, tokenizer_source(default_lm))
+    (sample,) = samples("ruler_cwe", 1024, tokenizer_source(default_lm), limit=1)
+    words = sample["outputs"]
+    assert len(words) == 10
+    assert score(task, sample, ", ".join(words)) == 1.0
+    assert score(task, sample, ", ".join(words[:5]).upper()) == 0.5  # half the words, in any case
+    assert score(task, sample, "none of them") == 0.0
+
+
+def test_a_task_that_needs_the_hub_is_one_line_offline(default_lm):
+    code = ("from backend.experiments.tasks import TaskUnavailable, load_task\n"
+            "try:\n    load_task('niah_single_2', 256, %r)\n"
+            "except TaskUnavailable as err:\n    print('UNAVAILABLE', err)\n") % tokenizer_source(default_lm)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300)
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("UNAVAILABLE")]
+    assert line.startswith("UNAVAILABLE niah_single_2 needs data from the network that cannot be fetched here")
+    assert "niah_single_1" in line and "Traceback" not in result.stderr
+
+
+def test_an_unknown_task_is_one_line(default_lm):
+    with pytest.raises(TaskUnavailable, match=r"^lm-eval has no task 'niah_nowhere'; RULER's offline tasks are"):
+        load_task("niah_nowhere", SHORT, tokenizer_source(default_lm))
+
+
+def test_a_length_too_short_for_a_generator_is_one_line_before_it_runs():
+    with pytest.raises(TaskUnavailable, match=r"^ruler_vt needs 1024 tokens or more; lm-eval's generator does not"):
+        load_task("ruler_vt", 512, "no tokenizer is loaded")
+
+
+def test_lm_eval_runs_kvlens_on_a_ruler_task_end_to_end(tiny_dir, store_dir):
+    import lm_eval
+
+    import backend.experiments.lm_eval_model  # noqa: F401  registers kvlens
+
+    # The tiny tokenizer writes a character a token: at 512 most of niah_single_1's samples fit.
+    results = lm_eval.simple_evaluate(model="kvlens", model_args={"model": tiny_dir, "policy": "tova:budget=32"},
+                                      tasks=["niah_single_1"], limit=2, gen_kwargs={"max_gen_toks": 8},
+                                      metadata={"max_seq_lengths": [512]}, log_samples=True)
+    assert 0.0 <= results["results"]["niah_single_1"]["512,none"] <= 1.0
+    assert len(results["samples"]["niah_single_1"]) == 2
+
+
+def _request(context: str, **gen_kwargs) -> SimpleNamespace:
+    """An lm-eval generate_until request: its ``args`` are the context and the generation settings."""
+    return SimpleNamespace(args=(context, {"do_sample": False, "until": [], **gen_kwargs}))
+
+
+def test_stop_strings_cut_the_answer_and_a_repeat_replays_from_the_store(tiny_dir, store_dir, monkeypatch):
+    from backend import runs
+    from backend.experiments.lm_eval_model import KVLensLM
+
+    lm = KVLensLM(model=tiny_dir, policy="sinks:budget=8,sinks=2", max_gen_toks=12)
+    context = "the secret word is apple. what is the secret word. the secret word is"
+    (answer,) = lm.generate_until([_request(context)])
+    stop = next(c for c in answer[1:] if c.strip())
+
+    def computes(*args, **kwargs):
+        raise AssertionError("the run should replay from the store")
+
+    monkeypatch.setattr(runs, "compute_traces", computes)
+    (cut,) = lm.generate_until([_request(context, until=[stop])])
+    assert cut == answer.split(stop)[0] and cut != answer and lm.keys[0] == lm.keys[1]
+
+
+def test_a_request_over_the_machines_row_tokens_is_one_line(tiny_dir, store_dir, monkeypatch):
+    from backend.experiments.lm_eval_model import KVLensLM
+
+    monkeypatch.setenv("KVLENS_MAX_ROW_TOKENS", "50")
+    lm = KVLensLM(model=tiny_dir, policy="tova:budget=8", max_gen_toks=4)
+    with pytest.raises(ValueError, match=r"^tova:budget=8 on 64 tokens costs 64 row-tokens, more than the 50 "):
+        lm.generate_until([_request("a" * 60)])
+
+
+def test_a_chat_model_reads_the_context_as_lm_eval_wrote_it_ending_in_gen_prefix(default_loaded, store_dir,
+                                                                                 monkeypatch):
+    from backend.experiments import lm_eval_model
+
+    lm = lm_eval_model.KVLensLM(policy="tova:budget=64", max_gen_toks=2)
+    chat = [{"role": "user", "content": "Where is the key? It is under the mat."},
+            {"role": "assistant", "content": "The key is"}]
+    context = lm.apply_chat_template(chat, add_generation_prompt=False)
+    assert context.rstrip().endswith("The key is")  # the assistant's turn is left open for the model
+    read = []
+    real = lm_eval_model.replay_or_compute
+    monkeypatch.setattr(lm_eval_model, "replay_or_compute", lambda lm_, specs, policies, ids, *a, **k:
+                        read.append(list(ids)) or real(lm_, specs, policies, ids, *a, **k))
+    lm.generate_until([_request(context)])
+    assert read == [default_loaded.encode(context)]  # as written: not wrapped in a second chat turn
+
+
+def test_kvlens_only_generates(default_loaded):
+    from backend.experiments.lm_eval_model import KVLensLM
+
+    lm = KVLensLM(policy="full", no_cache=True)
+    with pytest.raises(NotImplementedError, match="only generates"):
+        lm.loglikelihood([])
+    with pytest.raises(NotImplementedError, match="only generates"):
+        lm.loglikelihood_rolling([])
+
+
+def test_a_bad_policy_is_one_line_before_the_model_loads(monkeypatch):
+    from backend.experiments import lm_eval_model
+    from backend.policies import SpecError
+
+    monkeypatch.setattr(lm_eval_model, "shared_model", lambda *a: pytest.fail("the model must not load"))
+    with pytest.raises(SpecError, match="unknown parameter 'budgt'"):
+        lm_eval_model.KVLensLM(policy="tova:budgt=32")
+
+
+def test_lm_evals_command_line_runs_kvlens_on_the_models_own_tokenizer(default_loaded, store_dir, capsys):
+    """``python -m backend lm-eval`` is lm-eval's own command line with kvlens registered; RULER sizes its samples
+    with the model's tokenizer, which a packaged model's name cannot give lm-eval itself."""
+    from backend import cli
+
+    argv = ["lm-eval", "--model", "kvlens", "--model_args", "policy=full", "--tasks", "niah_single_1",
+            "--metadata", f"max_seq_lengths=[{SHORT}]", "--limit", "1", "--gen_kwargs", "max_gen_toks=2",
+            "--device", "cpu"]
+    assert cli.main(argv) == 0
+    table = capsys.readouterr().out
+    assert "kvlens" in table and f"|   {SHORT}|" in table, table
+
+
+def test_a_bad_spec_on_lm_evals_command_line_is_one_line(capsys):
+    from backend import cli
+
+    argv = ["lm-eval", "--model", "kvlens", "--model_args", "policy=tova:budgt=32", "--tasks", "niah_single_1"]
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == \
+        "error: tova: unknown parameter 'budgt' (parameters: budget, heads, sinks)"
