@@ -144,6 +144,12 @@ def _parse(specs: list[str]) -> list[Policy]:
     return policies
 
 
+def _at_context(specs: list[str], context: int) -> list[Policy]:
+    """The policies of checked specs once the text is read: a ratio becomes its budget on the ``context`` tokens
+    the policies compress (the prompt in generate mode, the text in prompt mode)."""
+    return [parse_spec(spec, context) for spec in specs]
+
+
 def _check_specs(specs, limits: Limits) -> tuple[list[str], list[Policy]]:
     """The stripped specs and their policies: a list of strings, at most ``limits.policies``, each once."""
     if not isinstance(specs, (list, tuple)) or not all(isinstance(s, str) for s in specs):
@@ -345,6 +351,7 @@ def run(request: RunRequest, store: TraceStore | None, progress: Progress | None
     policies = check_run(request, limits)
     lm = get_model(request.model, request.device, request.dtype)
     ids = _tokens(lm, request, policies, limits)
+    policies = _at_context(request.specs, len(ids))
     _check_cost(lm, policies, ids, request, limits, "This run")
     extra = {} if chunk is None else {"chunk": chunk}
     try:

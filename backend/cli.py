@@ -310,7 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="run policies on a text and write traces",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
-                       epilog="policies (NAME[:key=value,...]; budget = tokens each query reads):\n" + describe())
+                       epilog="policies (NAME[:key=value,...]; budget = tokens each query reads, or ratio = the share "
+                              "of the prompt's (prompt mode: the text's) tokens removed, kvpress's compression ratio):\n"
+                              + describe())
     p.add_argument("--text", required=True, help="UTF-8 text file: the text to score, or the prompt")
     p.add_argument("--policy", action="append", required=True, metavar="SPEC",
                    help="e.g. tova:budget=64 or a2sf:budget=64,alpha=0.3; repeat for several")

@@ -114,7 +114,7 @@ class KVLensLM(LM):
         if length > self.lm.context:
             raise ValueError(f"the context ({len(ids)} tokens) and {new} new tokens come to more than the "
                              f"{self.lm.context} tokens {self.lm.name} reads")
-        asked = [] if self.policy.name == "full" else [self.policy]
+        asked = [] if self.policy.name == "full" else [parse_spec(self.spec, len(ids))]  # a ratio: of this context
         cost, limit = rows_cost(asked, length), self.limits.row_token_limit(RowPrice.of(self.lm.model.config), length)
         if cost > limit:  # one line rather than a process killed for its memory
             raise ValueError(f"{self.spec} on {length} tokens costs {cost:,} row-tokens, more than the {limit:,} "

@@ -94,9 +94,10 @@ def found(answer: str, number: str) -> bool:
 
 def run_cell(lm: LoadedModel, cell: Cell, specs: Sequence[str], store: TraceStore | None,
              new_tokens: int = NEW_TOKENS) -> list[dict]:
-    """One cell: every spec as a row of one generate-mode run (nothing recorded); one result row per spec."""
+    """One cell: every spec as a row of one generate-mode run (nothing recorded); one result row per spec. A
+    spec with a ratio takes its budget from the cell's prompt."""
     _, ids = haystack(lm, cell, new_tokens)
-    policies = [parse_spec(spec) for spec in specs]
+    policies = [parse_spec(spec, len(ids)) for spec in specs]
     asked = [(spec, policy) for spec, policy in zip(specs, policies) if policy.name != "full"]
     result = replay_or_compute(lm, [s for s, _ in asked], [p for _, p in asked], ids, "generate", new_tokens, store,
                           record_layers=())

@@ -62,23 +62,45 @@ def _convert(policy: str, key: str, raw: str, typ):
     return raw
 
 
-def parse_spec(spec: str) -> Policy:
+# Before the text is read a ratio stands for its budget on a context this long, so that specs can be checked
+# and told apart (two ratios are two policies) before the context is known.
+NOMINAL_CONTEXT = 1 << 20
+
+
+def ratio_budget(ratio: float, context: int) -> int:
+    """The budget a compression ratio leaves on ``context`` tokens (kvpress's meaning: the share of the context's
+    KV pairs removed, so 0.75 keeps a quarter): int(context x (1 - ratio)), at least 1."""
+    return max(1, int(context * (1.0 - ratio)))
+
+
+def parse_spec(spec: str, context: int | None = None) -> Policy:
     """``name[:key=value,...]`` -> a policy instance, or SpecError with a one-line reason.
 
     ``preset=NAME`` takes a named set of parameters the policy offers (``Policy.presets``, e.g. kvpress's
-    settings); parameters given beside it override the set's."""
+    settings); parameters given beside it override the set's. ``ratio=R`` (0 <= R < 1) instead of ``budget``
+    is a compression ratio: the budget is ``ratio_budget(R, context)``, ``context`` being the tokens the
+    policy compresses (the prompt in generate mode, the text in prompt mode; ``NOMINAL_CONTEXT`` until they
+    are known), with the other parameters the policy's own for that budget (``for_budget``)."""
     name, _, rest = spec.strip().partition(":")
     name = name.strip().lower()
     if name not in POLICIES:
         raise SpecError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
     cls = POLICIES[name]
     known = {f.name: f for f in fields(cls)}
-    kwargs, preset = {}, None
+    kwargs, preset, ratio = {}, None, None
     for item in filter(None, (p.strip() for p in rest.split(","))):
         key, eq, raw = item.partition("=")
         key = key.strip()
         if not eq:
             raise SpecError(f"{name}: expected key=value, got {item!r}")
+        if key == "ratio" and "budget" in known:
+            if ratio is not None or "budget" in kwargs:
+                raise SpecError(f"{name}: give one ratio or one budget, not both")
+            ratio = _convert(name, key, raw.strip(), "float")
+            if not 0.0 <= ratio < 1.0:
+                raise SpecError(f"{name}: ratio must be at least 0 and below 1 (the share of the context removed), "
+                                f"got {raw.strip()}")
+            continue
         if key == "preset" and "preset" not in known:
             if preset is not None or raw.strip() not in cls.presets:
                 offered = ", ".join(cls.presets) or "none"
@@ -88,11 +110,13 @@ def parse_spec(spec: str) -> Policy:
         if key not in known:
             allowed = ", ".join(known) or "none"
             raise SpecError(f"{name}: unknown parameter {key!r} (parameters: {allowed})")
-        if key in kwargs:
-            raise SpecError(f"{name}: parameter {key} is given twice")
+        if key in kwargs or (key == "budget" and ratio is not None):
+            raise SpecError(f"{name}: parameter {key} is given twice" if key in kwargs
+                            else f"{name}: give one ratio or one budget, not both")
         kwargs[key] = _convert(name, key, raw.strip(), known[key].type)
     try:
-        return cls(**{**cls.presets.get(preset, {}), **kwargs})
+        base = {} if ratio is None else cls.for_budget(ratio_budget(ratio, context or NOMINAL_CONTEXT)).params()
+        return cls(**{**base, **cls.presets.get(preset, {}), **kwargs})
     except ValueError as err:
         raise SpecError(str(err)) from None
 
@@ -128,6 +152,7 @@ def describe() -> str:
 
 
 __all__ = ["POLICIES", "Policy", "EvictionPolicy", "SelectionPolicy", "FullPolicy", "SpecError", "parse_spec",
+           "ratio_budget",
            "describe", "policy_table", "policy_of", "register", "load_plugins", "PluginError",
            "Full", "Window", "Sinks", "H2O", "TOVA", "A2SF", "Oracle", "SparQ", "ReAttention", "SnapKV", "PyramidKV", "AdaKV",
            "Knorm", "CompressionPolicy", "CacheView"]
