@@ -28,8 +28,8 @@ from . import api
 from .api import RequestError, RunRequest, SweepRequest, check_run, check_sweep
 from .limits import Limits, machine_memory
 from .traces.store import TraceStore
-from .experiments.sweep import (DEFAULT_BUDGETS, DEFAULT_POLICIES, MAX_ROWS, budget_jobs, parse_budgets, split_policies, summarize,
-                    write_tables)
+from .experiments.sweep import (DEFAULT_BUDGETS, DEFAULT_POLICIES, MAX_ROWS, budget_jobs, parse_budgets, parse_ratios,
+                                ratio_jobs, split_policies, summarize, write_tables)
 from .traces.trace import file_stem
 
 
@@ -149,12 +149,14 @@ def _documents(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     try:
-        budgets = parse_budgets(args.budgets)
-        jobs = budget_jobs(split_policies(args.policies), budgets)
+        if args.ratios is not None:
+            jobs = ratio_jobs(split_policies(args.policies), parse_ratios(args.ratios))
+        else:
+            jobs = budget_jobs(split_policies(args.policies), parse_budgets(args.budgets))
     except SpecError as err:
         raise CliError(str(err)) from None
     except ValueError as err:
-        raise CliError(f"--budgets: {err}") from None
+        raise CliError(f"{'--ratios' if args.ratios is not None else '--budgets'}: {err}") from None
     docs = _documents(args)
     models = args.model or [DEFAULT_MODEL]
     requests = [SweepRequest(prompt=text, jobs=jobs, model=model, max_tokens=args.max_tokens, max_rows=args.max_rows,
@@ -335,6 +337,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated policies, parameters allowed except budget, e.g. "
                         f"window,sinks,tova:heads=head (default {DEFAULT_POLICIES})")
     p.add_argument("--budgets", default=DEFAULT_BUDGETS, help=f"comma-separated budgets (default {DEFAULT_BUDGETS})")
+    p.add_argument("--ratios", default=None,
+                   help="comma-separated compression ratios instead of budgets, e.g. 0.25,0.5,0.75,0.875: the share "
+                        "of the text's tokens each policy removes (kvpress's meaning; a row's budget is "
+                        "int(tokens x (1 - ratio)))")
     p.add_argument("--max-rows", type=int, default=MAX_ROWS,
                    help=f"policy/budget pairs per batched forward (default {MAX_ROWS}; lower it to save memory)")
     _ray_options(p)

@@ -16,7 +16,8 @@ from backend.engine.models import DEFAULT_MODEL
 from backend.policies import SpecError, parse_spec
 from backend.engine.runner import compute_traces
 from backend.api import RequestError
-from backend.experiments.sweep import budget_jobs, budget_spec, parse_budgets, split_policies, sweep, write_tables
+from backend.experiments.sweep import (budget_jobs, budget_spec, parse_budgets, parse_ratios, ratio_jobs, split_policies,
+                                      sweep, write_tables)
 from tests.conftest import TinyTokenizer, make_tiny
 from viz.sweep import sweep_figure
 
@@ -36,8 +37,9 @@ def table(lm):
 def test_budget_spec_adds_the_budget_and_keeps_other_parameters():
     assert budget_spec("tova", 64) == "tova:budget=64"
     assert budget_spec("tova:heads=head,sinks=1", 8) == "tova:budget=8,heads=head,sinks=1"
-    with pytest.raises(SpecError, match="leave budget out"):
+    with pytest.raises(SpecError, match="leave budget and ratio out"):
         budget_spec("tova:budget=4", 8)
+    assert budget_spec("tova:heads=head", 0.5, "ratio") == "tova:ratio=0.5,heads=head"
 
 
 def test_split_policies_keeps_parameters_with_their_policy():
@@ -116,7 +118,10 @@ def parse(*argv):
     (["--policies", ","], "needs at least one policy other than full"),
     (["--policies", "full"], "needs at least one policy other than full"),
     (["--policies", "lru"], "unknown policy 'lru'"),
-    (["--policies", "tova:budget=8"], "leave budget out"),
+    (["--policies", "tova:budget=8"], "leave budget and ratio out"),
+    (["--policies", "tova:ratio=0.5"], "leave budget and ratio out"),
+    (["--ratios", "0.5,1"], "--ratios: ratios must be at least 0 and below 1"),
+    (["--ratios", "half"], "--ratios: ratios must be comma-separated numbers"),
     (["--policies", "sinks", "--budgets", "4"], "sinks: need 0 <= sinks < budget"),
     (["--max-tokens", "1"], "Max tokens must be an integer from 2 to"),
     (["--max-rows", "0"], "Rows per forward must be an integer >= 1"),
@@ -142,6 +147,17 @@ class CharTokenizer(TinyTokenizer):
 
     def __call__(self, text):
         return SimpleNamespace(input_ids=[ord(c) % 101 for c in text])
+
+
+def test_a_sweep_over_ratios_gives_each_row_the_budget_its_ratio_leaves_on_the_text(lm):
+    # 24 tokens: ratio 0.5 leaves 12, 0.75 leaves 6, 0.875 leaves int(3.0) = 3.
+    assert parse_ratios("0.5, 0.75,0.875") == [0.5, 0.75, 0.875]
+    jobs = ratio_jobs(["tova", "full"], [0.5, 0.75, 0.875])
+    assert [spec for _, _, spec in jobs] == ["tova:ratio=0.5", "tova:ratio=0.75", "tova:ratio=0.875"]
+    frame = sweep(lm, IDS, jobs).table
+    assert frame["budget"].tolist()[:3] == [12, 6, 3] and frame["spec"].tolist()[:3] == [s for _, _, s in jobs]
+    by_budget = sweep(lm, IDS, budget_jobs(["tova"], [12, 6, 3])).table
+    assert frame["ppl"].tolist() == by_budget["ppl"].tolist()  # the same rows as those budgets
 
 
 def test_sweep_command_writes_the_files(text_file, tmp_path, monkeypatch, capsys):

@@ -26,13 +26,14 @@ MAX_ROWS = 32  # policy rows per runner call (Full's row comes on top); bounds m
 COLUMNS = ["policy", "budget", "spec", "ppl", "kl_to_full", "top1_agreement", "tokens"]
 
 
-def budget_spec(name: str, budget: int) -> str:
-    """``tova`` -> ``tova:budget=64``; ``tova:heads=head`` -> ``tova:budget=64,heads=head``."""
+def budget_spec(name: str, budget: int, key: str = "budget") -> str:
+    """``tova`` -> ``tova:budget=64``; ``tova:heads=head`` -> ``tova:budget=64,heads=head`` (``key="ratio"``:
+    ``tova:ratio=0.5,heads=head``, a compression ratio)."""
     base, _, params = name.strip().partition(":")
     keys = [item.partition("=")[0].strip() for item in params.split(",") if item.strip()]
-    if "budget" in keys:
-        raise SpecError(f"{name}: leave budget out of the policy, the sweep sets it (--budgets)")
-    return f"{base.strip()}:budget={budget}" + (f",{params.strip()}" if keys else "")
+    if "budget" in keys or "ratio" in keys:
+        raise SpecError(f"{name}: leave budget and ratio out of the policy, the sweep sets them (--budgets, --ratios)")
+    return f"{base.strip()}:{key}={budget}" + (f",{params.strip()}" if keys else "")
 
 
 def split_policies(text: str) -> list[str]:
@@ -61,6 +62,24 @@ def parse_budgets(text: str) -> list[int]:
     return budgets
 
 
+def parse_ratios(text: str) -> list[float]:
+    """``0.25,0.5,0.875`` -> [0.25, 0.5, 0.875]; ValueError with a one-line reason otherwise."""
+    try:
+        ratios = [float(p) for p in (p.strip() for p in text.split(",")) if p]
+    except ValueError:
+        raise ValueError(f"ratios must be comma-separated numbers, got {text!r}") from None
+    if not ratios or not all(0.0 <= r < 1.0 for r in ratios):
+        raise ValueError(f"ratios must be at least 0 and below 1 (the share of the context removed), got {text!r}")
+    return ratios
+
+
+def ratio_jobs(policy_names: Sequence[str], ratios: Sequence[float]) -> list[tuple[str, None, str]]:
+    """``budget_jobs`` with compression ratios: (policy label, None, spec with ``ratio=R``); the sweep gives each
+    row the budget its ratio leaves on the text (``policies.ratio_budget``)."""
+    return [(name.strip(), None, budget_spec(name, float(r), "ratio")) for name in policy_names
+            if name.strip().partition(":")[0].strip().lower() != "full" for r in ratios]
+
+
 def budget_jobs(policy_names: Sequence[str], budgets: Sequence[int]) -> list[tuple[str, int, str]]:
     """(policy label, budget, spec) for every policy at every budget, in the order policies x budgets;
     ``full`` is left out (it is every sweep's topline). Raises SpecError as ``budget_spec`` does."""
@@ -79,8 +98,9 @@ def sweep(lm, text_ids: Sequence[int], jobs: Sequence[tuple[str, int, str]], pro
           record_layers: Sequence[int] = ()) -> SweepResult:
     """Perplexity (and KL to Full, top-1 agreement) of every job on ``text_ids``, and whether the store kept them.
 
-    ``jobs`` are (policy label, budget, spec) triples (``budget_jobs`` makes them from names and budgets);
-    Full is always the topline row (``policy="full"``, ``budget`` empty). Rows come in the order of the
+    ``jobs`` are (policy label, budget, spec) triples (``budget_jobs`` makes them from names and budgets,
+    ``ratio_jobs`` from names and compression ratios, a row's budget then being what its ratio leaves on this
+    text); Full is always the topline row (``policy="full"``, ``budget`` empty). Rows come in the order of the
     jobs. Raises SpecError for a bad spec before running anything. With a ``store`` every trace is stored
     (and replayed when present); the app records its usual layers, so its budget slider then replays.
     """
@@ -89,7 +109,7 @@ def sweep(lm, text_ids: Sequence[int], jobs: Sequence[tuple[str, int, str]], pro
         raise ValueError("the text must have at least 2 tokens")
     if max_rows < 1:
         raise ValueError(f"max_rows must be >= 1, got {max_rows}")
-    policies = [parse_spec(spec) for _, _, spec in jobs]  # all errors before the first forward
+    policies = [parse_spec(spec, len(ids)) for _, _, spec in jobs]  # all errors before the first forward
     batches = [range(i, min(i + max_rows, len(jobs))) for i in range(0, len(jobs), max_rows)] or [range(0)]
 
     rows: list[dict] = []
@@ -111,7 +131,7 @@ def sweep(lm, text_ids: Sequence[int], jobs: Sequence[tuple[str, int, str]], pro
                         "tokens": len(full.scored_ids)}
         for i, trace in zip(batch, traces):
             name, budget, spec = jobs[i]
-            rows.append({"policy": name, "budget": budget, "spec": spec, **metrics.summary_row(trace, full),
+            rows.append({"policy": name, "budget": policies[i].budget if budget is None else budget, "spec": spec, **metrics.summary_row(trace, full),
                          "tokens": len(trace.scored_ids)})
         done += width
     frame = pd.DataFrame(rows + [full_row], columns=COLUMNS)
