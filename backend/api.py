@@ -34,8 +34,8 @@ from .experiments.needle import NEW_TOKENS, needle_frame, needle_jobs
 from .experiments.sweep import MAX_ROWS, SweepResult, sweep as sweep_budgets
 from .limits import Limits, RowPrice, counted, longest_fitting, most_fitting, row_cost, rows_cost
 from .policies import Policy, SpecError, parse_spec
-from .runs import Run, replay_or_compute
-from .traces.store import TraceStore, load_trace, run_key
+from .runs import Run, link_key, put_link, replay_or_compute
+from .traces.store import TraceStore, load_trace
 from .traces.trace import Trace, file_stem
 
 LIMITS = Limits.from_env()  # the Space's: what a request meets unless its caller passes others
@@ -362,8 +362,7 @@ def run(request: RunRequest, store: TraceStore | None, progress: Progress | None
     run_id = secrets.token_hex(16)
     stored = False
     if store is not None and result.stored:  # a link to traces the store does not hold would be dead
-        manifest = {"request": request.__dict__, "keys": result.keys, "full_key": result.full_key}
-        stored = bool(store.put(_manifest_key(run_id), json.dumps(manifest).encode()))
+        stored = put_link(store, run_id, request.__dict__, result.keys, result.full_key)
     return dataclasses.replace(result, run_id=run_id, request=request, stored=stored)
 
 
@@ -384,16 +383,11 @@ def sweep(request: SweepRequest, store: TraceStore | None, progress: Progress | 
 
 # --- Share links and export -----------------------------------------------------------------------------
 
-def _manifest_key(run_id: str) -> str:
-    # Keyed apart from every trace key, so a trace key used as a link is simply not a run.
-    return run_key(kind="share-link", run_id=run_id)
-
-
 def reopen(run_id: str, store: TraceStore) -> Run:
     """A stored run by its share id, or RequestError (bad id, unknown or evicted run)."""
     if not isinstance(run_id, str) or not RUN_ID.fullmatch(run_id):
         raise RequestError("That link does not name a run.")
-    data = store.get(_manifest_key(run_id))
+    data = store.get(link_key(run_id))
     if data is None:
         raise RequestError("That run is no longer stored here; run it again.")
     try:

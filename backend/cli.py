@@ -1,6 +1,7 @@
 """Command line: ``python -m backend run ...`` writes one trace per policy and a summary.json;
-``python -m backend sweep ...`` writes perplexity vs budget; ``python -m backend lm-eval ...`` is
-lm-evaluation-harness's command line with KV Lens's ``kvlens`` model.
+``python -m backend sweep ...`` writes perplexity vs budget; ``python -m backend needle ...`` a needle grid;
+``python -m backend tasks ...`` the task leaderboard (score against compression ratio); ``python -m backend
+lm-eval ...`` is lm-evaluation-harness's command line with KV Lens's ``kvlens`` model.
 
 Requests go through the app's front door (api.py: the same limits and checks). Everything that
 needs no model is checked first (the text file, the policies, the output directory), so a mistake is
@@ -30,9 +31,12 @@ from .limits import Limits, machine_memory
 from .traces.store import TraceStore
 from .experiments.sweep import (DEFAULT_BUDGETS, DEFAULT_POLICIES, MAX_ROWS, budget_jobs, parse_budgets, parse_ratios,
                                 ratio_jobs, split_policies, summarize, write_tables)
+from .experiments.leaderboard import SHIPPED_POLICIES, SHIPPED_RATIOS
+from .experiments.tasks import OFFLINE
 from .traces.trace import file_stem
 
 
+DEFAULT_TASK_POLICIES = ",".join(SHIPPED_POLICIES)
 # The command line's user owns the machine: any model it can load, limits that fit its memory (limits.py).
 LIMITS = Limits.for_machine()
 
@@ -258,6 +262,60 @@ def cmd_needle(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tasks(args: argparse.Namespace) -> int:
+    from .experiments.grid import GridError, run_grid, stderr_progress
+    from .experiments.leaderboard import averaged, leaderboard_frame, summarize, task_jobs, task_specs
+    from .experiments.task_runs import SETTINGS
+
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise CliError("--tasks is empty")
+    lengths = _numbers(args.lengths, int, "--lengths")
+    if min(lengths) < 64:
+        raise CliError("--lengths are prompt lengths in tokens, 64 or more")
+    settings = [s.strip() for s in args.settings.split(",") if s.strip()]
+    if not settings or any(s not in SETTINGS for s in settings):
+        raise CliError(f"--settings must be among {', '.join(SETTINGS)}, got {args.settings!r}")
+    if args.samples < 1:
+        raise CliError("--samples must be at least 1")
+    try:
+        ratios = parse_ratios(args.ratios)
+        specs = task_specs([p for item in args.policy or [DEFAULT_TASK_POLICIES] for p in split_policies(item)],
+                           ratios)
+        jobs = [_on_device(job, args) for job in task_jobs(args.model, tasks, lengths, args.samples, specs, settings,
+                                                           chat=args.chat)]
+    except SpecError as err:
+        raise CliError(str(err)) from None
+    except ValueError as err:
+        raise CliError(f"--ratios: {err}") from None
+    out = writable_dir(args.out)
+    try:
+        results = run_grid(jobs, address=args.ray, workers=args.workers, checkpoint=out / "samples.jsonl",
+                           no_cache=args.no_cache, progress=stderr_progress("task samples"))
+    except GridError as err:
+        raise CliError(str(err)) from None
+    df = leaderboard_frame(results)
+    df.to_csv(out / "leaderboard.csv", index=False)
+    summary = summarize(df)
+    means = averaged(summary)
+    pd.concat([summary, means], ignore_index=True).to_csv(out / "summary.csv", index=False)
+    from viz.leaderboard import leaderboard_figure, leaderboard_table_html  # figures come from viz/, as the app's
+
+    figures = [leaderboard_figure(part, task) for (_, _, _), part in summary.groupby(["model", "setting", "length"],
+                                                                                      sort=False)
+               for task in dict.fromkeys(part["task"])]
+    figures += [leaderboard_figure(part, "average") for _, part in means.groupby(["model", "setting"], sort=False)]
+    page = "".join(fig.to_html(full_html=False, include_plotlyjs="cdn" if i else True) for i, fig in enumerate(figures))
+    (out / "leaderboard.html").write_text(f"<html><head><meta charset=\"utf-8\"><title>KV Lens leaderboard</title>"
+                                          f"</head><body>{page}{leaderboard_table_html(summary)}</body></html>")
+    with pd.option_context("display.width", 200, "display.max_rows", 500):
+        shown = means if len(means) else summary
+        print(shown.drop(columns=["task", "length", "full_solves"]).to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+    print(f"{len(jobs)} samples; wrote leaderboard.csv, summary.csv, leaderboard.html and samples.jsonl (the "
+          f"checkpoint) to {out}")
+    return 0
+
+
 def _on_device(job: dict, args: argparse.Namespace) -> dict:
     """A grid job that names where its model runs, when that is not the CPU in float32 (grid.Worker reads it)."""
     if (args.device, args.dtype) == ("cpu", "float32"):
@@ -360,6 +418,31 @@ def build_parser() -> argparse.ArgumentParser:
     _ray_options(p)
     _common(p)
     p.set_defaults(func=cmd_needle)
+    p = sub.add_parser(
+        "tasks", help="the task leaderboard: lm-eval's RULER tasks, every policy at every compression ratio",
+        description="Make each task's samples with lm-evaluation-harness at each length (the model's tokenizer), "
+                    "answer each sample under every policy at every ratio as rows of one batched run with Full, "
+                    "score the answers with lm-eval's metric, and write leaderboard.csv (a row per sample and "
+                    "policy: score, answer, references, the run's link), summary.csv (means with 95%% intervals; "
+                    "tasks Full fails are kept out of the averages), leaderboard.html (score against ratio) and "
+                    "samples.jsonl (finished samples: a re-run skips them).")
+    p.add_argument("--tasks", default=",".join(OFFLINE),
+                   help=f"comma-separated lm-eval tasks (default: RULER's offline ones, {','.join(OFFLINE)})")
+    p.add_argument("--lengths", default="1024", help="prompt lengths in tokens, as RULER sizes its samples")
+    p.add_argument("--samples", type=int, default=5, help="samples per task and length (the first N)")
+    p.add_argument("--policy", action="append", metavar="NAMES",
+                   help=f"comma-separated policies with parameters but no budget; repeat to add (default: "
+                        f"{DEFAULT_TASK_POLICIES})")
+    p.add_argument("--ratios", default=",".join(f"{r:g}" for r in SHIPPED_RATIOS),
+                   help="compression ratios: the share of the context's tokens each policy removes")
+    p.add_argument("--settings", default="agnostic",
+                   help="agnostic (the policies decide over the context before the question is read, as kvpress's "
+                        "leaderboard), aware (the question is part of it), or both: agnostic,aware")
+    p.add_argument("--no-chat", dest="chat", action="store_false",
+                   help="feed lm-eval's prompt as is instead of in the model's chat template")
+    _ray_options(p)
+    _common(p)
+    p.set_defaults(func=cmd_tasks)
     sub.add_parser("policies", help="print the registered policies as a Markdown table").set_defaults(
         func=cmd_policies)
     sub.add_parser(

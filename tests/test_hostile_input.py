@@ -17,6 +17,7 @@ import app
 from backend import guard
 from backend.engine import models
 from backend import api
+from backend.runs import link_key
 from backend.limits import Limits
 from backend.engine.models import DEFAULT_MODEL
 from backend.api import RequestError, RunRequest
@@ -105,7 +106,7 @@ def test_a_trace_key_used_as_a_link_is_not_a_run_and_ids_are_unguessable(tiny_se
 
 def test_a_damaged_manifest_reads_as_no_run(tiny_session):
     run = api.run(request(), tiny_session)
-    tiny_session.put(api._manifest_key(run.run_id), b"\xff\xfe not json")
+    tiny_session.put(link_key(run.run_id), b"\xff\xfe not json")
     with pytest.raises(RequestError, match="does not name a run"):
         api.reopen(run.run_id, tiny_session)
 

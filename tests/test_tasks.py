@@ -133,7 +133,7 @@ def test_a_request_over_the_machines_row_tokens_is_one_line(tiny_dir, store_dir,
 
 def test_a_chat_model_reads_the_context_as_lm_eval_wrote_it_ending_in_gen_prefix(default_loaded, store_dir,
                                                                                  monkeypatch):
-    from backend.experiments import lm_eval_model
+    from backend.experiments import lm_eval_model, task_runs
 
     lm = lm_eval_model.KVLensLM(policy="tova:budget=64", max_gen_toks=2)
     chat = [{"role": "user", "content": "Where is the key? It is under the mat."},
@@ -141,8 +141,8 @@ def test_a_chat_model_reads_the_context_as_lm_eval_wrote_it_ending_in_gen_prefix
     context = lm.apply_chat_template(chat, add_generation_prompt=False)
     assert context.rstrip().endswith("The key is")  # the assistant's turn is left open for the model
     read = []
-    real = lm_eval_model.replay_or_compute
-    monkeypatch.setattr(lm_eval_model, "replay_or_compute", lambda lm_, specs, policies, ids, *a, **k:
+    real = task_runs.replay_or_compute
+    monkeypatch.setattr(task_runs, "replay_or_compute", lambda lm_, specs, policies, ids, *a, **k:
                         read.append(list(ids)) or real(lm_, specs, policies, ids, *a, **k))
     lm.generate_until([_request(context)])
     assert read == [default_loaded.encode(context)]  # as written: not wrapped in a second chat turn

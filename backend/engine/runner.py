@@ -75,28 +75,31 @@ def new_cache(lm: LoadedModel, rows: Sequence[Policy], record_layers: Sequence[i
                        [layer.rope for layer in lm.features.layers], top_k, features=lm.features)
 
 
-def block_ends(chunk: int, n: int, rows: Sequence[Policy]) -> list[int]:
+def block_ends(chunk: int, n: int, rows: Sequence[Policy], stops: Sequence[int] = ()) -> list[int]:
     """Where the forward calls on a prompt of ``n`` tokens end: every ``chunk`` tokens, moved back (or, if
     there is none in reach, forward up to ``REACH`` chunks or budgets) to a place where every row may cut
-    (ReAttention's Algorithm 1 needs all of one of its chunks' queries in one call to vote together).
+    (ReAttention's Algorithm 1 needs all of one of its chunks' queries in one call to vote together), and at
+    every one of ``stops`` (a query-agnostic run's context end: no block straddles it, as none straddles the
+    prompt's end).
 
     Two ReAttention rows whose chunk grids never meet (e.g. budgets 64 and 72 in one sweep) have no common
     place: the block then ends at the reach, past both rows' first global + local tokens, and their later
     chunks are cut there, as any block end cuts them, rather than growing the block to the whole
     prompt (O(T^2) memory for every other row)."""
-    def ok(end: int) -> bool:
-        return end == n or all(p.may_cut(end) for p in rows)
-
     # A ReAttention row may cut every `chunk` of its own after its first global + local tokens (< budget).
     reach = REACH * max([chunk] + [p.cut_reach() for p in rows])
     ends, lo = [], 0
-    while lo < n:
-        aim = min(lo + chunk, n)
-        end = next((e for e in range(aim, lo, -1) if ok(e)), None)
-        if end is None:
-            end = next((e for e in range(aim + 1, min(lo + reach, n) + 1) if ok(e)), min(lo + reach, n))
-        ends.append(end)
-        lo = end
+    for stop in sorted({int(s) for s in stops if 0 < s < n} | {n}):
+        def ok(end: int) -> bool:
+            return end == stop or all(p.may_cut(end) for p in rows)
+
+        while lo < stop:
+            aim = min(lo + chunk, stop)
+            end = next((e for e in range(aim, lo, -1) if ok(e)), None)
+            if end is None:
+                end = next((e for e in range(aim + 1, min(lo + reach, stop) + 1) if ok(e)), min(lo + reach, stop))
+            ends.append(end)
+            lo = end
     return ends
 
 
@@ -204,17 +207,25 @@ def score_text(lm: LoadedModel, ids: Sequence[int], policies: Sequence[Policy], 
 
 def generate(lm: LoadedModel, prompt_ids: Sequence[int], policies: Sequence[Policy], max_new_tokens: int,
              chunk: int = DEFAULT_CHUNK, progress: Progress | None = None, reference: bool = True,
-             record_layers: Sequence[int] = ()) -> tuple[PolicyCache, list[list[int]], list[int]]:
-    """Greedy continuation of the prompt under each policy; returns (cache, continuation per row, row index)."""
+             record_layers: Sequence[int] = (), context_end: int | None = None
+             ) -> tuple[PolicyCache, list[list[int]], list[int]]:
+    """Greedy continuation of the prompt under each policy; returns (cache, continuation per row, row index).
+    ``context_end``: see ``_generate_and_score``."""
     cache, outputs, index, _ = _generate_and_score(lm, prompt_ids, policies, max_new_tokens, chunk, progress,
-                                                   reference=reference, record_layers=record_layers, score=False)
+                                                   reference=reference, record_layers=record_layers, score=False,
+                                                   context_end=context_end)
     return cache, outputs, index
 
 
 def _generate_and_score(lm: LoadedModel, prompt_ids: Sequence[int], policies: Sequence[Policy], max_new_tokens: int,
                         chunk: int, progress: Progress | None, reference: bool, record_layers: Sequence[int],
-                        score: bool = True):
+                        score: bool = True, context_end: int | None = None):
     """Generate under every policy; with ``score``, also every policy's predictions on prompt + Full's continuation.
+
+    ``context_end`` (query-agnostic): the policies take the prompt to end there, before the question, so a
+    compression policy compresses the context alone and the question's tokens are read under the compressed
+    cache (then kept, like generated ones, until the policy's next compression); a dense prefill ends there
+    too. None: the whole prompt, the question included, is what they decide over (query-aware).
 
     The prompt is read once. Before generating, the cache is forked: the fork then reads Full's continuation
     teacher-forced, in one call but as decoding steps, so every policy's scores come from the same prompt
@@ -222,11 +233,14 @@ def _generate_and_score(lm: LoadedModel, prompt_ids: Sequence[int], policies: Se
     """
     rows, index = _rows(policies, reference)
     n = len(prompt_ids)
+    if context_end is not None and not 1 <= context_end <= n:
+        raise ValueError(f"context_end must be within 1..{n} (the prompt's tokens), got {context_end}")
     cache = new_cache(lm, rows, record_layers, n + max_new_tokens)
-    cache.n_prompt = n  # compression policies act once the prompt has been read
+    cache.n_prompt = n if context_end is None else context_end  # compression policies act once it is read
+    ends = block_ends(chunk, n, rows, stops=() if context_end is None else (context_end,))
     with torch.inference_mode():
         with cache.capture_prerope(lm.model):
-            hidden, prompt_stats = _teacher_force(lm, cache, prompt_ids, 0, block_ends(chunk, n, rows),
+            hidden, prompt_stats = _teacher_force(lm, cache, prompt_ids, 0, ends,
                                                   next_ids=None if score else [],  # [] : no predictions
                                                   progress=progress, label="reading the prompt")
             scoring = cache.fork() if score else None
@@ -294,11 +308,13 @@ def _masks(cache: PolicyCache, row: int, policy: Policy, length: int) -> dict[st
 
 def compute_traces(lm: LoadedModel, specs: Sequence[str], policies: Sequence[Policy], ids: Sequence[int], mode: str = "prompt",
         max_new_tokens: int = 64, chunk: int = DEFAULT_CHUNK, progress: Progress | None = None,
-        record_layers: Sequence[int] | None = None) -> tuple[list[Trace], Trace]:
+        record_layers: Sequence[int] | None = None, context_end: int | None = None) -> tuple[list[Trace], Trace]:
     """Run every policy on ``ids`` (the text, or the prompt in generate mode).
 
     Returns one trace per policy, and Full's trace (the reference row, whether asked for or not).
     ``record_layers`` (default: first, middle, last) keep attention rows and keys for those layers.
+    ``context_end`` (generate mode): the policies decide over ``ids[:context_end]`` before reading the rest, the
+    question (query-agnostic; ``_generate_and_score``).
     """
     record = default_record_layers(lm) if record_layers is None else tuple(record_layers)
     if any(not 0 <= layer < lm.n_layers for layer in record):
@@ -308,12 +324,15 @@ def compute_traces(lm: LoadedModel, specs: Sequence[str], policies: Sequence[Pol
     ids = [int(i) for i in ids]
     if len(ids) < 2:
         raise ValueError("the text must have at least 2 tokens")
+    if context_end is not None and mode != "generate":
+        raise ValueError("context_end (a query-agnostic run) needs generate mode")
     if mode == "prompt":
         cache, stats, index = score_text(lm, ids, policies, chunk, progress, record_layers=record)
         continuations = None
     else:
         cache, continuations, index, stats = _generate_and_score(lm, ids, policies, max_new_tokens, chunk, progress,
-                                                                 reference=True, record_layers=record)
+                                                                 reference=True, record_layers=record,
+                                                                 context_end=context_end)
 
     ropes = _recorded_ropes(lm, record)
 
@@ -322,6 +341,8 @@ def compute_traces(lm: LoadedModel, specs: Sequence[str], policies: Sequence[Pol
         generated = {} if continuations is None else {"generated_ids": np.array(continuations[row], np.int32)}
         scored = ids if continuations is None else ids + continuations[0]
         meta = {**_meta(lm, spec, policy, mode, own, len(ids), record), "attention_top_k": cache.record_top_k if record else 0}
+        if context_end is not None and policy.reads_prompt_end:  # where it took the prompt to end (query-agnostic)
+            meta["context_end"] = int(context_end)
         if policy.rereads:  # a second pass through the model (KVzip's): its cost
             meta["extra_pass_tokens"] = cache.extra_pass_tokens[row] if cache.extra_pass_tokens else 0
         return Trace(meta=meta, tokens=np.array(own, np.int32),

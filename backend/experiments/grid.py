@@ -1,7 +1,7 @@
-"""Grids of independent runs (needle cells, sweep documents): serially in this process, or on Ray.
+"""Grids of independent runs (needle cells, sweep documents, task samples): serially in this process, or on Ray.
 
-A grid is a list of jobs, each a plain JSON-able dict naming its kind ("needle" or "sweep"), its model and
-its payload. A ``Worker`` loads each model once and runs jobs; it returns plain rows (dicts).
+A grid is a list of jobs, each a plain JSON-able dict naming its kind ("needle", "sweep" or "task"), its model
+and its payload. A ``Worker`` loads each model once and runs jobs; it returns plain rows (dicts).
 
 * ``address=None``: one in-process worker runs the jobs in order (the default).
 * ``address="local"``: start Ray on this machine (``ray.init(num_cpus=workers)``), one actor per CPU.
@@ -76,6 +76,11 @@ class Worker:
             rows = json.loads(frame.to_json(orient="records"))
             for row in rows:
                 row["document"] = payload["document"]
+        elif job["kind"] == "task":
+            from .task_runs import run_sample
+
+            rows = run_sample(lm, payload["task"], payload["length"], payload["sample"], payload["specs"],
+                              payload["setting"], payload["chat"], self.store)
         else:
             raise ValueError(f"unknown job kind {job['kind']!r}")
         return [{"model": job["model"], **row} for row in rows]

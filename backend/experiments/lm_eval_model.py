@@ -13,16 +13,21 @@ is lm-eval's command line with this module imported; in Python, import it before
   arguments at commas outside quotes, so a spec with several parameters is quoted
   (``--model_args 'policy="a2sf:budget=64,alpha=0.3"'``) or given in JSON;
 * ``max_gen_toks``: new tokens when a request does not say (a task's ``generation_kwargs`` do);
-* ``no_cache``: compute every run instead of replaying it from the trace store.
+* ``no_cache``: compute every run instead of replaying it from the trace store;
+* ``setting``: ``aware`` (the default: the question is part of the prompt the policies decide over, so any
+  lm-eval task runs) or ``agnostic`` (kvpress's leaderboard: they decide over the context before the question
+  is read, and a ratio counts the context's tokens; the sample must say where its question starts, as
+  RULER's do); see ``task_runs``.
 
 RULER's generators size their samples with the model's tokenizer, which lm-eval looks up in the task
 metadata (``tokenizer``, else ``pretrained``, else ``model``): a model directory named by ``model`` serves as
 it is, but a packaged model's name is nothing lm-eval can load, so ``evaluate`` and ``python -m backend
 lm-eval`` put the model's own (``ruler_tokenizer``) in the metadata unless it names one.
 
-Each request is one generate-mode run through the store (``runs.replay_or_compute``, nothing recorded, as
-the needle grid runs): Full is the reference row and the policy a row beside it, so the same sample under the
-same policy replays, and its trace holds what every query read. The context is read as lm-eval wrote it,
+Each request is one generate-mode run through the store (``task_runs.answer``, nothing recorded, as the
+needle grid runs): Full is the reference row and the policy a row beside it, so the same sample under the
+same policy replays, and its trace holds what every query read; a share link to it (``?run=`` in the app) is
+logged at INFO and kept in ``KVLensLM.links``. The context is read as lm-eval wrote it,
 ``gen_prefix`` included (and the chat template, when lm-eval is asked to apply it through
 ``apply_chat_template``); decoding is greedy to EOS or the token limit, and the answer is cut at the first
 stop string by lm-eval's own ``postprocess_generated_text``. The cut answer equals what a decoder stopping
@@ -30,20 +35,23 @@ at the string would give, since greedy tokens never depend on what follows them.
 """
 from __future__ import annotations
 
+import logging
+
 import lm_eval.models  # noqa: F401  lm-eval's own models: get_model imports them only while the registry is empty
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
-from lm_eval.models.utils import normalize_gen_kwargs, postprocess_generated_text
+from lm_eval.models.utils import normalize_gen_kwargs
 from tqdm import tqdm
 
 from ..engine.models import DEFAULT_MODEL, shared_model
 from ..engine.runner import check_fits
-from ..limits import Limits, RowPrice, rows_cost
+from ..limits import Limits
 from ..policies import parse_spec
-from ..runs import replay_or_compute
 from ..traces.store import TraceStore
+from .task_runs import SETTINGS, TaskRequest, answer, chat_template, link
 from .tasks import tokenizer_source
 
+eval_logger = logging.getLogger("lm_eval")  # lm-eval's own logger, which its command line shows at INFO
 DEFAULT_GEN_TOKS = 256  # lm-eval's default for its own models
 LM_EVAL_DEVICE = "cuda:0"  # what lm-eval's command line passes as the device when --device is not given
 
@@ -66,9 +74,12 @@ class KVLensLM(LM):
     model) are accepted and unused: each request is one batched run of Full and the policy."""
 
     def __init__(self, model: str = DEFAULT_MODEL, policy: str = "full", max_gen_toks: int = DEFAULT_GEN_TOKS,
-                 device: str = "cpu", dtype: str = "float32", no_cache: bool = False, batch_size=None,
-                 max_batch_size=None) -> None:
+                 device: str = "cpu", dtype: str = "float32", no_cache: bool = False, setting: str = "aware",
+                 batch_size=None, max_batch_size=None) -> None:
         super().__init__()
+        if setting not in SETTINGS:
+            raise ValueError(f"kvlens: setting must be one of {', '.join(SETTINGS)}, got {setting!r}")
+        self.setting = setting
         self.spec = str(policy).strip()
         self.policy = parse_spec(self.spec)  # SpecError (a ValueError) in one line, before the model loads
         self.max_gen_toks = int(max_gen_toks)
@@ -80,6 +91,7 @@ class KVLensLM(LM):
             store = TraceStore()
             self.store = store if store.available else None
         self.keys: list[str] = []  # the store key of each answered request's trace, in order
+        self.links: list[str] = []  # and its share link, where the store holds it (the app's ?run=)
         self.limits = Limits.for_machine()  # the command line's: what the machine's memory holds
 
     @property
@@ -90,41 +102,28 @@ class KVLensLM(LM):
         return self.lm.tokenizer.chat_template if self.lm.chats else None
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The chat as the model's template writes it; without a generation prompt lm-eval ends the chat with
-        an assistant turn holding ``gen_prefix``, which the model then continues."""
         if not self.lm.chats:
             raise ValueError(f"{self.lm.name} has no chat template; run it without --apply_chat_template")
-        return self.lm.tokenizer.apply_chat_template(chat_history, tokenize=False,
-                                                     add_generation_prompt=add_generation_prompt,
-                                                     continue_final_message=not add_generation_prompt)
+        return chat_template(self.lm)(chat_history, add_generation_prompt)
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        return [self._answer(*request.args) for request in tqdm(requests, disable=disable_tqdm,
-                                                                 desc=f"kvlens {self.spec}")]
+        return [self._answer(request) for request in tqdm(requests, disable=disable_tqdm, desc=f"kvlens {self.spec}")]
 
-    def _answer(self, context: str, gen_kwargs: dict) -> str:
+    def _answer(self, instance) -> str:
+        context, gen_kwargs = instance.args
         kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
         if kwargs.get("do_sample"):
             raise ValueError("kvlens decodes greedily; the request asks for sampling (do_sample)")
-        new = kwargs["max_gen_toks"]
-        ids = self.lm.encode(context)
-        if len(ids) < 2:
-            raise ValueError("kvlens needs a context of at least 2 tokens")
-        length = len(ids) + new  # what every row reads
-        if length > self.lm.context:
-            raise ValueError(f"the context ({len(ids)} tokens) and {new} new tokens come to more than the "
-                             f"{self.lm.context} tokens {self.lm.name} reads")
-        asked = [] if self.policy.name == "full" else [parse_spec(self.spec, len(ids))]  # a ratio: of this context
-        cost, limit = rows_cost(asked, length), self.limits.row_token_limit(RowPrice.of(self.lm.model.config), length)
-        if cost > limit:  # one line rather than a process killed for its memory
-            raise ValueError(f"{self.spec} on {length} tokens costs {cost:,} row-tokens, more than the {limit:,} "
-                             f"this machine's memory holds")
-        run = replay_or_compute(self.lm, [self.spec] * len(asked), asked, ids, "generate", new, self.store,
-                                record_layers=())
-        trace, key = (run.traces[0], run.keys[0]) if asked else (run.full, run.full_key)
-        self.keys.append(key)
-        text = self.lm.tokenizer.decode(trace.generated_ids, skip_special_tokens=True)
-        return postprocess_generated_text(text, kwargs["until"], None)
+        request = TaskRequest(context=context, until=tuple(kwargs["until"]), max_new_tokens=kwargs["max_gen_toks"],
+                              doc=dict(getattr(instance, "doc", None) or {}))
+        (item,) = answer(self.lm, request, [self.spec], self.setting, self.store, self.limits)
+        self.keys.append(item.key)
+        run_id = link(self.store, self.lm, request, item, item.run.full_key)
+        if run_id:
+            self.links.append(run_id)
+            eval_logger.info("kvlens: %s on sample %s: open with ?run=%s", self.spec, getattr(instance, "doc_id", "?"),
+                             run_id)
+        return item.text
 
     def loglikelihood(self, requests, disable_tqdm: bool = False):
         raise NotImplementedError("kvlens only generates (generate_until tasks such as RULER's); it scores no "

@@ -18,6 +18,8 @@ QA): the share of the references found in the answer, ignoring case.
 """
 from __future__ import annotations
 
+import random
+from contextlib import contextmanager
 from functools import lru_cache
 
 from ..engine.models import LoadedModel
@@ -45,6 +47,24 @@ def _manager(tokenizer: str, length: int):
     return TaskManager(metadata={"tokenizer": tokenizer, "max_seq_lengths": [length]})
 
 
+@contextmanager
+def lm_eval_seeds():
+    """Python's and numpy's global generators seeded as ``lm_eval.simple_evaluate`` seeds them by default before it
+    loads its tasks (RULER's generators draw from them), then put back: the same samples as lm-eval's, in any
+    process, whatever ran before."""
+    import numpy as np
+    from lm_eval.defaults import DEFAULT_OTHER_SEED, DEFAULT_RANDOM_SEED
+
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    random.seed(DEFAULT_RANDOM_SEED)
+    np.random.seed(DEFAULT_OTHER_SEED)
+    try:
+        yield
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+
+
 @lru_cache(maxsize=8)  # making samples takes seconds at 1k tokens and longer at 32k: once per process
 def load_task(name: str, length: int, tokenizer: str):
     """lm-eval's task ``name`` with its samples made at ``length`` tokens by ``tokenizer`` (a local directory or
@@ -58,7 +78,8 @@ def load_task(name: str, length: int, tokenizer: str):
     if not manager.match_tasks([name]):
         raise TaskUnavailable(f"lm-eval has no task {name!r}; RULER's offline tasks are {', '.join(OFFLINE)}")
     try:
-        task = manager.load([name])["tasks"][name]
+        with lm_eval_seeds():
+            task = manager.load([name])["tasks"][name]
     except (OSError, DatasetsError) as err:  # no network, or the hub offline
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise TaskUnavailable(f"{name} needs data from the network that cannot be fetched here ({first}); "

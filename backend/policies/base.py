@@ -83,6 +83,10 @@ class Policy:
     # ``rereads_from``, ``pieces``, ``prompt``, ``pass_sinks``, ``record``, ``would_drop``, ``plan`` and
     # ``NO_TEMPLATE``.
     rereads: ClassVar[bool] = False
+    # Do the policy's decisions depend on where a generate-mode run's prompt ends (the context's end, in a
+    # query-agnostic task run, or the question's)? A compression policy compresses there and a dense prefill
+    # ends there; a per-step eviction policy decides alike wherever it is said to end.
+    reads_prompt_end: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         budget = self.budget
@@ -144,6 +148,7 @@ class FullPolicy(Policy):
 
     kind: ClassVar[str] = "full"
     uses_attention: ClassVar[bool] = False
+    reads_prompt_end: ClassVar[bool] = False
 
 
 @dataclass(frozen=True)
@@ -173,6 +178,7 @@ class EvictionPolicy(Policy):
     """
 
     kind: ClassVar[str] = "eviction"
+    reads_prompt_end: ClassVar[bool] = False
     budget: int = 64
 
     def update(self, state: State, attn: np.ndarray | None, t: int) -> State:
