@@ -45,13 +45,17 @@ from backend import api, texts  # noqa: E402
 from backend.api import LIMITS, RequestError  # noqa: E402
 from backend.experiments import shipped  # noqa: E402
 from backend.experiments.sweep import SWEEP_BUDGETS  # noqa: E402
+from backend.experiments.task_runs import SETTINGS  # noqa: E402
+from backend.experiments.tasks import OFFLINE  # noqa: E402
 from backend.guard import Admission, RequestGuard  # noqa: E402
 from backend.policies import POLICIES  # noqa: E402
 from backend.runs import Run  # noqa: E402
 from backend.traces.store import TraceStore  # noqa: E402
 from viz import panels  # noqa: E402
+from viz.leaderboard import leaderboard_figure, leaderboard_table_html  # noqa: E402
 from viz.needle import found_rates, needle_figure, needle_table_html  # noqa: E402
 from viz.sweep import sweep_ci_figure  # noqa: E402
+from viz.tasks import sample_status_html, sample_table_html  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 EXAMPLES = texts.examples(ROOT / "assets" / "examples")  # the needle example first, then short to long
@@ -71,9 +75,13 @@ EXPORT_TTL_S = 600
 MAX_BODY = 4 * LIMITS.text_chars + 64 * 1024  # the longest allowed prompt as UTF-8, plus the other inputs
 NOTES = {name: (ROOT / "assets" / "notes" / f"{name}.md").read_text() for name in
          ("intro", "masks", "reach", "kept", "curves", "tsne", "divergence", "retention", "sweep", "long_context",
-          "play")}
+          "tasks", "play")}
 NEEDLE_DEFAULT_POLICIES = ["sinks", "tova", "reattention"]
 NEEDLE_DEFAULT_BUDGET = 64
+TASK_DEFAULT_POLICIES = ["tova", "snapkv", "kvzip"]
+TASK_RATIOS = (0.25, 0.875, 0.125)  # the ratio slider: lowest, highest, step
+TASK_DEFAULT_RATIO = 0.5
+SETTING_LABELS = {"agnostic": "query-agnostic", "aware": "query-aware"}
 PLAY_TICK_S = 0.5  # seconds between Play's frames; a frame takes ~0.1-0.2 s at 8k tokens
 PLAY, PAUSE = "▶ Play", "‖ Pause"
 
@@ -331,6 +339,15 @@ def _leave(request: gr.Request | None) -> None:
         setattr(carrier, TICKET, None)
 
 
+def selectors_for(run: Run) -> tuple:
+    """The step slider (at the last step), and the layer and head choices a newly shown run sets: they follow
+    the model's shape (allow-listed models differ)."""
+    steps = len(run.traces[0].tokens)
+    meta = run.full.meta
+    return (gr.update(maximum=steps - 1, value=steps - 1), gr.update(choices=panels.layer_choices(meta["n_layers"])),
+            gr.update(choices=panels.head_choices(meta["n_kv_heads"])))
+
+
 def on_run(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model, request: gr.Request = None,
            progress=gr.Progress()):
     try:
@@ -345,10 +362,7 @@ def on_run(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, mo
     replayed = "replayed from the store" if all(run.replayed) else "computed"
     cached = "" if run.stored else " The trace store cannot keep runs here, so this run is not cached."
     status = f"{len(run.traces)} policies, {steps} tokens, {replayed}.{cached}"
-    meta = run.full.meta  # the selectors follow the model's shape (allow-listed models differ)
-    return (run.run_id, status, gr.update(maximum=steps - 1, value=steps - 1),
-            gr.update(choices=panels.layer_choices(meta["n_layers"])),
-            gr.update(choices=panels.head_choices(meta["n_kv_heads"])))
+    return (run.run_id, status, *selectors_for(run))
 
 
 def on_sweep(prompt, mode, max_new, names, sinks, alpha, heads, model, request: gr.Request = None,
@@ -407,6 +421,104 @@ def on_needle(names, budget, lengths, model, request: gr.Request = None, progres
     found = ", ".join(f"{spec} {rate:.0%}" for spec, rate in zip(rates["spec"], rates["found"]))
     status = f"{len(jobs)} cells in {time.monotonic() - started:.0f} s; found: {found}."
     return needle_figure(table, "Your needle grid"), needle_table_html(table), html.escape(status)
+
+
+def leaderboard_models(folder: Path | None = None) -> dict[str, Path]:
+    """The shipped task leaderboards (assets/leaderboards/<model>.csv) by model: each file's stem."""
+    return {path.stem: path for path in shipped.leaderboard_files(folder)}
+
+
+def _read_leaderboard(model, folder: Path | None = None) -> pd.DataFrame:
+    """The shipped leaderboard of ``model`` (a file's stem), or ShippedFileError."""
+    files = leaderboard_models(folder)
+    if not files:
+        raise shipped.ShippedFileError("No task leaderboard is shipped here (expected in assets/leaderboards/).")
+    if not isinstance(model, str) or model not in files:
+        raise shipped.ShippedFileError(f"No leaderboard is shipped for {str(model)[:80]!r}.")
+    return shipped.read_leaderboard(files[model])
+
+
+def setting_choices(settings) -> list[tuple[str, str]]:
+    """The setting radio's (label, value) pairs."""
+    return [(SETTING_LABELS.get(s, s), s) for s in settings]
+
+
+def shipped_leaderboard(model, task, setting, folder: Path | None = None):
+    """One shipped leaderboard's figure and table for (task, setting), or None, "" and a one-line message
+    when the file is missing or malformed or holds no such rows."""
+    try:
+        df = _read_leaderboard(model, folder)
+    except shipped.ShippedFileError as err:
+        return None, "", f"**{html.escape(str(err))}**"
+    rows = df[(df["task"] == task) & (df["setting"] == setting)]
+    if rows.empty:
+        where = f"{str(task)[:80]} (query-{str(setting)[:20]})"
+        return None, "", f"**{html.escape(f'The leaderboard of {model} has no rows for {where}.')}**"
+    return leaderboard_figure(rows, str(task)), leaderboard_table_html(rows), ""
+
+
+def leaderboard_view(model, folder: Path | None = None):
+    """A shipped model's tasks ("average" first) and settings, then the figure, table and note of its first task
+    in its first setting (no tasks, no settings, no figure and a message when the file is missing or bad)."""
+    try:
+        df = _read_leaderboard(model, folder)
+    except shipped.ShippedFileError as err:
+        return [], [], None, "", f"**{html.escape(str(err))}**"
+    tasks = list(dict.fromkeys(df["task"]))
+    tasks = ["average", *(t for t in tasks if t != "average")] if "average" in tasks else tasks
+    settings = list(dict.fromkeys(df["setting"]))
+    return tasks, settings, *shipped_leaderboard(model, tasks[0], settings[0], folder)
+
+
+def on_leaderboard_model(model):
+    """Another shipped model: its tasks and settings in the selectors, and its first figure."""
+    tasks, settings, figure, table, note = leaderboard_view(model)
+    return (gr.update(choices=tasks, value=tasks[0] if tasks else None),
+            gr.update(choices=setting_choices(settings), value=settings[0] if settings else None,
+                      visible=len(settings) > 1),
+            figure, table, note)
+
+
+def sample_request(task, sample, setting, names, ratio, model) -> api.SampleRequest:
+    """The task sample the controls describe (not yet checked): each checked policy at the slider's ratio."""
+    names = [n for n in names if n != "full"] if isinstance(names, (list, tuple)) else []
+    if not names:
+        raise RequestError(f"Pick 1 to {api.TASK_POLICIES} policies besides Full.")
+    try:
+        specs = [f"{name}:ratio={float(ratio):g}" for name in names]
+    except (TypeError, ValueError):
+        raise RequestError("The policy controls are out of range.") from None
+    if isinstance(sample, float) and sample.is_integer():  # the slider's number
+        sample = int(sample)
+    return api.SampleRequest(task=task, sample=sample, specs=specs, setting=setting, model=model)
+
+
+def check_task_sample(task, sample, setting, names, ratio, model, request: gr.Request = None):
+    return _verdicts(lambda: api.check_sample(sample_request(task, sample, setting, names, ratio, model)), 6,
+                     request)
+
+
+def on_task_sample(task, sample, setting, names, ratio, model, request: gr.Request = None):
+    """One task sample under Full and the chosen policies: its question, references, scores and answers, and its
+    run shown in the usual views.
+
+    Returns the run id, the main status, the sample's status and table, then ``selectors_for``'s three."""
+    started = time.monotonic()
+    try:
+        asked = sample_request(task, sample, setting, names, ratio, model)
+        result = api.task_sample(asked, STORE)
+    except RequestError as err:
+        raise shown(err) from None
+    finally:
+        _leave(request)
+    run = result.run
+    RECENT_RUNS.remember(run)
+    cached = "" if run.stored else " The trace store cannot keep runs here, so this run is not cached."
+    policies = f"{len(run.traces)} {'policy' if len(run.traces) == 1 else 'policies'}"
+    what = (f"{asked.task}, sample {asked.sample}, {SETTING_LABELS[asked.setting]}: Full and {policies}, "
+            f"{len(run.traces[0].tokens)} tokens, in {time.monotonic() - started:.0f} s.{cached}")
+    return (run.run_id, html.escape(what), sample_status_html(result.question, result.references, result.table, what),
+            sample_table_html(result.table), *selectors_for(run))
 
 
 def on_tsne(run_id, policy, layer, head):
@@ -546,8 +658,9 @@ def build() -> gr.Blocks:
                     alpha = gr.Slider(0.0, 1.0, value=0.1, step=0.05, label="a2sf: forgetting factor alpha")
                     heads = gr.Radio(["paper default", "head", "layer"], value="paper default",
                                      label="h2o / tova / a2sf / oracle: decide per KV head or per layer")
-                    custom = gr.Textbox(label="More policies, one spec per line", lines=2,
-                                        placeholder="tova:budget=32,heads=head\nh2o:budget=32,recent=8")
+                    custom = gr.Textbox(label="More policies, one spec per line (budget=N tokens, or ratio=R: the "
+                                              "share of the prompt's tokens removed, kvpress's compression ratio)",
+                                        lines=2, placeholder="tova:budget=32,heads=head\nsnapkv:ratio=0.75")
                     model = gr.Dropdown(list(LIMITS.models), value=api.DEFAULT_MODEL, label="Model",
                                         info="Hub models load only where the Space has internet.")
                 run_button = gr.Button("Run", variant="primary", elem_id="run")
@@ -640,6 +753,43 @@ def build() -> gr.Blocks:
                         needle_status = gr.Markdown(elem_id="needle-status")
                         needle_plot = gr.Plot(elem_id="needle-grid")
                         needle_table = gr.HTML(elem_id="needle-table")
+                    with gr.Tab("Tasks"):
+                        gr.Markdown(NOTES["tasks"])
+                        boards = list(leaderboard_models())
+                        board_tasks, board_settings, board_figure, board_table, board_note = leaderboard_view(
+                            boards[0] if boards else None)
+                        with gr.Row():
+                            board = gr.Dropdown(boards, value=boards[0] if boards else None,
+                                                label="Shipped leaderboard (model)", elem_id="leaderboard-model")
+                            board_task = gr.Dropdown(board_tasks, value=board_tasks[0] if board_tasks else None,
+                                                     label="Task", elem_id="leaderboard-task")
+                            board_setting = gr.Radio(setting_choices(board_settings),
+                                                     value=board_settings[0] if board_settings else None,
+                                                     label="Setting", visible=len(board_settings) > 1,
+                                                     elem_id="leaderboard-setting")
+                        board_note = gr.Markdown(board_note, elem_id="leaderboard-note")
+                        board_plot = gr.Plot(board_figure, elem_id="leaderboard-plot")
+                        board_table = gr.HTML(board_table, elem_id="leaderboard-table")
+                        gr.Markdown(f"**Run one sample**: Full and up to {api.TASK_POLICIES} policies at one "
+                                    f"compression ratio answer one sample of a RULER task at "
+                                    f"{api.TASK_LENGTHS[0]:,} tokens (the model chosen beside the prompt), as one "
+                                    "run: a minute or more on two CPU cores.")
+                        with gr.Row():
+                            task_name = gr.Dropdown(list(OFFLINE), value=OFFLINE[0], label="Task", elem_id="task-name")
+                            task_sample = gr.Slider(0, api.TASK_SAMPLES - 1, value=0, step=1, label="Sample",
+                                                    elem_id="task-sample")
+                            task_setting = gr.Radio(setting_choices(SETTINGS), value=SETTINGS[0], label="Setting",
+                                                    elem_id="task-setting")
+                        with gr.Row():
+                            task_names = gr.CheckboxGroup([n for n in POLICY_CHOICES if n != "full"],
+                                                          value=TASK_DEFAULT_POLICIES, elem_id="task-policies",
+                                                          label=f"Policies (up to {api.TASK_POLICIES})")
+                        task_ratio = gr.Slider(*TASK_RATIOS[:2], value=TASK_DEFAULT_RATIO, step=TASK_RATIOS[2],
+                                               label="Compression ratio (share of the context's KV pairs removed)",
+                                               elem_id="task-ratio")
+                        task_button = gr.Button("Run the sample", elem_id="task-run")
+                        task_status = gr.HTML(elem_id="task-status")
+                        task_table = gr.HTML(elem_id="task-table")
                     with gr.Tab("Share"):
                         share = gr.Markdown(elem_id="share")
                         gr.Markdown("The zip holds every trace (npz arrays + json metadata, as `docs/trace-format.md` "
@@ -691,6 +841,18 @@ def build() -> gr.Blocks:
         needle_button.click(on_needle, [needle_names, needle_budget, needle_lengths, model],
                             [needle_plot, needle_table, needle_status], validator=check_needle,
                             concurrency_id="model")
+        board.input(on_leaderboard_model, board, [board_task, board_setting, board_plot, board_table, board_note],
+                    **views_)
+        for control in (board_task, board_setting):
+            control.input(shipped_leaderboard, [board, board_task, board_setting],
+                          [board_plot, board_table, board_note], **views_)
+        # A task sample is a run: it takes the model's slot, then the usual views show it as the Run button's do.
+        task_inputs = [task_name, task_sample, task_setting, task_names, task_ratio, model]
+        sampled = task_button.click(on_task_sample, task_inputs,
+                                    [run_id, status, task_status, task_table, step, layer, head],
+                                    validator=check_task_sample, concurrency_id="model")
+        sampled.then(render_run, run_id, run_views, **views_).then(render_views, selectors + zoom_controls, views,
+                                                                   **views_)
         export_button.click(on_export, selectors, export_file, **views_)
         # A page load never waits behind the queue (reopening a link reads the store only).
         demo.load(on_load, None, [run_id, status], queue=False).then(render_run, run_id, run_views, **views_).then(

@@ -42,6 +42,11 @@ LIMITS = Limits.from_env()  # the Space's: what a request meets unless its calle
 MODES = ("generate", "prompt")
 RUN_ID = re.compile(r"[0-9a-f]{32}")
 
+# A visitor's task sample (the app's Tasks tab): RULER's offline tasks at 1k tokens, a few policies, the first samples.
+TASK_LENGTHS = (1024,)
+TASK_SAMPLES = 10  # sample numbers 0..9 of each task
+TASK_POLICIES = 3  # besides Full
+
 # A visitor's needle grid (the app's Long context tab): Full and a few policies, short haystacks, one seed.
 NEEDLE_POLICIES = 3  # policies besides Full
 NEEDLE_LENGTHS = (512, 1024)  # tokens, prompt and answer
@@ -421,6 +426,97 @@ def export_zip(run: Run, extra_files: dict[str, str | bytes] | None = None) -> b
             z.writestr(f"{stem}.npz", trace.npz_bytes())
             z.writestr(f"{stem}.json", json.dumps(trace.meta, indent=1))
     return buf.getvalue()
+
+
+# --- One task sample -------------------------------------------------------------------------------------
+
+@dataclass
+class SampleRequest:
+    """Sample ``sample`` of lm-eval's ``task`` at ``length`` tokens under ``specs`` (budgets or ratios), in
+    ``setting`` (``agnostic``: the policies decide over the context before the question; ``aware``)."""
+
+    task: str
+    sample: int
+    specs: list[str]
+    setting: str = "agnostic"
+    length: int = TASK_LENGTHS[0]
+    model: str = DEFAULT_MODEL
+    device: str = "cpu"
+    dtype: str = "float32"
+
+
+@dataclass
+class SampleResult:
+    run: Run  # the sample's run (a share link, the usual views), Full's row included
+    table: pd.DataFrame  # per policy, Full first: spec, budget, score, answer
+    references: list[str]
+    question: str
+
+
+def check_sample(request: SampleRequest, limits: Limits = LIMITS) -> list[Policy]:
+    """The request's policies, or RequestError; cheap (never loads the model or the task). The Space's limits
+    allow RULER's offline tasks at ``TASK_LENGTHS``, samples 0..``TASK_SAMPLES`` - 1 and ``TASK_POLICIES``
+    policies; the command line's, any lm-eval task, length and sample."""
+    from .experiments.task_runs import SETTINGS
+    from .experiments.tasks import OFFLINE
+
+    space = limits.models is not None
+    if not isinstance(request.task, str) or (space and request.task not in OFFLINE):
+        raise RequestError(f"Pick one of RULER's tasks offered here: {', '.join(OFFLINE)}.")
+    if request.setting not in SETTINGS:
+        raise RequestError(f"The setting is one of {', '.join(SETTINGS)}.")
+    sample, length = request.sample, request.length
+    if not isinstance(sample, int) or isinstance(sample, bool) or not 0 <= sample < (TASK_SAMPLES if space else 10 ** 6):
+        raise RequestError(f"Samples here are numbered 0 to {TASK_SAMPLES - 1}.")
+    if not isinstance(length, int) or isinstance(length, bool) or (space and length not in TASK_LENGTHS) \
+            or not 64 <= length <= limits.prompt_tokens:
+        raise RequestError(f"Task lengths here are {' or '.join(map(str, TASK_LENGTHS))} tokens; the command line "
+                           "runs longer ones.")
+    specs, policies = _check_specs(["full", *[s for s in request.specs if isinstance(s, str)]]
+                                   if isinstance(request.specs, (list, tuple)) else request.specs, limits)
+    if space and len(counted(policies)) > TASK_POLICIES:
+        raise RequestError(f"Pick at most {TASK_POLICIES} policies besides Full.")
+    _check_model_name(request.model, limits)
+    _check_row_tokens(policies, length, _row_token_limit(None, limits, length), f"A {length}-token sample",
+                      "pick fewer policies")
+    return policies
+
+
+def task_sample(request: SampleRequest, store: TraceStore | None, limits: Limits = LIMITS) -> SampleResult:
+    """Answer one task sample under every policy (one batched run with Full, recorded as an app run is, through
+    the store, with a share link) and score each answer with lm-eval's metric."""
+    from .experiments.task_runs import answer, lm_eval_request, question
+    from .experiments.tasks import TaskUnavailable, load_task, score, tokenizer_source
+
+    check_sample(request, limits)
+    lm = get_model(request.model, request.device, request.dtype)
+    specs = ["full", *[s.strip() for s in request.specs if s.strip() and parse_spec(s).name != "full"]]
+    try:
+        task = load_task(request.task, request.length, tokenizer_source(lm))
+        if request.sample >= len(task.test_docs()):
+            raise RequestError(f"{request.task} has {len(task.test_docs())} samples at {request.length} tokens.")
+        asked = lm_eval_request(task, request.sample, lm, chat=True)
+        _check_context(lm, len(lm.encode(asked.context)) + asked.max_new_tokens)
+        answers = answer(lm, asked, specs, request.setting, store, limits, default_record_layers(lm))
+    except TaskUnavailable as err:
+        raise RequestError(str(err)) from None
+    except ValueError as err:  # the prompt holds no question to tell the context by, a cost over the limit
+        raise RequestError(str(err).splitlines()[0]) from None
+    finally:
+        release_memory()
+    full, rows = answers[0], answers[1:]
+    ran = Run(traces=[a.trace.with_spec(a.spec) for a in rows], full=full.trace, keys=[a.key for a in rows],
+              full_key=full.key, replayed=[False] * len(rows), stored=all(a.run.stored for a in answers),
+              tokens=full.trace.meta["n_prompt"])
+    run_id = secrets.token_hex(16)
+    prompt = RunRequest(prompt=asked.context, specs=specs[1:], mode="generate", max_new_tokens=asked.max_new_tokens,
+                        model=request.model, chat=False, device=request.device, dtype=request.dtype)
+    stored = store is not None and ran.stored and put_link(store, run_id, prompt.__dict__, ran.keys, ran.full_key)
+    table = pd.DataFrame([{"spec": a.spec, "budget": getattr(a.policy, "budget", None),
+                           "score": float(score(task, asked.doc, a.text)), "answer": a.text} for a in answers])
+    table["budget"] = table["budget"].astype("Int64")
+    return SampleResult(run=dataclasses.replace(ran, run_id=run_id, request=prompt, stored=stored), table=table,
+                        references=[str(r) for r in asked.doc["outputs"]], question=question(asked.doc))
 
 
 # --- A visitor's needle grid -------------------------------------------------------------------------

@@ -162,3 +162,41 @@ def test_long_context_tab_draws_the_shipped_grid_and_refuses_an_oversized_one(pa
     page.locator("#needle-run").click()
     page.get_by_text("Pick 1 to 3 policies", exact=False).first.wait_for(timeout=30_000)
     assert page.locator("#needle-grid .js-plotly-plot").count() == 0  # refused before it queued
+
+
+def test_tasks_tab_draws_the_shipped_leaderboard_and_one_sample_fills_the_usual_views(page):
+    page.get_by_role("tab", name="Tasks").click()
+    page.wait_for_selector("#leaderboard-plot .js-plotly-plot", timeout=30_000)
+    assert "mean over the tasks Full solves" in " ".join(map(str, plot_titles(page, "leaderboard-plot")))
+    page.locator("#leaderboard-task input").click()
+    page.get_by_role("option", name="niah_single_1", exact=True).click()
+    page.wait_for_function(
+        "() => document.querySelector('#leaderboard-plot .js-plotly-plot').layout.title.text.includes('niah_single_1')",
+        timeout=30_000)
+    assert "tova" in page.locator("#leaderboard-table").inner_text()
+    aware = page.locator("#leaderboard-setting label", has_text="query-aware")
+    if aware.count() and aware.first.is_visible():  # the radio shows when the file holds both settings
+        aware.first.click()
+        page.wait_for_function(
+            "() => document.querySelector('#leaderboard-plot .js-plotly-plot').layout.title.text"
+            ".includes('query-aware')", timeout=30_000)
+
+    boxes = page.locator("#task-policies label")
+    for i in range(boxes.count()):  # TOVA alone, at the slider's ratio (0.5) on sample 0 of niah_single_1
+        label = boxes.nth(i)
+        if label.locator("input").is_checked() != (label.inner_text().strip() == "tova"):
+            label.click()
+    page.locator("#task-run").click()
+    page.wait_for_function("() => document.querySelector('#task-status').innerText.includes('score')",
+                           timeout=240_000)
+    status = page.locator("#task-status").inner_text()
+    assert "niah_single_1, sample 0, query-agnostic" in status and "tova:ratio=0.5: score" in status
+    assert "tova:ratio=0.5" in page.locator("#task-table").inner_text()
+    # The sample's run is the page's run: the summary and the masks show it.
+    page.wait_for_function("() => document.querySelector('#summary').innerText.includes('tova:ratio=0.5')",
+                           timeout=120_000)
+    page.get_by_role("tab", name="Masks").click()
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('#heatmap .js-plotly-plot')].some(el => "
+        "(el.layout.annotations || []).some(a => a.text.includes('tova:ratio=0.5')))",
+        timeout=120_000)

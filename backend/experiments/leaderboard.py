@@ -64,43 +64,46 @@ def leaderboard_frame(results: Sequence[Sequence[dict]]) -> pd.DataFrame:
     return df
 
 
-def _interval(scores: np.ndarray, confidence: float) -> float:
-    """Half the width of the ``confidence`` interval of the mean of ``scores`` (Student's t; NaN for one)."""
+def wilson(score: float, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """Wilson's score interval of a mean ``score`` in [0, 1] over ``n`` samples: exact in kind for RULER's 0/1
+    needles and close for its shares of references, never outside [0, 1] and never of zero width at 0 or 1, as
+    Student's t over a handful of samples would be."""
     from scipy import stats
 
-    n = len(scores)
-    if n < 2:
-        return float("nan")
-    return float(stats.t.ppf(0.5 + confidence / 2, n - 1) * scores.std(ddof=1) / n ** 0.5)
+    if n < 1:
+        return float("nan"), float("nan")
+    z = float(stats.norm.ppf(0.5 + confidence / 2))
+    centre = (score + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * np.sqrt(score * (1 - score) / n + z * z / (4 * n * n))
+    return float(max(0.0, centre - half)), float(min(1.0, centre + half))
 
 
 def summarize(df: pd.DataFrame, confidence: float = 0.95) -> pd.DataFrame:
-    """Per (model, task, length, setting, policy, ratio): the mean score over the samples with its interval, and
-    Full's mean on the same samples (``full_solves``: it reaches ``SOLVED``)."""
+    """Per (model, task, length, setting, policy, ratio): the mean score over the samples with its interval
+    (``wilson``), and Full's mean on the same samples (``full_solves``: it reaches ``SOLVED``)."""
     rows = []
     keys = ["model", "task", "length", "setting"]
     for group, part in df.groupby(keys, sort=False):
         full = float(part.loc[part["policy"] == "full", "score"].mean())
         for (policy, ratio), cell in part.groupby(["policy", "ratio"], sort=False, dropna=False):
             scores = cell["score"].to_numpy(float)
-            half = _interval(scores, confidence)
             mean = float(scores.mean())
+            lo, hi = wilson(mean, len(scores), confidence)
             rows.append({**dict(zip(keys, group)), "policy": policy, "ratio": ratio, "samples": len(scores),
-                         "score": mean, "lo": mean - half, "hi": mean + half, "full_score": full,
-                         "full_solves": bool(full >= SOLVED)})
+                         "score": mean, "lo": lo, "hi": hi, "full_score": full, "full_solves": bool(full >= SOLVED)})
     return pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
 
 
-def averaged(summary: pd.DataFrame) -> pd.DataFrame:
-    """Per (model, setting, policy, ratio): the mean over the tasks and lengths Full solves, with an interval
-    from the tasks' own (their samples are independent: the halves add in quadrature, over the count)."""
+def averaged(summary: pd.DataFrame, confidence: float = 0.95) -> pd.DataFrame:
+    """Per (model, setting, policy, ratio): the mean over the tasks and lengths Full solves (each weighs the same),
+    with Wilson's interval over all their samples."""
     solved = summary[summary["full_solves"]]
     rows = []
     for (model, setting, policy, ratio), part in solved.groupby(["model", "setting", "policy", "ratio"],
                                                                sort=False, dropna=False):
-        half = np.sqrt(np.nansum((part["hi"] - part["score"]).to_numpy(float) ** 2)) / len(part)
-        mean = float(part["score"].mean())
+        mean, n = float(part["score"].mean()), int(part["samples"].sum())
+        lo, hi = wilson(mean, n, confidence)
         rows.append({"model": model, "task": "average", "length": 0, "setting": setting, "policy": policy,
-                     "ratio": ratio, "samples": int(part["samples"].sum()), "score": mean, "lo": mean - half,
-                     "hi": mean + half, "full_score": float(part["full_score"].mean()), "full_solves": True})
+                     "ratio": ratio, "samples": n, "score": mean, "lo": lo, "hi": hi,
+                     "full_score": float(part["full_score"].mean()), "full_solves": True})
     return pd.DataFrame(rows, columns=SUMMARY_COLUMNS)

@@ -1,4 +1,5 @@
-"""The needle grid and the long-text sweep computed offline, as they ship in ``assets/long_context/``.
+"""The needle grid and the long-text sweep computed offline, as they ship in ``assets/long_context/``, and the
+task leaderboards in ``assets/leaderboards/`` (one ``summary.csv`` of ``python -m backend tasks`` per model).
 
 ``needle_grid.csv`` has the columns of ``python -m backend needle``'s ``grid.csv``; ``sweep_summary.csv`` the
 mean perplexity over documents with its 95% interval per (model, policy, budget), Full with an empty budget.
@@ -11,10 +12,12 @@ from pathlib import Path
 
 import pandas as pd
 
+from .leaderboard import SUMMARY_COLUMNS as LEADERBOARD_COLUMNS
 from .needle import COLUMNS
 from .sweep import SUMMARY_COLUMNS
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets" / "long_context"
+LEADERBOARDS = ASSETS.parent / "leaderboards"
 NEEDLE_FILE = "needle_grid.csv"
 SWEEP_FILE = "sweep_summary.csv"
 NEEDLE_COLUMNS = ["model", *COLUMNS]
@@ -91,4 +94,31 @@ def read_sweep_summary(path: Path | None = None) -> pd.DataFrame:
         df[column] = df[column].fillna("").astype(str)
     if (df["ppl_mean"] <= 0).any():
         raise ShippedFileError(f"{path.name}: ppl_mean must be positive.")
+    return df
+
+
+def leaderboard_files(folder: Path | None = None) -> list[Path]:
+    """The shipped leaderboards (``<model>.csv``), by name."""
+    folder = Path(folder) if folder is not None else LEADERBOARDS
+    return sorted(folder.glob("*.csv")) if folder.is_dir() else []
+
+
+def read_leaderboard(path: Path) -> pd.DataFrame:
+    """A shipped leaderboard (``python -m backend tasks``'s summary.csv: per task, length, setting, policy and ratio
+    the mean score with its interval and Full's, then the averages as task ``average``), or ShippedFileError."""
+    path = Path(path)
+    df = _read_csv(path, LEADERBOARD_COLUMNS)
+    for column in ("length", "ratio", "samples", "score", "full_score"):
+        df[column] = _numbers(df, path.name, column)
+    for column in ("lo", "hi"):
+        df[column] = _numbers(df, path.name, column, blank_ok=True)
+    if not (df["score"].between(0, 1).all() and df["full_score"].between(0, 1).all()):
+        raise ShippedFileError(f"{path.name}: scores must be 0 to 1.")
+    solves = df["full_solves"].map(lambda v: {True: True, False: False, "True": True, "False": False}.get(v))
+    if solves.isna().any():
+        raise ShippedFileError(f"{path.name}: full_solves must be True or False.")
+    df["full_solves"] = solves.astype(bool)
+    for column in ("model", "task", "setting", "policy"):
+        df[column] = df[column].fillna("").astype(str)
+    df["length"] = df["length"].astype(int)
     return df

@@ -6,9 +6,11 @@ Two settings (``SETTINGS``) say what the policies decide over:
 
 * ``agnostic`` (query-agnostic, kvpress's leaderboard): the policies take the prompt to end where the question
   starts (``context_end``), so a compression policy compresses the context alone and the question is read
-  under the compressed cache; a ratio counts the context's tokens;
-* ``aware`` (query-aware): the question is part of the prompt they decide over; a ratio counts the prompt's
-  tokens.
+  under the compressed cache;
+* ``aware`` (query-aware): the question is part of the prompt they decide over.
+
+A ratio counts the context's tokens (those before the question) in both settings, so a policy has the same
+budget either way (kvpress's query-aware runs count the question too: a few dozen tokens more).
 
 A per-step policy (TOVA, H2O, A2SF, ...) walks every token either way, the question's too, evicting as it
 goes: it never sees a token before it is read, so both settings give it the same trace (the store replays it)
@@ -31,6 +33,7 @@ from ..limits import Limits, RowPrice, row_cost
 from ..policies import Policy, parse_spec
 from ..runs import Run, put_link, replay_or_compute
 from ..traces.store import TraceStore
+from ..traces.trace import Trace
 from .tasks import load_task, score
 
 SETTINGS = ("agnostic", "aware")
@@ -50,11 +53,12 @@ class TaskRequest:
 @dataclass(frozen=True)
 class Answer:
     """One policy's answer to a request: its spec, the policy (a ratio resolved to its budget), the answer cut
-    at the first stop string, and the store keys and link of its trace."""
+    at the first stop string, its trace and store key, and the run that computed or replayed it."""
 
     spec: str
     policy: Policy
     text: str
+    trace: Trace
     key: str
     run: Run
 
@@ -116,6 +120,18 @@ def context_end(lm: LoadedModel, context: str, ids: Sequence[int], asked: str) -
     return same
 
 
+def counted_tokens(lm: LoadedModel, request: TaskRequest, ids: Sequence[int], setting: str) -> int:
+    """The tokens a ratio counts: the context's, before the question, in both settings (so a policy has the same
+    budget either way, and a per-step policy the same trace); the whole prompt's for a query-aware request whose
+    sample does not say where its question starts (any lm-eval task, through ``kvlens``)."""
+    try:
+        return context_end(lm, request.context, ids, question(request.doc))
+    except ValueError:
+        if setting == "agnostic":
+            raise
+        return len(ids)
+
+
 def _batches(lm: LoadedModel, policies: Sequence[Policy], length: int, limits: Limits) -> list[list[int]]:
     """The rows' indices in runs that each fit the machine's memory (one run when they all fit)."""
     limit = limits.row_token_limit(RowPrice.of(lm.model.config), length)
@@ -138,7 +154,7 @@ def answer(lm: LoadedModel, request: TaskRequest, specs: Sequence[str], setting:
            ) -> list[Answer]:
     """Every spec's answer to ``request`` (``full`` among them answers as the reference row): as few batched
     runs as the machine's memory allows (one, mostly), through the store. A ratio counts the context's tokens
-    (``agnostic``) or the prompt's (``aware``). ValueError in one line when the request cannot run."""
+    (``counted_tokens``). ValueError in one line when the request cannot run."""
     if setting not in SETTINGS:
         raise ValueError(f"setting must be one of {', '.join(SETTINGS)}, got {setting!r}")
     ids = encode(lm, request.context)
@@ -148,32 +164,34 @@ def answer(lm: LoadedModel, request: TaskRequest, specs: Sequence[str], setting:
     if length > lm.context:
         raise ValueError(f"the prompt ({len(ids)} tokens) and {request.max_new_tokens} new tokens come to more than "
                          f"the {lm.context} tokens {lm.name} reads")
-    end = context_end(lm, request.context, ids, question(request.doc)) if setting == "agnostic" else None
-    policies = [parse_spec(spec, len(ids) if end is None else end) for spec in specs]
+    end = counted_tokens(lm, request, ids, setting)
+    policies = [parse_spec(spec, end) for spec in specs]
     asked = [i for i, p in enumerate(policies) if p.name != "full"]
     answers: dict[int, Answer] = {}
     run = None
     for batch in _batches(lm, [policies[i] for i in asked], length, limits or Limits.for_machine()):
         rows = [asked[j] for j in batch]
         run = replay_or_compute(lm, [specs[i] for i in rows], [policies[i] for i in rows], ids, "generate",
-                                request.max_new_tokens, store, record_layers=record_layers, context_end=end)
+                                request.max_new_tokens, store, record_layers=record_layers,
+                                context_end=end if setting == "agnostic" else None)
         for k, i in enumerate(rows):
             answers[i] = _answer(lm, specs[i], policies[i], run.traces[k], run.keys[k], run, request.until)
     if run is None:  # only Full asked: a run of its reference row alone
         run = replay_or_compute(lm, [], [], ids, "generate", request.max_new_tokens, store,
-                                record_layers=record_layers, context_end=end)
+                                record_layers=record_layers,
+                                context_end=end if setting == "agnostic" else None)
     for i, policy in enumerate(policies):
         if i not in answers:  # Full: the reference row every run has
             answers[i] = _answer(lm, specs[i], policy, run.full, run.full_key, run, request.until)
     return [answers[i] for i in range(len(specs))]
 
 
-def _answer(lm: LoadedModel, spec: str, policy: Policy, trace, key: str, run: Run, until: Sequence[str]) -> Answer:
+def _answer(lm: LoadedModel, spec: str, policy: Policy, trace: Trace, key: str, run: Run, until: Sequence[str]) -> Answer:
     from lm_eval.models.utils import postprocess_generated_text
 
     text = postprocess_generated_text(lm.tokenizer.decode(trace.generated_ids, skip_special_tokens=True),
                                       list(until), None)
-    return Answer(spec=spec, policy=policy, text=text, key=key, run=run)
+    return Answer(spec=spec, policy=policy, text=text, trace=trace, key=key, run=run)
 
 
 def link(store: TraceStore | None, lm: LoadedModel, request: TaskRequest, item: Answer, full_key: str) -> str:
@@ -200,8 +218,8 @@ def run_sample(lm: LoadedModel, name: str, length: int, index: int, specs: Seque
     specs = ["full", *[s for s in specs if parse_spec(s).name != "full"]]
     answers = answer(lm, request, specs, setting, store)
     full_key = answers[0].key
+    end = counted_tokens(lm, request, encode(lm, request.context), setting)
     ids = encode(lm, request.context)
-    end = context_end(lm, request.context, ids, question(request.doc)) if setting == "agnostic" else len(ids)
     rows = []
     for item in answers:
         policy = item.policy

@@ -1,0 +1,186 @@
+"""The app's "Tasks" tab without a browser: the shipped task leaderboards and their faults, and one task sample a
+visitor runs (checked before it queues, its text escaped, its run shown in the usual views)."""
+import gradio as gr
+import pandas as pd
+import pytest
+
+import app
+from backend import api
+from backend.api import RequestError, RunRequest, SampleRequest, SampleResult
+from backend.engine.models import DEFAULT_MODEL
+from backend.experiments import shipped
+from viz.tasks import sample_status_html, sample_table_html
+
+HEADER = "model,task,length,setting,policy,ratio,samples,score,lo,hi,full_score,full_solves\n"
+
+
+def leaderboard_csv(settings=("agnostic", "aware")) -> str:
+    """Two tasks (Full fails ruler_vt) and their average, tova and snapkv at ratios 0.5 and 0.75."""
+    rows = []
+    for setting in settings:
+        for task, length, full, solves in (("niah_single_1", 1024, 1.0, True), ("ruler_vt", 1024, 0.2, False),
+                                           ("average", 0, 1.0, True)):
+            rows.append(f"m,{task},{length},{setting},full,0.0,4,{full},0.4,1.0,{full},{solves}")
+            for policy, scores in (("tova", (0.75, 0.25)), ("snapkv", (1.0, 0.5))):
+                for ratio, score in zip((0.5, 0.75), scores):
+                    rows.append(f"m,{task},{length},{setting},{policy},{ratio},4,{score},0.1,1.0,{full},{solves}")
+    return HEADER + "\n".join(rows) + "\n"
+
+
+@pytest.fixture
+def boards(tmp_path, monkeypatch):
+    """A leaderboard folder holding m.csv; the app reads it as the shipped one."""
+    (tmp_path / "m.csv").write_text(leaderboard_csv())
+    monkeypatch.setattr(shipped, "LEADERBOARDS", tmp_path)
+    return tmp_path
+
+
+def test_a_leaderboard_offers_the_average_first_then_its_tasks_and_settings(boards):
+    assert list(app.leaderboard_models()) == ["m"]
+    tasks, settings, figure, table, note = app.leaderboard_view("m")
+    assert tasks == ["average", "niah_single_1", "ruler_vt"] and settings == ["agnostic", "aware"]
+    assert note == "" and "mean over the tasks Full solves" in figure.layout.title.text
+
+
+def test_the_leaderboard_draws_score_against_ratio_a_line_per_policy_and_full_dashed(boards):
+    figure, table, note = app.shipped_leaderboard("m", "niah_single_1", "aware")
+    assert note == ""
+    assert [trace.name for trace in figure.data] == ["tova", "snapkv"]
+    assert list(figure.data[0].x) == [0.5, 0.75] and list(figure.data[0].y) == [0.75, 0.25]
+    assert figure.layout.shapes[0].line.dash == "dash" and "query-aware" in figure.layout.title.text
+    assert "<td>tova</td><td>0.75</td><td>0.25</td>" in table and "ruler_vt" not in table  # the chosen task only
+
+
+def test_a_task_full_fails_says_so(boards):
+    figure, table, _ = app.shipped_leaderboard("m", "ruler_vt", "agnostic")
+    assert "Full fails it" in figure.layout.title.text and "(Full fails it)" in table
+
+
+def test_a_single_setting_hides_the_setting_radio(tmp_path, monkeypatch):
+    (tmp_path / "m.csv").write_text(leaderboard_csv(settings=("agnostic",)))
+    monkeypatch.setattr(shipped, "LEADERBOARDS", tmp_path)
+    task, setting, figure, table, note = app.on_leaderboard_model("m")
+    assert task["choices"] == ["average", "niah_single_1", "ruler_vt"]
+    assert task["value"] == "average" and setting["value"] == "agnostic" and setting["visible"] is False
+    assert figure is not None and note == ""
+
+
+BAD_BOARDS = [
+    # (content of m.csv or None for no folder at all, model asked for, message)
+    (None, "m", "No task leaderboard is shipped here"),
+    ("", "m", "m.csv is empty"),
+    ("model,task,policy\nm,niah_single_1,tova\n", "m", "m.csv lacks the columns length, setting"),
+    (HEADER, "m", "m.csv has no rows"),
+    (HEADER + "m,niah_single_1,1024,agnostic,tova,0.5,4,<b>1</b>,0,1,1,True\n", "m", "score must be a number"),
+    (HEADER + "m,niah_single_1,1024,agnostic,tova,0.5,4,1.5,0,1,1,True\n", "m", "scores must be 0 to 1"),
+    (HEADER + "m,niah_single_1,1024,agnostic,tova,0.5,4,1,0,1,1,maybe\n", "m", "full_solves must be True or False"),
+    (b"\xff\xfe\x00garbage", "m", "is not a readable CSV table"),
+    (leaderboard_csv(), "../../etc/passwd", "No leaderboard is shipped for '../../etc/passwd'"),
+    (leaderboard_csv(), ["m"], "No leaderboard is shipped for"),
+]
+
+
+@pytest.mark.parametrize("content, model, message", BAD_BOARDS, ids=[b[2] for b in BAD_BOARDS])
+def test_a_missing_or_malformed_leaderboard_is_one_escaped_line(tmp_path, monkeypatch, content, model, message):
+    folder = tmp_path / "leaderboards"
+    if content is not None:
+        folder.mkdir()
+        (folder / "m.csv").write_bytes(content if isinstance(content, bytes) else content.encode())
+    monkeypatch.setattr(shipped, "LEADERBOARDS", folder)
+    for figure, table, note in (app.shipped_leaderboard(model, "average", "agnostic"), app.leaderboard_view(model)[2:]):
+        assert figure is None and table == ""
+        assert message in note.replace("&#x27;", "'") and len(note.splitlines()) == 1
+        assert "<b>1" not in note  # the file's content reaches the page escaped
+
+
+def test_a_task_or_setting_the_file_lacks_is_one_line(boards):
+    figure, table, note = app.shipped_leaderboard("m", "<script>", "agnostic")
+    assert figure is None and "no rows for &lt;script&gt; (query-agnostic)" in note
+
+
+def test_every_shipped_leaderboard_reads_and_draws():
+    for path in shipped.leaderboard_files():
+        tasks, settings, figure, table, note = app.leaderboard_view(path.stem)
+        assert note == "" and tasks[0] == "average" and set(settings) <= {"agnostic", "aware"}
+        for setting in settings:
+            assert app.shipped_leaderboard(path.stem, tasks[-1], setting)[2] == ""
+
+
+HOSTILE = "<img src=x onerror=alert(1)>"
+
+
+def test_a_sample_shows_its_question_references_and_answers_escaped():
+    table = pd.DataFrame({"spec": ["full", "tova:ratio=0.5"], "budget": pd.array([None, 512], dtype="Int64"),
+                          "score": [1.0, 0.0], "answer": ["1234567", HOSTILE]})
+    status = sample_status_html("What is the <b>number</b>?", ["1234567", HOSTILE], table, "niah_single_1 <x>")
+    shown = sample_table_html(table)
+    for page in (status, shown):
+        assert "<img" not in page and "&lt;img src=x onerror=alert(1)&gt;" in page
+    assert "&lt;b&gt;number&lt;/b&gt;" in status and "niah_single_1 &lt;x&gt;" in status
+    assert "<b>tova:ratio=0.5</b>: score 0.00" in status and "<b>full</b>: score 1.00" in status
+    assert "<td>full</td><td></td><td>1.00</td>" in shown and "<td>512</td><td>0.00</td>" in shown
+
+
+def test_a_task_sample_runs_through_the_api_and_its_run_reaches_the_usual_views(tiny_session, monkeypatch):
+    run = api.run(RunRequest(prompt="one two three four five six seven eight nine ten", specs=["tova:budget=6"],
+                             mode="generate", max_new_tokens=3), tiny_session)
+    asked = []
+
+    def canned(request, store, limits=api.LIMITS):
+        asked.append(request)
+        table = pd.DataFrame({"spec": ["full", "tova:ratio=0.5"], "budget": pd.array([None, 6], dtype="Int64"),
+                              "score": [1.0, 0.0], "answer": ["42", HOSTILE]})
+        return SampleResult(run=run, table=table, references=["42"], question=f"Which number? {HOSTILE}")
+
+    monkeypatch.setattr(api, "task_sample", canned)
+    run_id, status, sample_status, sample_table, step, layer, head = app.on_task_sample(
+        "niah_single_1", 3.0, "aware", ["tova"], 0.5, DEFAULT_MODEL)
+    assert asked == [SampleRequest(task="niah_single_1", sample=3, specs=["tova:ratio=0.5"], setting="aware",
+                                   model=DEFAULT_MODEL)]
+    assert run_id == run.run_id and status.startswith("niah_single_1, sample 3, query-aware: Full and 1 policy,")
+    for page in (sample_status, sample_table):
+        assert "<img" not in page and "&lt;img src=x onerror=alert(1)&gt;" in page
+    assert "score 0.00" in sample_status and "Which number?" in sample_status
+    steps = len(run.traces[0].tokens)
+    assert step["maximum"] == steps - 1 and step["value"] == steps - 1
+    summary = app.render_run(run_id)[0]  # the usual views find the run among the recent ones
+    assert "tova:budget=6" in summary.to_string()
+
+
+SAMPLE_REFUSALS = [
+    # (task, sample, setting, names, ratio, message)
+    ("niah_single_1", 0, "agnostic", ["tova", "h2o", "snapkv", "kvzip"], 0.5, "Pick at most 3 policies besides Full"),
+    ("niah_single_1", 0, "agnostic", [], 0.5, "Pick 1 to 3 policies besides Full"),
+    ("niah_single_1", 0, "agnostic", ["full"], 0.5, "Pick 1 to 3 policies besides Full"),
+    ("niah_single_1", 0, "agnostic", "tova", 0.5, "Pick 1 to 3 policies besides Full"),
+    ("niah_single_1", 10, "agnostic", ["tova"], 0.5, "Samples here are numbered 0 to 9"),
+    ("niah_single_1", -1, "agnostic", ["tova"], 0.5, "Samples here are numbered 0 to 9"),
+    ("niah_single_1", 2.5, "agnostic", ["tova"], 0.5, "Samples here are numbered 0 to 9"),
+    ("niah_single_1", "0", "agnostic", ["tova"], 0.5, "Samples here are numbered 0 to 9"),
+    ("niah_multivalue", 0, "agnostic", ["tova"], 0.5, "Pick one of RULER's tasks offered here"),
+    ("<script>", 0, "agnostic", ["tova"], 0.5, "Pick one of RULER's tasks offered here"),
+    ("niah_single_1", 0, "sideways", ["tova"], 0.5, "The setting is one of agnostic, aware"),
+    ("niah_single_1", 0, "agnostic", ["lru"], 0.5, "unknown policy"),
+    ("niah_single_1", 0, "agnostic", ["tova"], 1.0, "ratio must be at least 0 and below 1"),
+    ("niah_single_1", 0, "agnostic", ["tova"], "many", "out of range"),
+]
+
+
+@pytest.mark.parametrize("task, sample, setting, names, ratio, message", SAMPLE_REFUSALS,
+                         ids=[f"{r[-1]} {i}" for i, r in enumerate(SAMPLE_REFUSALS)])
+def test_a_sample_over_the_bounds_is_refused_in_one_line_before_it_queues(monkeypatch, task, sample, setting, names,
+                                                                         ratio, message):
+    monkeypatch.setattr(api, "get_model", lambda *a: pytest.fail("a cheap check must not load the model"))
+    verdicts = app.check_task_sample(task, sample, setting, names, ratio, DEFAULT_MODEL)  # the validator
+    assert not verdicts[0]["is_valid"] and message in verdicts[0]["message"]
+    assert len(verdicts[0]["message"].splitlines()) == 1 and all(v["is_valid"] for v in verdicts[1:])
+    with pytest.raises(gr.Error) as refused:  # the same refusal from a raw call that skips the validator
+        app.on_task_sample(task, sample, setting, names, ratio, DEFAULT_MODEL)
+    assert message in refused.value.message.replace("&#x27;", "'") and "<script>" not in refused.value.message
+
+
+def test_the_sample_request_is_each_policy_at_the_sliders_ratio():
+    request = app.sample_request("ruler_cwe", 9, "agnostic", ["tova", "full", "kvzip"], 0.875, DEFAULT_MODEL)
+    assert request.specs == ["tova:ratio=0.875", "kvzip:ratio=0.875"] and request.length == api.TASK_LENGTHS[0]
+    with pytest.raises(RequestError, match="Pick 1 to 3"):
+        app.sample_request("ruler_cwe", 9, "agnostic", None, 0.5, DEFAULT_MODEL)
