@@ -310,7 +310,8 @@ def cmd_tasks(args: argparse.Namespace) -> int:
                                           f"</head><body>{page}{leaderboard_table_html(summary)}</body></html>")
     with pd.option_context("display.width", 200, "display.max_rows", 500):
         shown = means if len(means) else summary
-        print(shown.drop(columns=["task", "length", "full_solves"]).to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+        print(shown.drop(columns=["task", "length", "full_solves"]).to_string(index=False,
+                                                                            float_format=lambda v: f"{v:.2f}"))
     print(f"{len(jobs)} samples; wrote leaderboard.csv, summary.csv, leaderboard.html and samples.jsonl (the "
           f"checkpoint) to {out}")
     return 0

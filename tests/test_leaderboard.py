@@ -101,7 +101,8 @@ def test_the_command_writes_the_table_and_resumes_after_a_kill(tiny_dir, tmp_pat
     assert (agnostic["context_tokens"] < agnostic["tokens"]).all()
     assert aware["budget"].tolist() == agnostic["budget"].tolist()
     # A per-step policy reads the same tokens either way, so both settings give it one trace (one link).
-    assert aware["run_id"].tolist() == agnostic["run_id"].tolist() and aware["answer"].tolist() == agnostic["answer"].tolist()
+    assert aware["run_id"].tolist() == agnostic["run_id"].tolist()
+    assert aware["answer"].tolist() == agnostic["answer"].tolist()
     clean = subprocess.run(_command(tiny_dir, tmp_path / "clean"), cwd=ROOT, env=_environment(store),
                            capture_output=True, text=True, timeout=900)
     assert clean.returncode == 0, clean.stderr[-2000:]

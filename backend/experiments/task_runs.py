@@ -186,7 +186,8 @@ def answer(lm: LoadedModel, request: TaskRequest, specs: Sequence[str], setting:
     return [answers[i] for i in range(len(specs))]
 
 
-def _answer(lm: LoadedModel, spec: str, policy: Policy, trace: Trace, key: str, run: Run, until: Sequence[str]) -> Answer:
+def _answer(lm: LoadedModel, spec: str, policy: Policy, trace: Trace, key: str, run: Run,
+            until: Sequence[str]) -> Answer:
     from lm_eval.models.utils import postprocess_generated_text
 
     text = postprocess_generated_text(lm.tokenizer.decode(trace.generated_ids, skip_special_tokens=True),
@@ -218,17 +219,17 @@ def run_sample(lm: LoadedModel, name: str, length: int, index: int, specs: Seque
     specs = ["full", *[s for s in specs if parse_spec(s).name != "full"]]
     answers = answer(lm, request, specs, setting, store)
     full_key = answers[0].key
-    end = counted_tokens(lm, request, encode(lm, request.context), setting)
     ids = encode(lm, request.context)
+    end = counted_tokens(lm, request, ids, setting)
     rows = []
     for item in answers:
         policy = item.policy
         rows.append({"task": name, "length": int(length), "policy": policy.name, "ratio": ratio_of(item.spec),
                      "budget": getattr(policy, "budget", None), "setting": setting, "sample": int(index),
                      "score": float(score(task, request.doc, item.text)), "answer": item.text,
-                     "references": json.dumps(list(request.doc["outputs"])), "run_id": link(store, lm, request, item,
-                                                                                            full_key),
-                     "spec": item.spec, "tokens": len(ids), "context_tokens": end})
+                     "references": json.dumps(list(request.doc["outputs"])),
+                     "run_id": link(store, lm, request, item, full_key), "spec": item.spec, "tokens": len(ids),
+                     "context_tokens": end})
     return rows
 
 
