@@ -56,6 +56,7 @@ from viz.leaderboard import leaderboard_figure, leaderboard_table_html  # noqa: 
 from viz.needle import found_rates, needle_figure, needle_table_html  # noqa: E402
 from viz.sweep import sweep_ci_figure  # noqa: E402
 from viz.tasks import sample_status_html, sample_table_html  # noqa: E402
+import zerogpu  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 EXAMPLES = texts.examples(ROOT / "assets" / "examples")  # the needle example first, then short to long
@@ -348,11 +349,39 @@ def selectors_for(run: Run) -> tuple:
             gr.update(choices=panels.head_choices(meta["n_kv_heads"])))
 
 
+def _follow(progress) -> Callable[[float, str], None] | None:
+    """The engine's progress reports on the page's progress bar."""
+    return None if progress is None else lambda frac, what: progress(frac, desc=what)
+
+
+# The functions that run the model: on a ZeroGPU Space each runs inside a call that holds the GPU, so it gets
+# plain arguments, returns its result and leaves the page's state (the recent runs, the admission tickets) to
+# its caller (zerogpu.py).
+@zerogpu.gpu(zerogpu.run_demand)
+def compute_run(request: api.RunRequest, progress=None) -> Run:
+    return api.run(request, zerogpu.own_store(STORE), _follow(progress))
+
+
+@zerogpu.gpu(zerogpu.sweep_demand)
+def compute_sweep(request: api.SweepRequest, progress=None):
+    return api.sweep(request, zerogpu.own_store(STORE), _follow(progress))
+
+
+@zerogpu.gpu(zerogpu.needle_demand)
+def compute_needle(jobs: list[dict], progress=None) -> pd.DataFrame:
+    return api.needle_grid(jobs, _follow(progress), no_cache=not STORE.available)
+
+
+@zerogpu.gpu(zerogpu.sample_demand)
+def compute_sample(request: api.SampleRequest, progress=None) -> api.SampleResult:
+    return api.task_sample(request, zerogpu.own_store(STORE))
+
+
 def on_run(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model, request: gr.Request = None,
            progress=gr.Progress()):
     try:
-        run = api.run(run_request(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model),
-                              STORE, lambda frac, what: progress(frac, desc=what))
+        run = compute_run(run_request(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model),
+                          progress)
     except RequestError as err:
         raise shown(err) from None
     finally:
@@ -368,8 +397,7 @@ def on_run(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, mo
 def on_sweep(prompt, mode, max_new, names, sinks, alpha, heads, model, request: gr.Request = None,
              progress=gr.Progress()):
     try:
-        result = api.sweep(sweep_request(prompt, mode, max_new, names, sinks, alpha, heads, model), STORE,
-                           lambda frac, what: progress(frac, desc=what))
+        result = compute_sweep(sweep_request(prompt, mode, max_new, names, sinks, alpha, heads, model), progress)
     except RequestError as err:
         raise shown(err) from None
     finally:
@@ -411,8 +439,7 @@ def on_needle(names, budget, lengths, model, request: gr.Request = None, progres
     started = time.monotonic()
     try:
         jobs = needle_jobs(names, budget, lengths, model)
-        table = api.needle_grid(jobs, lambda frac, what: progress(frac, desc=what),
-                                              no_cache=not STORE.available)
+        table = compute_needle(jobs, progress)
     except RequestError as err:
         raise shown(err) from None
     finally:
@@ -506,7 +533,7 @@ def on_task_sample(task, sample, setting, names, ratio, model, request: gr.Reque
     started = time.monotonic()
     try:
         asked = sample_request(task, sample, setting, names, ratio, model)
-        result = api.task_sample(asked, STORE)
+        result = compute_sample(asked)
     except RequestError as err:
         raise shown(err) from None
     finally:

@@ -1,6 +1,6 @@
-"""The front door: the app, the CLI, the sweep, the needle grid and the app's needle tab all come in here, with
-one validation and the limits of whoever asks (``limits.Limits``: the Space's by default, the machine's from
-the command line). Without any UI code it checks a request, runs it through the store
+"""The front door: the app, the CLI, the sweep, the needle grid, the app's needle tab and its task samples all
+come in here, with one validation and the limits of whoever asks (``limits.Limits``: the Space's by default,
+the machine's from the command line). Without any UI code it checks a request, runs it through the store
 (``runs.replay_or_compute``), gives it a share link, reopens it later, and exports it.
 
 Checks come cheapest first: ``check_run`` / ``check_sweep`` / ``check_needle`` look only at the request
@@ -66,6 +66,17 @@ def get_model(name: str = DEFAULT_MODEL, device: str = "cpu", dtype: str = "floa
         raise RequestError(str(err)) from None
     except OSError as err:  # a hub model without internet, for example
         raise RequestError(f"could not load {name}: {str(err).splitlines()[0]}") from None
+
+
+def move_model(name: str = DEFAULT_MODEL, device: str = "cuda") -> LoadedModel:
+    """This process's ``name`` (``get_model``'s, loaded on the CPU) moved onto ``device`` in place: where a ZeroGPU
+    Space moves its model, inside the call that holds the GPU. Its fingerprint then names the device, as
+    ``load_model``'s does, so the traces computed there are stored apart from the CPU's."""
+    lm = get_model(name)
+    if device != "cpu" and lm.model.device.type != device:
+        lm.model.to(device)
+        lm.fingerprint += f"@{device}"
+    return lm
 
 
 @dataclass

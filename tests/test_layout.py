@@ -147,3 +147,17 @@ def test_viz_modules_keep_no_mutable_container_once_imported():
         for key, value in vars(module).items():
             if not (key.startswith("__") and key.endswith("__")):  # __builtins__, __annotations__
                 assert not isinstance(value, (dict, list, set, bytearray, collections.deque)), f"{name}.{key}"
+
+
+def test_the_notebook_api_is_a_front_end_on_the_front_door():
+    """kvlens.py (``import kvlens`` in a notebook) sits beside app.py: it runs requests through backend.api and
+    draws with viz, and reaches neither what computes (the engine, runs, experiments) nor Gradio."""
+    found = set()
+    for node in ast.walk(ast.parse((ROOT / "kvlens.py").read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            found |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+    assert "backend.api" in found
+    computes = ("backend.engine", "backend.runs", "backend.experiments", "gradio")
+    assert not [name for name in found if name.startswith(computes)], found
