@@ -37,6 +37,10 @@ from ..traces.trace import Trace
 from .tasks import load_task, score
 
 SETTINGS = ("agnostic", "aware")
+# Rows per batched run. 77 rows (19 policies x 4 ratios and Full) at 1k tokens held 21 GB at their peak, past
+# what the row-token price foresaw (the OOM killer stopped the first shipped grid): as the sweep does, a sample's
+# rows go in runs of at most this many (each with Full's reference row; the store keys do not change).
+MAX_ROWS = 32
 
 
 @dataclass(frozen=True)
@@ -133,7 +137,7 @@ def counted_tokens(lm: LoadedModel, request: TaskRequest, ids: Sequence[int], se
 
 
 def _batches(lm: LoadedModel, policies: Sequence[Policy], length: int, limits: Limits) -> list[list[int]]:
-    """The rows' indices in runs that each fit the machine's memory (one run when they all fit)."""
+    """The rows' indices in runs of at most ``MAX_ROWS`` rows that each fit the machine's memory."""
     limit = limits.row_token_limit(RowPrice.of(lm.model.config), length)
     batches, cost = [[]], 0
     for i, policy in enumerate(policies):
@@ -141,7 +145,7 @@ def _batches(lm: LoadedModel, policies: Sequence[Policy], length: int, limits: L
         if own > limit:
             raise ValueError(f"{policy.spec()} on {length} tokens costs {own:,} row-tokens, more than the "
                              f"{limit:,} this machine's memory holds")
-        if batches[-1] and cost + own > limit:
+        if batches[-1] and (cost + own > limit or len(batches[-1]) == MAX_ROWS):
             batches.append([])
             cost = 0
         batches[-1].append(i)
@@ -153,7 +157,7 @@ def answer(lm: LoadedModel, request: TaskRequest, specs: Sequence[str], setting:
            store: TraceStore | None = None, limits: Limits | None = None, record_layers: Sequence[int] = ()
            ) -> list[Answer]:
     """Every spec's answer to ``request`` (``full`` among them answers as the reference row): as few batched
-    runs as the machine's memory allows (one, mostly), through the store. A ratio counts the context's tokens
+    runs as ``MAX_ROWS`` and the machine's memory allow (one for up to 32 rows), through the store. A ratio counts the context's tokens
     (``counted_tokens``). ValueError in one line when the request cannot run."""
     if setting not in SETTINGS:
         raise ValueError(f"setting must be one of {', '.join(SETTINGS)}, got {setting!r}")
