@@ -164,7 +164,11 @@ def test_long_context_tab_draws_the_shipped_grid_and_refuses_an_oversized_one(pa
     assert page.locator("#needle-grid .js-plotly-plot").count() == 0  # refused before it queued
 
 
-def test_tasks_tab_draws_the_shipped_leaderboard_and_one_sample_fills_the_usual_views(page):
+def test_tasks_tab_draws_the_shipped_leaderboard_and_one_sample_fills_the_usual_views(page, app_url):
+    # A page of its own: the module's page carries the earlier tests' layer, budget and tab choices.
+    page = page.context.browser.new_page(viewport={"width": 1920, "height": 1200})
+    page.goto(app_url)
+    page.wait_for_selector("#run", timeout=60_000)
     page.get_by_role("tab", name="Tasks").click()
     page.wait_for_selector("#leaderboard-plot .js-plotly-plot", timeout=30_000)
     assert "mean over the tasks Full solves" in " ".join(map(str, plot_titles(page, "leaderboard-plot")))
@@ -196,4 +200,8 @@ def test_tasks_tab_draws_the_shipped_leaderboard_and_one_sample_fills_the_usual_
     page.wait_for_function("() => document.querySelector('#summary').innerText.includes('tova:ratio=0.5')",
                            timeout=120_000)
     page.get_by_role("tab", name="Masks").click()
-    page.wait_for_selector("#heatmap .js-plotly-plot", timeout=120_000)
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('#heatmap .js-plotly-plot')].some(el => "
+        "(el.layout.annotations || []).some(a => a.text.includes('tova:ratio=0.5')))",
+        timeout=120_000)
+    page.close()
