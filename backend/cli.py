@@ -197,18 +197,13 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def _sweep_grid(args, jobs, docs, models, out: Path) -> pd.DataFrame:
-    from .experiments.grid import GridError, run_grid, stderr_progress
     from .runs import ENGINE_VERSION
 
     grid = [_on_device({"kind": "sweep", "model": model, "engine": ENGINE_VERSION,
                         "payload": {"document": name, "text": text, "jobs": [list(j) for j in jobs],
                                     "max_tokens": args.max_tokens, "max_rows": args.max_rows}}, args)
             for model in models for name, text in docs]
-    try:
-        results = run_grid(grid, address=args.ray, workers=args.workers, checkpoint=out / "documents.jsonl",
-                           no_cache=args.no_cache, progress=stderr_progress("sweep documents"))
-    except GridError as err:
-        raise CliError(str(err)) from None
+    results = _run_grid(grid, args, out / "documents.jsonl", "sweep documents")
     df = pd.DataFrame([row for rows in results for row in rows])
     front = ["model", "document"]
     df = df[front + [c for c in df.columns if c not in front]]
@@ -227,7 +222,6 @@ def _numbers(text: str, kind, flag: str) -> list:
 
 
 def cmd_needle(args: argparse.Namespace) -> int:
-    from .experiments.grid import GridError, run_grid, stderr_progress
     from .experiments.needle import needle_frame, needle_jobs
 
     lengths = _numbers(args.lengths, int, "--lengths")
@@ -245,12 +239,7 @@ def cmd_needle(args: argparse.Namespace) -> int:
     except SpecError as err:
         raise CliError(str(err)) from None
     out = writable_dir(args.out)
-    try:
-        results = run_grid(jobs, address=args.ray, workers=args.workers, checkpoint=out / "cells.jsonl",
-                           no_cache=args.no_cache, progress=stderr_progress("needle cells"))
-    except GridError as err:
-        raise CliError(str(err)) from None
-    df = needle_frame(results)
+    df = needle_frame(_run_grid(jobs, args, out / "cells.jsonl", "needle cells"))
     df.to_csv(out / "grid.csv", index=False)
     from viz.needle import needle_figure  # the CLI is a front end, like app.py: figures come from viz/
 
@@ -263,7 +252,6 @@ def cmd_needle(args: argparse.Namespace) -> int:
 
 
 def cmd_tasks(args: argparse.Namespace) -> int:
-    from .experiments.grid import GridError, run_grid, stderr_progress
     from .experiments.leaderboard import averaged, leaderboard_frame, summarize, task_jobs, task_specs
     from .experiments.task_runs import SETTINGS
 
@@ -289,12 +277,7 @@ def cmd_tasks(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise CliError(f"--ratios: {err}") from None
     out = writable_dir(args.out)
-    try:
-        results = run_grid(jobs, address=args.ray, workers=args.workers, checkpoint=out / "samples.jsonl",
-                           no_cache=args.no_cache, progress=stderr_progress("task samples"))
-    except GridError as err:
-        raise CliError(str(err)) from None
-    df = leaderboard_frame(results)
+    df = leaderboard_frame(_run_grid(jobs, args, out / "samples.jsonl", "task samples"))
     df.to_csv(out / "leaderboard.csv", index=False)
     summary = summarize(df)
     means = averaged(summary)
@@ -315,6 +298,17 @@ def cmd_tasks(args: argparse.Namespace) -> int:
     print(f"{len(jobs)} samples; wrote leaderboard.csv, summary.csv, leaderboard.html and samples.jsonl (the "
           f"checkpoint) to {out}")
     return 0
+
+
+def _run_grid(jobs: list[dict], args: argparse.Namespace, checkpoint: Path, what: str) -> list[list[dict]]:
+    """The grid's rows (``experiments.grid.run_grid``: serially, or on Ray with ``--ray``), a failed job one line."""
+    from .experiments.grid import GridError, run_grid, stderr_progress
+
+    try:
+        return run_grid(jobs, address=args.ray, workers=args.workers, checkpoint=checkpoint, no_cache=args.no_cache,
+                        progress=stderr_progress(what))
+    except GridError as err:
+        raise CliError(str(err)) from None
 
 
 def _on_device(job: dict, args: argparse.Namespace) -> dict:

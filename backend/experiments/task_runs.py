@@ -169,6 +169,7 @@ def answer(lm: LoadedModel, request: TaskRequest, specs: Sequence[str], setting:
         raise ValueError(f"the prompt ({len(ids)} tokens) and {request.max_new_tokens} new tokens come to more than "
                          f"the {lm.context} tokens {lm.name} reads")
     end = counted_tokens(lm, request, ids, setting)
+    decide_at = end if setting == "agnostic" else None  # query-agnostic: the policies decide before the question
     policies = [parse_spec(spec, end) for spec in specs]
     asked = [i for i, p in enumerate(policies) if p.name != "full"]
     answers: dict[int, Answer] = {}
@@ -176,14 +177,12 @@ def answer(lm: LoadedModel, request: TaskRequest, specs: Sequence[str], setting:
     for batch in _batches(lm, [policies[i] for i in asked], length, limits or Limits.for_machine()):
         rows = [asked[j] for j in batch]
         run = replay_or_compute(lm, [specs[i] for i in rows], [policies[i] for i in rows], ids, "generate",
-                                request.max_new_tokens, store, record_layers=record_layers,
-                                context_end=end if setting == "agnostic" else None)
+                                request.max_new_tokens, store, record_layers=record_layers, context_end=decide_at)
         for k, i in enumerate(rows):
             answers[i] = _answer(lm, specs[i], policies[i], run.traces[k], run.keys[k], run, request.until)
     if run is None:  # only Full asked: a run of its reference row alone
         run = replay_or_compute(lm, [], [], ids, "generate", request.max_new_tokens, store,
-                                record_layers=record_layers,
-                                context_end=end if setting == "agnostic" else None)
+                                record_layers=record_layers, context_end=decide_at)
     for i, policy in enumerate(policies):
         if i not in answers:  # Full: the reference row every run has
             answers[i] = _answer(lm, specs[i], policy, run.full, run.full_key, run, request.until)
