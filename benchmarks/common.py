@@ -125,6 +125,7 @@ def add_pairs_argument(parser, default: int = DEFAULT_PAIRS, *aliases: str) -> N
                              f"ratios, with their min-max (default {default})")
 
 
-def model(name: str = DEFAULT_MODEL):
+def model(name: str = DEFAULT_MODEL, device: str = "cpu", dtype: str = "float32"):
     torch.set_grad_enabled(False)
-    return load_model(name)
+    return load_model(name, device=device, dtype=dtype)
+

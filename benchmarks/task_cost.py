@@ -4,14 +4,24 @@ small grid's wall time serially and on a local Ray.
 
     python -m benchmarks.task_cost [--lengths 1024,4096] [--policies ...] [--ratios ...] [--pairs 1]
     python -m benchmarks.task_cost --grid [--samples 4] [--workers 2]
+    python -m benchmarks.task_cost --lengths 4096 --save-request R.json      # the sample's prompt, for a GPU
+    python -m benchmarks.task_cost --request R.json --model DIR --device cuda [--dtype bfloat16] [--json F]
 
 The sample's ratio is measured in pairs (plain forward, sample, plain forward, sample, ...; ``common.paired``),
 nothing stored (every call computes). It includes the answers' decoding: every row decodes until every row has
 stopped (EOS) or the task's token limit (RULER's needle: 128), so a row that rambles keeps the batch going.
 The grid times the same jobs twice from empty stores: serially in this process, then on ``ray.init`` with one
 actor per worker (each loads the model once).
+
+Where lm-eval cannot run (a GPU machine with no network and no lm-eval), ``--save-request`` writes the sample's
+request as lm-eval builds it (prompt, stop strings, new tokens, sample) and ``--request`` answers that one; with
+``--model`` a directory of random weights in the model's shape (``benchmarks/random_model.py``) it times the
+same rows, though a random model's answers never stop early (every row decodes the task's whole limit). The rows
+then go in groups of ``MAX_ROWS`` (the runs ``answer`` makes), each timed; ``--seconds`` stops between groups.
 """
 import argparse
+import dataclasses
+import json
 import os
 import tempfile
 import time
@@ -19,20 +29,27 @@ import time
 import torch
 
 from backend.experiments.leaderboard import SHIPPED_POLICIES, SHIPPED_RATIOS, task_jobs, task_specs
-from backend.experiments.task_runs import answer, encode, lm_eval_request
+from backend.experiments.task_runs import MAX_ROWS, TaskRequest, answer, encode, lm_eval_request
 from backend.experiments.tasks import load_task, tokenizer_source
 from backend.limits import Limits
+
+from backend.engine.models import DEFAULT_MODEL
 
 from .common import add_pairs_argument, model, paired
 
 
-def sample_cost(lm, length: int, specs: list[str], pairs: int, task_name: str) -> None:
-    task = load_task(task_name, length, tokenizer_source(lm))
-    request = lm_eval_request(task, 0, lm, chat=True)
+def task_request(lm, task_name: str, length: int) -> TaskRequest:
+    """Sample 0 of the task at ``length`` tokens, as lm-eval builds it for ``lm`` (chat template applied)."""
+    return lm_eval_request(load_task(task_name, length, tokenizer_source(lm)), 0, lm, chat=True)
+
+
+def sample_cost(lm, request: TaskRequest, specs: list[str], pairs: int, task_name: str) -> None:
     ids = encode(lm, request.context)
 
     def plain():
-        lm.model(torch.tensor([ids]))
+        lm.model(torch.tensor([ids], device=lm.model.device))
+        if lm.model.device.type == "cuda":
+            torch.cuda.synchronize()
 
     timing = paired(plain, lambda: answer(lm, request, ["full", *specs], "agnostic", None, Limits.for_machine()),
                     pairs, warmup=plain)
@@ -41,6 +58,37 @@ def sample_cost(lm, length: int, specs: list[str], pairs: int, task_name: str) -
     rows = len(answers)
     print(f"| {task_name} | {len(ids)} | {rows} | {decoded} | {timing.baseline:.2f} | {timing.run:.1f} | "
           f"{timing.ratio:.1f}x ({timing.spread(1)}) | {timing.ratio / rows:.2f}x |", flush=True)
+
+
+def grouped_cost(lm, request: TaskRequest, specs: list[str], seconds: float, json_out: str | None) -> None:
+    """The sample's rows in the groups ``answer`` runs them in, each timed; stops between groups past ``seconds``."""
+    ids = encode(lm, request.context)
+    for _ in range(2):  # the second call is timed
+        plain = time.perf_counter()
+        lm.model(torch.tensor([ids], device=lm.model.device))
+        if lm.model.device.type == "cuda":
+            torch.cuda.synchronize()
+        plain = time.perf_counter() - plain
+    answer(lm, request, ["full", *specs[:1]], "agnostic", None, Limits.for_machine())  # warm-up: kernels, imports
+    start, groups = time.perf_counter(), []
+    for lo in range(0, len(specs), MAX_ROWS):
+        group = specs[lo:lo + MAX_ROWS]
+        began = time.perf_counter()
+        answers = answer(lm, request, ["full", *group], "agnostic", None, Limits.for_machine())
+        groups.append({"rows": len(group) + 1, "seconds": time.perf_counter() - began,
+                       "decoded": max(len(a.trace.generated_ids) for a in answers)})
+        print(f"| {len(ids)} | {len(group) + 1} | {groups[-1]['decoded']} | {groups[-1]['seconds']:.1f} |", flush=True)
+        if time.perf_counter() - start > seconds:
+            break
+    done = sum(g["rows"] - 1 for g in groups)
+    total = time.perf_counter() - start
+    print(f"{done} of {len(specs)} policy rows in {total:.1f} s (plain forward {plain:.3f} s); the whole sample at "
+          f"this rate: {total * len(specs) / done:.0f} s", flush=True)
+    if json_out:
+        with open(json_out, "a") as out:
+            out.write(json.dumps({"device": str(lm.model.device), "dtype": str(lm.model.dtype), "tokens": len(ids),
+                                  "policy_rows": len(specs), "rows_done": done, "seconds": total,
+                                  "plain_forward_s": plain, "groups": groups}) + "\n")
 
 
 def grid_cost(lm, samples: int, workers: int) -> None:
@@ -68,20 +116,40 @@ def main() -> None:
     parser.add_argument("--grid", action="store_true", help="time a small grid serially and on a local Ray instead")
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="a packaged model or a model directory")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--save-request", help="write sample 0's request at the first length here (JSON) and stop")
+    parser.add_argument("--request", help="answer this saved request (no lm-eval), its rows timed group by group")
+    parser.add_argument("--seconds", type=float, default=float("inf"), help="with --request: stop between groups "
+                        "past this many seconds")
+    parser.add_argument("--json", help="with --request: append the figures here (JSON lines)")
     add_pairs_argument(parser, 1)
     args = parser.parse_args()
-    lm = model()
-    print(f"torch threads: {torch.get_num_threads()}")
+    lm = model(args.model, args.device, args.dtype)
+    print(f"torch threads: {torch.get_num_threads()}; {args.model} on {args.device} in {args.dtype}")
     if args.grid:
         print("| grid | serial (s) | local Ray (s) | speed-up |\n|---|---|---|---|")
         grid_cost(lm, args.samples, args.workers)
         return
+    lengths = [int(n) for n in args.lengths.split(",")]
+    if args.save_request:
+        request = task_request(lm, args.task, lengths[0])
+        with open(args.save_request, "w") as out:
+            json.dump(dataclasses.asdict(request), out)
+        return
     specs = task_specs(args.policies.split(","), [float(r) for r in args.ratios.split(",")])
+    if args.request:
+        with open(args.request) as saved:
+            fields = json.load(saved)
+        request = TaskRequest(**{**fields, "until": tuple(fields["until"])})
+        print("| prompt tokens | rows (Full included) | tokens decoded | seconds |\n|---|---|---|---|")
+        grouped_cost(lm, request, specs, args.seconds, args.json)
+        return
     print("| task | prompt tokens | rows (Full included) | tokens decoded | plain forward (s) | sample (s) | "
           "ratio to a plain forward (min-max) | per row |\n|---|---|---|---|---|---|---|---|")
-    for length in (int(n) for n in args.lengths.split(",")):
-        sample_cost(lm, length, specs, args.pairs, args.task)
-
+    for length in lengths:
+        sample_cost(lm, task_request(lm, args.task, length), specs, args.pairs, args.task)
 
 if __name__ == "__main__":
     main()

@@ -26,6 +26,9 @@ except ImportError:  # the engine keeps its other walks
     triton = None
 
 
+NUM_WARPS = 4  # warps of the one program that walks a block (benchmarks/walk.py --warps times others)
+
+
 def usable(scores: torch.Tensor) -> bool:
     """Triton can walk these scores: on a GPU, or anywhere under TRITON_INTERPRET=1 (the tests)."""
     return triton is not None and (scores.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
@@ -98,5 +101,5 @@ def walk(weights, alive, positions, state, first, held, budget, decay, by_positi
                        n, width, first, held, budget, sinks, recent,
                        H=heads, G=group, BLOCK_H=triton.next_power_of_2(heads),
                        BLOCK_C=triton.next_power_of_2(width), BY_POSITION=bool(by_position), LAYER=bool(layer),
-                       RECORD=attn_rows.shape[1] == n)
+                       RECORD=attn_rows.shape[1] == n, num_warps=NUM_WARPS)
     alive.copy_(flags != 0)

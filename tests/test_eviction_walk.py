@@ -117,6 +117,20 @@ def test_the_triton_walk_equals_the_numpy_walk_for_other_parameters(policy, monk
 
 
 @needs_triton
+@pytest.mark.parametrize("name", ["tova", "h2o"])
+def test_the_triton_walk_decides_on_bfloat16_scores_as_the_numpy_walk(name, monkeypatch):
+    """A bfloat16 model walks on the device too (decisions in float64 from its scores), not in numpy."""
+    policy = POLICIES[name].for_budget(24)
+    reference, out_ref = walk(policy, False, monkeypatch, 40, dtype=torch.bfloat16)
+    device, out = walk(policy, True, monkeypatch, 40, dtype=torch.bfloat16, device_walk=True)
+    assert out.dtype == torch.bfloat16
+    np.testing.assert_array_equal(device.evicted_at, reference.evicted_at)
+    np.testing.assert_array_equal(device.slots, reference.slots)
+    # The device writes softmax rows computed in float64; numpy's path takes bfloat16's own softmax.
+    torch.testing.assert_close(out.float(), out_ref.float(), rtol=0.02, atol=0.02)
+
+
+@needs_triton
 def test_the_triton_walk_catches_a_misdeclared_policy(monkeypatch):
     with pytest.raises(AssertionError):
         assert_same_walk(MisdeclaredH2O(budget=24), monkeypatch, 7, device_walk=True)

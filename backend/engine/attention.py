@@ -250,10 +250,13 @@ class RowLayerState:
 
         Running-score policies (Window, sinks, H2O, TOVA, A2SF) walk compiled: with numba on the CPU, in one
         Triton launch per block on a GPU; the numpy walk is their reference and every other policy's walk."""
-        if self.running is not None and scores.dtype in (torch.float32, torch.float64):
+        if self.running is not None:
+            # The walk decides in float64 from the block's scores in any precision: on the device for every
+            # dtype (bfloat16 too), with numba for float32 and float64.
             if (scores.is_cuda or DEVICE_WALK) and eviction_walk_triton.usable(scores):
                 return self._walk_device(scores, columns, first)
-            if scores.device.type == "cpu" and eviction_walk.walk is not None:
+            if (scores.device.type == "cpu" and scores.dtype in (torch.float32, torch.float64)
+                    and eviction_walk.walk is not None):
                 return self._walk_compiled(scores, columns, first)
         reads, attn_rows = self._walk_numpy(scores, columns, first, key, value, n_prompt, q)
         # -inf where a query does not read (adding a bias is several times faster than a broadcast masked_fill).
@@ -290,7 +293,10 @@ class RowLayerState:
         score = torch.zeros((n_heads, width), dtype=torch.float64, device=device)
         if running.state is not None:
             score[:, :held] = torch.from_numpy(self.state[running.state]).to(device)
-        probs = torch.empty(scores.shape, dtype=scores.dtype, device=device)
+        # float32 for a half-precision model: the softmax is cast once after the walk (Triton's interpreter, which
+        # the CPU tests run, cannot store bfloat16).
+        wide = scores.dtype if scores.dtype in (torch.float32, torch.float64) else torch.float32
+        probs = torch.empty(scores.shape, dtype=wide, device=device)
         record = self.top is not None
         attn_rows = torch.zeros((n_heads, n if record else 0, width if record else 0), dtype=torch.float64,
                                 device=device)
@@ -300,7 +306,7 @@ class RowLayerState:
         if running.state is not None:
             self.state = {**self.state, running.state: score.cpu().numpy()}
         self._end_block(columns, alive.cpu().numpy(), dropped_at.cpu().numpy(), first, n)
-        return probs, attn_rows.cpu().numpy() if record else None
+        return probs.to(scores.dtype), attn_rows.cpu().numpy() if record else None
 
     def _walk_numpy(self, scores: torch.Tensor, columns: np.ndarray, first: int, key, value, n_prompt, q):
         """Decide query by query what the block's queries read; return reads bool [H, n, C] and, when

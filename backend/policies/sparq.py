@@ -69,8 +69,9 @@ class SparQ(AttendingPolicy):
 
     def attend_block(self, state, block):
         """On a GPU the Triton kernels, one decode-shaped call per query that fits its cache in the budget and
-        one for the rest (kernels/sparq_triton.py); on the CPU the whole block in one torch call (kernels/sparq.py): the same algorithm,
-        tests/test_sparq_policy.py holds them equal."""
+        one for the rest (kernels/sparq_triton.py); elsewhere, and on a GPU for a layer the kernels cannot take (a
+        scale other than the paper's, a sliding window, soft-capping), the whole block in one torch call
+        (kernels/sparq.py): the same algorithm, tests/test_sparq_policy.py holds them equal."""
         if self.prefill == "dense" and block.in_prompt:
             return state, self.attend_densely(block)
         n_q_heads, n, dim = block.q.shape
@@ -85,11 +86,11 @@ class SparQ(AttendingPolicy):
                                     block.window, block.softcap)
         width = res.reads.shape[-1]
         reads = np.zeros((n_kv_heads, n, total), bool)
-        reads[..., :width] = res.reads.numpy()
+        reads[..., :width] = res.reads.cpu().numpy()
         attn = np.zeros((n_kv_heads, n, total), np.float32)
-        attn[..., :width] = res.weights.mean(1).float().numpy()
-        agreement = _topk_agreement_masks(res.scores.sum(1), res.exact.sum(1), self.budget, steps)
-        stats = {"alpha": res.alpha.float().numpy(), "topk_agreement": agreement,
+        attn[..., :width] = res.weights.mean(1).float().cpu().numpy()
+        agreement = _topk_agreement_masks(res.scores.sum(1).cpu(), res.exact.sum(1).cpu(), self.budget, steps)
+        stats = {"alpha": res.alpha.float().cpu().numpy(), "topk_agreement": agreement,
                  "transfer_bytes": self._transfer(steps, dim, n_kv_heads)}
         return state, BlockResult(out=res.out, reads=reads, attn=attn, stats=stats)
 
