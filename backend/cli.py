@@ -266,12 +266,14 @@ def cmd_tasks(args: argparse.Namespace) -> int:
         raise CliError(f"--settings must be among {', '.join(SETTINGS)}, got {args.settings!r}")
     if args.samples < 1:
         raise CliError("--samples must be at least 1")
+    if args.first_sample < 0:
+        raise CliError("--first-sample must be 0 or more")
     try:
         ratios = parse_ratios(args.ratios)
         specs = task_specs([p for item in args.policy or [DEFAULT_TASK_POLICIES] for p in split_policies(item)],
                            ratios)
         jobs = [_on_device(job, args) for job in task_jobs(args.model, tasks, lengths, args.samples, specs, settings,
-                                                           chat=args.chat)]
+                                                           chat=args.chat, first=args.first_sample)]
     except SpecError as err:
         raise CliError(str(err)) from None
     except ValueError as err:
@@ -425,6 +427,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated lm-eval tasks (default: RULER's offline ones, {','.join(OFFLINE)})")
     p.add_argument("--lengths", default="1024", help="prompt lengths in tokens, as RULER sizes its samples")
     p.add_argument("--samples", type=int, default=5, help="samples per task and length (the first N)")
+    p.add_argument("--first-sample", type=int, default=0, metavar="K",
+                   help="start at sample K (samples K..K+N-1), to add samples to a leaderboard made before")
     p.add_argument("--policy", action="append", metavar="NAMES",
                    help=f"comma-separated policies with parameters but no budget; repeat to add (default: "
                         f"{DEFAULT_TASK_POLICIES})")

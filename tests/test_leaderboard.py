@@ -49,6 +49,8 @@ def test_specs_are_every_policy_at_every_ratio_and_full_is_the_reference():
                                   "setting": "agnostic", "chat": True}
     with pytest.raises(ValueError, match="settings"):
         task_jobs("m", ["niah_single_1"], [1024], 1, [], ["sideways"])
+    later = task_jobs("m", ["niah_single_1"], [1024], 2, ["tova:ratio=0.5"], first=3)  # added to samples 0-2
+    assert [j["payload"]["sample"] for j in later] == [3, 4]
 
 
 def test_intervals_are_wilsons_and_tasks_full_fails_stay_out_of_the_average():

@@ -43,10 +43,12 @@ def task_specs(policies: Sequence[str], ratios: Sequence[float]) -> list[str]:
 
 
 def task_jobs(model: str, tasks: Sequence[str], lengths: Sequence[int], samples: int, specs: Sequence[str],
-              settings: Sequence[str] = ("agnostic",), chat: bool = True) -> list[dict]:
-    """The grid's jobs (``experiments.grid``): one per (task, length, sample, setting), every spec a row of it."""
-    if samples < 1:
-        raise ValueError(f"samples must be at least 1, got {samples}")
+              settings: Sequence[str] = ("agnostic",), chat: bool = True, first: int = 0) -> list[dict]:
+    """The grid's jobs (``experiments.grid``): one per (task, length, sample, setting), every spec a row of it;
+    samples ``first`` .. ``first + samples - 1``, each in every setting before the next (a grid cut short has
+    the same samples in both)."""
+    if samples < 1 or first < 0:
+        raise ValueError(f"samples must be at least 1 and first at least 0, got {samples} and {first}")
     for setting in settings:
         if setting not in SETTINGS:
             raise ValueError(f"settings must be among {', '.join(SETTINGS)}, got {setting!r}")
@@ -54,7 +56,7 @@ def task_jobs(model: str, tasks: Sequence[str], lengths: Sequence[int], samples:
     return [{"kind": "task", "model": model, "engine": ENGINE_VERSION, "versions": versions,
              "payload": {"task": task, "length": int(length), "sample": index, "specs": list(specs),
                          "setting": setting, "chat": bool(chat)}}
-            for task in tasks for length in lengths for setting in settings for index in range(samples)]
+            for task in tasks for length in lengths for index in range(first, first + samples) for setting in settings]
 
 
 def leaderboard_frame(results: Sequence[Sequence[dict]]) -> pd.DataFrame:

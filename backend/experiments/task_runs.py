@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..engine.models import LoadedModel
+from ..engine.runner import default_record_layers
 from ..limits import Limits, RowPrice, row_cost
 from ..policies import Policy, parse_spec
 from ..runs import Run, put_link, replay_or_compute
@@ -220,7 +221,9 @@ def run_sample(lm: LoadedModel, name: str, length: int, index: int, specs: Seque
     task = load_task(name, int(length), tokenizer or tokenizer_source(lm))
     request = lm_eval_request(task, index, lm, chat)
     specs = ["full", *[s for s in specs if parse_spec(s).name != "full"]]
-    answers = answer(lm, request, specs, setting, store)
+    # The app's layers are recorded (attention rows, keys): a sample's link opens in every view, and the evidence
+    # views (analysis/evidence.py) read what the answer's first token attended to.
+    answers = answer(lm, request, specs, setting, store, record_layers=default_record_layers(lm))
     full_key = answers[0].key
     ids = encode(lm, request.context)
     end = counted_tokens(lm, request, ids, setting)

@@ -1,0 +1,212 @@
+"""Where a sample's answer lives in its prompt, and what each policy's cache did with it.
+
+**Evidence** is the tokens of the prompt that hold the answer: each reference string of a task sample (a needle's
+number, the variables of a VT chain, the CWE and FWE words), every occurrence of it in the context, or a span a
+user names. It is found in the text, not in the tokens: the prompt's tokens are mapped to characters once
+(``token_offsets``), each occurrence of a reference (case-insensitive, as RULER scores, and as a whole word or
+number) is located there, and the tokens it overlaps are its span. So a string the tokenizer splits differently
+in context than alone is still found, and a reference absent from the prompt is reported, not an error.
+
+**Following it** (``follow``) reads the stored trace only: per layer and KV head, whether each evidence token was
+read by the query that produced the answer's first token (the prompt's last position), the step it stopped being
+read, and, in the recorded layers, the share of that query's attention the evidence received. ``verdict`` says it
+in one line; the same for Full gives the reference numbers.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..traces.trace import Trace
+from .reads import intervals
+
+
+@dataclass(frozen=True)
+class Span:
+    """Tokens ``start .. end - 1`` of the prompt hold an occurrence of ``label``."""
+
+    label: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """The spans of every reference found before ``end`` (the context's end), and the references not found."""
+
+    spans: tuple[Span, ...]
+    missing: tuple[str, ...]
+    end: int
+
+    @property
+    def positions(self) -> np.ndarray:
+        """int64: every evidence token's position, sorted, each once."""
+        if not self.spans:
+            return np.zeros(0, np.int64)
+        return np.unique(np.concatenate([np.arange(s.start, s.end) for s in self.spans])).astype(np.int64)
+
+    def describe(self) -> str:
+        found = sorted({s.label for s in self.spans})
+        text = f"{len(self.positions)} tokens in {len(self.spans)} occurrences of {', '.join(found) or 'nothing'}"
+        if self.missing:
+            text += f"; not in the prompt: {', '.join(self.missing)}"
+        return text
+
+
+def token_offsets(tokenizer, ids: Sequence[int]) -> tuple[str, np.ndarray, np.ndarray]:
+    """The text of ``ids`` and each token's [start, end) characters in it.
+
+    The tokens' own decoding gives the text; re-encoding it with offsets gives each token's characters when that
+    round-trips to the same ids (so every tokenizer's merges and normalisation are its own). Otherwise each token
+    is decoded alone and the pieces are joined (exact for ASCII; a character split across byte tokens is shared
+    by them)."""
+    ids = [int(i) for i in ids]
+    text = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    try:
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        if list(encoded["input_ids"]) == ids:
+            offsets = np.asarray(encoded["offset_mapping"], np.int64).reshape(-1, 2)
+            return text, offsets[:, 0], offsets[:, 1]
+    except (NotImplementedError, TypeError, ValueError, KeyError):  # a slow tokenizer has no offsets
+        pass
+    pieces = [tokenizer.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False) for i in ids]
+    ends = np.cumsum([len(p) for p in pieces], dtype=np.int64)
+    return "".join(pieces), ends - np.asarray([len(p) for p in pieces], np.int64), ends
+
+
+def _pattern(reference: str) -> re.Pattern:
+    """The reference as a whole word or number: not inside a longer run of letters or digits."""
+    before = r"(?<![0-9A-Za-z])" if reference[:1].isalnum() else ""
+    after = r"(?![0-9A-Za-z])" if reference[-1:].isalnum() else ""
+    return re.compile(before + re.escape(reference) + after, re.IGNORECASE)
+
+
+def locate(tokenizer, ids: Sequence[int], references: Sequence[str], end: int | None = None) -> Evidence:
+    """Every occurrence of each reference among the first ``end`` tokens of ``ids`` (all of them by default: pass
+    the context's end so that a question repeating the answer's words is not taken for evidence)."""
+    end = len(ids) if end is None else int(end)
+    text, starts, ends = token_offsets(tokenizer, ids)
+    limit = int(ends[end - 1]) if end > 0 else 0
+    spans, missing = [], []
+    for reference in dict.fromkeys(r.strip() for r in references if r and r.strip()):
+        found = [m for m in _pattern(reference).finditer(text, 0, limit)]
+        if not found:
+            missing.append(reference)
+        for m in found:
+            first = int(np.searchsorted(ends, m.start(), side="right"))  # the first token ending after the start
+            last = int(np.searchsorted(starts, m.end(), side="left"))  # one past the last token starting before
+            if first < last:
+                spans.append(Span(reference, first, min(last, end)))
+    spans.sort(key=lambda s: (s.start, s.label))
+    return Evidence(tuple(spans), tuple(missing), end)
+
+
+def spans_of(positions: Sequence[tuple[int, int]], label: str = "span", end: int | None = None) -> Evidence:
+    """Evidence a user names by token ranges [start, end) rather than by strings."""
+    spans = tuple(Span(label, int(a), int(b)) for a, b in positions if int(b) > int(a))
+    return Evidence(spans, (), int(end if end is not None else max((s.end for s in spans), default=0)))
+
+
+@dataclass(frozen=True)
+class Followed:
+    """What one trace did with the evidence, read at ``step`` (the query that produced the answer's first token).
+
+    ``held`` bool [L, H, E]: evidence token e was read by that query in layer l, KV head h; ``left`` int [L, H, E]:
+    the step from which it was no longer read (-1 where it was read at ``step``); ``attention`` float [R]: per
+    recorded layer, the share of that query's attention (mean over KV heads, each the mean of its query heads)
+    on the evidence, or None where nothing was recorded."""
+
+    spec: str
+    step: int
+    positions: np.ndarray
+    held: np.ndarray
+    left: np.ndarray
+    attention: np.ndarray | None
+
+    @property
+    def held_share(self) -> float:
+        """The share of (layer, KV head, evidence token) triples held at the step."""
+        return float(self.held.mean()) if self.held.size else float("nan")
+
+    def lost_layers(self) -> np.ndarray:
+        """bool [L]: layers in which no KV head held any evidence token at the step."""
+        return ~self.held.any(axis=(1, 2)) if self.held.size else np.zeros(0, bool)
+
+    @property
+    def mean_attention(self) -> float | None:
+        return None if self.attention is None else float(np.mean(self.attention))
+
+
+def answer_step(trace: Trace) -> int:
+    """The query that produced the answer's first token: the prompt's last position (generate mode), else the
+    text's last token."""
+    n_prompt = trace.meta.get("n_prompt")
+    return int(n_prompt if n_prompt else len(trace.tokens)) - 1
+
+
+def follow(trace: Trace, evidence: Evidence, step: int | None = None) -> Followed:
+    """Follow the evidence through ``trace`` (stored arrays only) up to ``step`` (default ``answer_step``)."""
+    step = answer_step(trace) if step is None else int(step)
+    positions = evidence.positions
+    n_layers, n_heads = trace.meta["n_layers"], trace.meta["n_kv_heads"]
+    held = np.zeros((n_layers, n_heads, len(positions)), bool)
+    left = np.full(held.shape, -1, np.int64)
+    if len(positions):
+        for layer in range(n_layers):
+            for head in range(n_heads):
+                pos, start, end = intervals(trace, layer, [head])
+                mine = np.isin(pos, positions) & (start <= step)
+                pos, start, end = pos[mine], start[mine], end[mine]
+                index = np.searchsorted(positions, pos)
+                reading = (start <= step) & (step < end)
+                held[layer, head, index[reading]] = True
+                # The last step each token was read, for the tokens not read at ``step``: the end of its last
+                # interval; a token never read left on arrival.
+                last = np.asarray(positions, np.int64).copy()
+                np.maximum.at(last, index, np.minimum(end, step))
+                left[layer, head] = np.where(held[layer, head], -1, last)
+    attention = None
+    if trace.attention is not None and len(positions):
+        pos = trace.attention.pos[:, :, step]  # [R, H, k]
+        val = trace.attention.val[:, :, step].astype(np.float64)
+        attention = (val * np.isin(pos, positions)).sum(-1).mean(-1)
+    return Followed(trace.spec, step, positions, held, left, attention)
+
+
+def _percent(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def verdict(name: str, mine: Followed, full: Followed | None, evidence: Evidence, score: float | None = None,
+            context_end: int | None = None) -> str:
+    """One line: what ``name``'s cache did with the evidence and what its answer's first token attended to, beside
+    Full's. ``score`` (0-1) says whether the answer was right; ``context_end`` where the question began."""
+    n_layers, _, n_evidence = mine.held.shape
+    outcome = "" if score is None else (" (answered right)" if score >= 0.5 else " (answered wrong)")
+    if not n_evidence:
+        return f"{name}: the references were not found in the prompt, so there is no evidence to follow{outcome}."
+    attention = ""
+    if mine.mean_attention is not None:
+        attention = f"; the answer's first token put {_percent(mine.mean_attention)} of its attention on it"
+        if full is not None and full.mean_attention is not None:
+            attention += f", Full {_percent(full.mean_attention)}"
+    gone = ~mine.held.any(axis=1)  # [L, E]: no KV head read the token at the step
+    if full is not None:  # only where Full read it (a sliding-window layer reads no token beyond its window)
+        gone &= full.held.any(axis=1)
+    layers_losing = int(gone.any(axis=1).sum())
+    if not layers_losing:
+        return (f"{name} held all {n_evidence} evidence tokens in every layer when the answer began"
+                f"{attention}{outcome}.")
+    most = int(gone.sum(axis=1).max())
+    # When the tokens went, in the layers that lost them: the latest step at which a lost token's last KV head
+    # stopped reading it.
+    left = np.where(gone[:, None, :], mine.left, -1).max()
+    when = f" by token {left:,}" if left >= 0 else ""
+    if left >= 0 and context_end is not None and left < context_end:
+        when += f", {context_end - left:,} tokens before the question"
+    lost = f"{most} of {n_evidence}" if most < n_evidence else f"all {n_evidence}"
+    return (f"{name} had lost {lost} evidence tokens in {layers_losing} of {n_layers} layers{when} (no KV head read "
+            f"them when the answer began){attention}{outcome}.")

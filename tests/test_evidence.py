@@ -1,0 +1,110 @@
+"""backend/analysis/evidence.py: evidence located by hand in real tokenizations, and followed through hand-built
+traces (held, the step it left, the answer's attention on it, the verdict's numbers)."""
+import numpy as np
+import pytest
+
+from backend.analysis.evidence import follow, locate, spans_of, token_offsets, verdict
+from tests.test_metrics import make_trace
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_lm):
+    return default_lm.tokenizer  # SmolLM2's byte-level BPE
+
+
+def spans(evidence):
+    return [(s.label, s.start, s.end) for s in evidence.spans]
+
+
+def test_offsets_map_every_token_to_its_characters(tokenizer):
+    ids = tokenizer("VAR QWERTY = 12345").input_ids
+    text, starts, ends = token_offsets(tokenizer, ids)
+    assert text == "VAR QWERTY = 12345"
+    assert [text[a:b] for a, b in zip(starts, ends)] == [tokenizer.decode([i]) for i in ids]
+
+
+def test_a_string_split_otherwise_in_context_is_found_by_its_characters(tokenizer):
+    """Alone, "QWERTY" is 4 tokens starting "QW"; in context it is " Q", "W", "ER", "TY" (tokens 2-5), and "apple"
+    alone is another token than " apple" in context."""
+    ids = tokenizer("VAR QWERTY = 12345").input_ids
+    assert tokenizer("QWERTY").input_ids != ids[2:6]
+    assert spans(locate(tokenizer, ids, ["QWERTY"])) == [("QWERTY", 2, 6)]
+    ids = tokenizer("I ate an apple pie").input_ids
+    assert tokenizer("apple").input_ids[0] not in ids
+    assert spans(locate(tokenizer, ids, ["apple"])) == [("apple", 3, 4)]
+
+
+def test_every_occurrence_whole_words_only_and_case_is_ignored(tokenizer):
+    ids = tokenizer("I ate applesauce and an apple pie, APPLE!").input_ids  # "applesauce" is not "apple"
+    assert [tokenizer.decode([i]) for i in ids[10:12]] == [" AP", "PLE"]
+    evidence = locate(tokenizer, ids, ["apple", "apple pie"])
+    found = spans(evidence)
+    assert [s for s in found if s[0] == "apple"] == [("apple", 7, 8), ("apple", 10, 12)]
+    assert [s for s in found if s[0] == "apple pie"] == [("apple pie", 7, 9)]
+    assert evidence.positions.tolist() == [7, 8, 10, 11]
+
+
+def test_a_reference_absent_from_the_prompt_is_said_not_raised(tokenizer):
+    ids = tokenizer("The magic number is 7645321.").input_ids
+    evidence = locate(tokenizer, ids, ["7645321", "1234567", " "])
+    assert evidence.missing == ("1234567",)
+    assert [s.label for s in evidence.spans] == ["7645321"]
+    assert "not in the prompt: 1234567" in evidence.describe()
+
+
+def test_the_question_after_the_context_is_not_evidence(tokenizer):
+    context = "The magic number is 7645321. "
+    ids = tokenizer(context + "Is the magic number 7645321?").input_ids
+    end = len(tokenizer(context).input_ids)
+    assert len(locate(tokenizer, ids, ["7645321"]).spans) == 2
+    assert [s.end <= end for s in locate(tokenizer, ids, ["7645321"], end).spans] == [True]
+
+
+# One layer, two KV heads, 8 tokens, the answer produced by query 7. Evidence: tokens 2 and 3.
+# Head 0 drops token 2 at step 4 and token 3 at step 6; head 1 drops token 2 at step 5 and keeps token 3.
+EVICTED = [[[-1, -1, 4, 6, -1, -1, -1, -1], [-1, -1, 5, -1, -1, -1, -1, -1]]]
+
+
+def test_held_and_the_step_each_token_left_per_head():
+    trace = make_trace(8, evicted_at=EVICTED, n_kv_heads=2)
+    followed = follow(trace, spans_of([(2, 4)]))
+    assert followed.step == 7
+    assert followed.held.tolist() == [[[False, False], [False, True]]]
+    assert followed.left.tolist() == [[[4, 6], [5, -1]]]
+    assert followed.held_share == 0.25
+    assert followed.lost_layers().tolist() == [False]
+    early = follow(trace, spans_of([(2, 4)]), step=4)  # query 4 no longer reads token 2 in head 0
+    assert early.held.tolist() == [[[False, True], [True, True]]]
+
+
+def test_the_answers_attention_on_the_evidence_against_full():
+    attention = np.zeros((1, 2, 8, 8))
+    attention[0, 0, 7, [0, 3, 7]] = [0.5, 0.25, 0.25]  # head 0: a quarter on token 3
+    attention[0, 1, 7, [3, 7]] = [0.75, 0.25]  # head 1: three quarters
+    trace = make_trace(8, evicted_at=EVICTED, n_kv_heads=2, attention=attention, recorded_layers=(0,))
+    followed = follow(trace, spans_of([(2, 4)]))
+    np.testing.assert_allclose(followed.attention, [0.5], atol=1e-3)  # (0.25 + 0.75) / 2
+
+
+def test_the_verdict_counts_layers_and_tokens_and_when_they_left():
+    """Two layers: layer 0 loses both evidence tokens in both heads (the last at step 5), layer 1 keeps them."""
+    evicted = [[[-1, -1, 4, 5, -1, -1, -1, -1], [-1, -1, 3, 5, -1, -1, -1, -1]], np.full((2, 8), -1)]
+    mine = follow(make_trace(8, evicted_at=evicted, n_layers=2, n_kv_heads=2), spans_of([(2, 4)]))
+    full = follow(make_trace(8, n_layers=2, n_kv_heads=2), spans_of([(2, 4)]))
+    line = verdict("TOVA", mine, full, spans_of([(2, 4)]), score=0.0, context_end=6)
+    assert line == ("TOVA had lost all 2 evidence tokens in 1 of 2 layers by token 5, 1 tokens before the question "
+                    "(no KV head read them when the answer began) (answered wrong).")
+    kept = follow(make_trace(8, n_layers=2, n_kv_heads=2), spans_of([(2, 4)]))
+    assert verdict("Full", kept, full, spans_of([(2, 4)]), score=1.0).startswith(
+        "Full held all 2 evidence tokens in every layer")
+
+
+def test_a_layer_full_cannot_read_either_is_not_held_against_the_policy():
+    """A sliding-window layer of 3: at step 7 nobody reads tokens 2-3 there, Full included."""
+    mine = make_trace(8, evicted_at=np.full((1, 1, 8), -1), n_kv_heads=1)
+    mine.meta["layer_windows"] = [3]
+    full = make_trace(8, n_kv_heads=1)
+    full.meta["layer_windows"] = [3]
+    evidence = spans_of([(2, 4)])
+    assert not follow(full, evidence).held.any()
+    assert verdict("TOVA", follow(mine, evidence), follow(full, evidence), evidence).startswith("TOVA held all")
