@@ -302,6 +302,39 @@ def cmd_tasks(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_evidence(args: argparse.Namespace) -> int:
+    """Why each leaderboard answer was right or wrong, from the stored traces (experiments/evidence_rows.py)."""
+    from .experiments.evidence_rows import evidence_frame, evidence_summary, predicts
+
+    path = Path(args.leaderboard)
+    try:
+        df = pd.read_csv(path, keep_default_na=False, na_values=[""])
+    except (OSError, ValueError, pd.errors.ParserError) as err:
+        raise CliError(f"--leaderboard {path}: {str(err).splitlines()[0]}") from None
+    needed = {"model", "task", "length", "setting", "sample", "policy", "run_id", "references", "score"}
+    if not needed <= set(df.columns):
+        raise CliError(f"--leaderboard {path} is not a task leaderboard (python -m backend tasks writes one)")
+    models = df["model"].unique()
+    if len(models) != 1:
+        raise CliError(f"--leaderboard {path}: one model per leaderboard, got {', '.join(map(str, models))}")
+    tokenizer = api.get_model(str(models[0]), args.device, args.dtype).tokenizer  # RequestError: one line
+    frame, missing = evidence_frame(df, TraceStore(), tokenizer)
+    if frame.empty:
+        raise CliError(f"none of the {len(df)} rows' traces are in the store here (KVLENS_STORE_DIR); run the "
+                       f"leaderboard on this machine first")
+    out = writable_dir(args.out)
+    frame.to_csv(out / "evidence.csv", index=False)
+    summary = evidence_summary(frame)
+    summary.to_csv(out / "evidence_summary.csv", index=False)
+    with pd.option_context("display.width", 200, "display.max_rows", 500):
+        print(summary.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+    print(f"holding the evidence (at least half of what Full read) and a right answer go together in "
+          f"{predicts(frame):.0%} of {int((frame['policy'] != 'full').sum())} answers"
+          f"{f'; {missing} rows not in the store' if missing else ''}; wrote evidence.csv and evidence_summary.csv "
+          f"to {out}")
+    return 0
+
+
 def _run_grid(jobs: list[dict], args: argparse.Namespace, checkpoint: Path, what: str) -> list[list[dict]]:
     """The grid's rows (``experiments.grid.run_grid``: serially, or on Ray with ``--ray``), a failed job one line."""
     from .experiments.grid import GridError, run_grid, stderr_progress
@@ -442,6 +475,16 @@ def build_parser() -> argparse.ArgumentParser:
     _ray_options(p)
     _common(p)
     p.set_defaults(func=cmd_tasks)
+    p = sub.add_parser(
+        "evidence", help="why each answer of a task leaderboard was right or wrong: its evidence through the cache",
+        description="For every row of a task leaderboard (python -m backend tasks) whose traces are in the store: "
+                    "where the answer's references sit in the prompt, whether each policy's cache still held them "
+                    "when the answer began (per layer and KV head), the answer's attention on them beside Full's, "
+                    "and a one-line verdict; then, per policy and ratio, whether holding the evidence predicts the "
+                    "score. Writes evidence.csv and evidence_summary.csv. Reads the store only.")
+    p.add_argument("--leaderboard", required=True, help="a leaderboard.csv written by `tasks`")
+    _common(p)
+    p.set_defaults(func=cmd_evidence)
     sub.add_parser("policies", help="print the registered policies as a Markdown table").set_defaults(
         func=cmd_policies)
     sub.add_parser(

@@ -108,3 +108,58 @@ def test_a_layer_full_cannot_read_either_is_not_held_against_the_policy():
     evidence = spans_of([(2, 4)])
     assert not follow(full, evidence).held.any()
     assert verdict("TOVA", follow(mine, evidence), follow(full, evidence), evidence).startswith("TOVA held all")
+
+
+@pytest.fixture(scope="module")
+def small_dir(default_lm, tmp_path_factory):
+    """A tiny random Llama that reads SmolLM2's tokens (RULER's prompts tokenize as the default model's)."""
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from backend.experiments.tasks import tokenizer_source
+
+    out = tmp_path_factory.mktemp("small") / "model"
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(default_lm.tokenizer), hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    source = Path(tokenizer_source(default_lm))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (source / name).is_file():
+            (out / name).write_bytes((source / name).read_bytes())
+    return str(out)
+
+
+def test_the_evidence_command_explains_every_stored_leaderboard_row(small_dir, tmp_path, monkeypatch, capsys):
+    """A leaderboard of one needle sample, then `evidence` from the store alone: the needle's number is found in
+    the context, Full read all of it as the answer began, and every row has its verdict."""
+    import pandas as pd
+
+    from backend.cli import main
+
+    monkeypatch.setenv("KVLENS_STORE_DIR", str(tmp_path / "store"))
+    board = tmp_path / "board"
+    assert main(["tasks", "--model", small_dir, "--tasks", "niah_single_1", "--lengths", "256", "--samples", "1",
+                 "--policy", "tova,knorm", "--ratios", "0.875", "--out", str(board)]) == 0
+    leaderboard = pd.read_csv(board / "leaderboard.csv", keep_default_na=False, na_values=[""])
+    capsys.readouterr()
+    assert main(["evidence", "--leaderboard", str(board / "leaderboard.csv"), "--model", small_dir,
+                 "--out", str(tmp_path / "why")]) == 0
+    assert "go together in" in capsys.readouterr().out
+    rows = pd.read_csv(tmp_path / "why" / "evidence.csv", keep_default_na=False, na_values=[""])
+    assert len(rows) == len(leaderboard) == 3
+    assert (rows["evidence_tokens"] > 0).all() and (rows["missing"].fillna("") == "").all()
+    full = rows[rows["policy"] == "full"].iloc[0]
+    assert full["held"] == 1.0 and full["verdict"].startswith("full held all")
+    # At ratio 0.875 a budget of an eighth of the context: a policy cannot have read more than Full did.
+    assert rows["held"].between(0, 1).all()
+    summary = pd.read_csv(tmp_path / "why" / "evidence_summary.csv")
+    assert set(summary["policy"]) == {"full", "tova", "knorm"}
+    # Rows the store does not hold are said, not computed again.
+    monkeypatch.setenv("KVLENS_STORE_DIR", str(tmp_path / "empty"))
+    assert main(["evidence", "--leaderboard", str(board / "leaderboard.csv"), "--model", small_dir,
+                 "--out", str(tmp_path / "none")]) == 2
+    assert "in the store here" in capsys.readouterr().err
