@@ -55,7 +55,7 @@ from viz import panels  # noqa: E402
 from viz.leaderboard import leaderboard_figure, leaderboard_table_html  # noqa: E402
 from viz.needle import found_rates, needle_figure, needle_table_html  # noqa: E402
 from viz.sweep import sweep_ci_figure  # noqa: E402
-from viz.tasks import sample_status_html, sample_table_html  # noqa: E402
+from viz.tasks import sample_status_html, sample_table_html, why_html  # noqa: E402
 import zerogpu  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
@@ -545,7 +545,9 @@ def on_task_sample(task, sample, setting, names, ratio, model, request: gr.Reque
     what = (f"{asked.task}, sample {asked.sample}, {SETTING_LABELS[asked.setting]}: Full and {policies}, "
             f"{len(run.traces[0].tokens)} tokens, in {time.monotonic() - started:.0f} s.{cached}")
     return (run.run_id, html.escape(what), sample_status_html(result.question, result.references, result.table, what),
-            sample_table_html(result.table), *selectors_for(run))
+            sample_table_html(result.table)
+            + why_html(result.why, result.evidence.describe() if result.evidence is not None else ""),
+            *selectors_for(run))
 
 
 def on_tsne(run_id, policy, layer, head):

@@ -22,7 +22,7 @@ import re
 import secrets
 import zipfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pandas as pd
 
@@ -34,6 +34,7 @@ from .experiments.needle import NEW_TOKENS, needle_frame, needle_jobs
 from .experiments.sweep import MAX_ROWS, SweepResult, sweep as sweep_budgets
 from .limits import Limits, RowPrice, counted, longest_fitting, most_fitting, row_cost, rows_cost
 from .policies import Policy, SpecError, parse_spec
+from .analysis.evidence import Evidence
 from .runs import Run, link_key, put_link, replay_or_compute
 from .traces.store import TraceStore, load_trace
 from .traces.trace import Trace, file_stem
@@ -90,6 +91,10 @@ class RunRequest:
     max_tokens: int | None = None  # keep the first max_tokens tokens (<= the limit); None refuses longer texts
     device: str = "cpu"  # cpu, cuda or auto (the command line's choice; the Space runs on its own)
     dtype: str = "float32"
+    # Strings in the text that hold the answer (a task sample's references, or what a user types): the views mark
+    # their tokens (analysis/evidence.py), before ``evidence_end`` tokens when set (the context's end).
+    evidence: list[str] = field(default_factory=list)
+    evidence_end: int | None = None
 
 
 @dataclass
@@ -187,11 +192,30 @@ def _check_specs(specs, limits: Limits) -> tuple[list[str], list[Policy]]:
     return specs, policies
 
 
+MAX_EVIDENCE = 8  # strings a run may name as its evidence
+MAX_EVIDENCE_CHARS = 200
+
+
 def check_run(request: RunRequest, limits: Limits = LIMITS) -> list[Policy]:
     """The parsed policies of a run request, or RequestError; cheap (never loads the model)."""
     _check_text(request, limits)
     request.specs, policies = _check_specs(request.specs, limits)
+    request.evidence = check_evidence(request.evidence)
     return policies
+
+
+def check_evidence(evidence) -> list[str]:
+    """The evidence strings a request names (blank ones dropped), or RequestError."""
+    if isinstance(evidence, str):
+        evidence = [evidence]
+    if not isinstance(evidence, (list, tuple)) or not all(isinstance(e, str) for e in evidence):
+        raise RequestError("Evidence is a list of strings from the text.")
+    evidence = [e.strip() for e in evidence if e.strip()]
+    if len(evidence) > MAX_EVIDENCE or any(len(e) > MAX_EVIDENCE_CHARS for e in evidence):
+        raise RequestError(f"Name at most {MAX_EVIDENCE} evidence strings of at most {MAX_EVIDENCE_CHARS} "
+                           f"characters each.")
+    return evidence
+
 
 
 def check_sweep(request: SweepRequest, limits: Limits = LIMITS) -> list[Policy]:
@@ -462,6 +486,8 @@ class SampleResult:
     table: pd.DataFrame  # per policy, Full first: spec, budget, score, answer
     references: list[str]
     question: str
+    evidence: Evidence | None = None  # where the references sit in the context
+    why: pd.DataFrame | None = None  # per policy, Full first: evidence held, attention on it, verdict
 
 
 def check_sample(request: SampleRequest, limits: Limits = LIMITS) -> list[Policy]:
@@ -496,7 +522,8 @@ def check_sample(request: SampleRequest, limits: Limits = LIMITS) -> list[Policy
 def task_sample(request: SampleRequest, store: TraceStore | None, limits: Limits = LIMITS) -> SampleResult:
     """Answer one task sample under every policy (one batched run with Full, recorded as an app run is, through
     the store, with a share link) and score each answer with lm-eval's metric."""
-    from .experiments.task_runs import answer, lm_eval_request, question
+    from .experiments.evidence_rows import explain
+    from .experiments.task_runs import answer, counted_tokens, encode, lm_eval_request, question
     from .experiments.tasks import TaskUnavailable, load_task, score, tokenizer_source
 
     check_sample(request, limits)
@@ -520,14 +547,22 @@ def task_sample(request: SampleRequest, store: TraceStore | None, limits: Limits
               full_key=full.key, replayed=[False] * len(rows), stored=all(a.run.stored for a in answers),
               tokens=full.trace.meta["n_prompt"])
     run_id = secrets.token_hex(16)
+    references = [str(r) for r in asked.doc["outputs"]]
+    context_end = counted_tokens(lm, asked, encode(lm, asked.context), request.setting)
     prompt = RunRequest(prompt=asked.context, specs=specs[1:], mode="generate", max_new_tokens=asked.max_new_tokens,
-                        model=request.model, chat=False, device=request.device, dtype=request.dtype)
+                        model=request.model, chat=False, device=request.device, dtype=request.dtype,
+                        evidence=references, evidence_end=context_end)
     stored = store is not None and ran.stored and put_link(store, run_id, prompt.__dict__, ran.keys, ran.full_key)
     table = pd.DataFrame([{"spec": a.spec, "budget": getattr(a.policy, "budget", None),
                            "score": float(score(task, asked.doc, a.text)), "answer": a.text} for a in answers])
     table["budget"] = table["budget"].astype("Int64")
+    # Why each answer was right or wrong: the references followed through every trace (the store's, not re-run).
+    evidence, why = explain(lm.tokenizer, [(a.spec, a.trace, s) for a, s in zip(rows, table["score"][1:])],
+                            full.trace, references, context_end)
+    why = pd.DataFrame(why)
+    why.insert(1, "score", table["score"].to_numpy())
     return SampleResult(run=dataclasses.replace(ran, run_id=run_id, request=prompt, stored=stored), table=table,
-                        references=[str(r) for r in asked.doc["outputs"]], question=question(asked.doc))
+                        references=references, question=question(asked.doc), evidence=evidence, why=why)
 
 
 # --- A visitor's needle grid -------------------------------------------------------------------------

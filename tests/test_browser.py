@@ -195,7 +195,10 @@ def test_tasks_tab_draws_the_shipped_leaderboard_and_one_sample_fills_the_usual_
                            timeout=240_000)
     status = page.locator("#task-status").inner_text()
     assert "niah_single_1, sample 0, query-agnostic" in status and "tova:ratio=0.5: score" in status
-    assert "tova:ratio=0.5" in page.locator("#task-table").inner_text()
+    table = page.locator("#task-table").inner_text()
+    assert "tova:ratio=0.5" in table
+    # Why: the needle's number located in the context and followed through each cache, Full's first.
+    assert "Evidence:" in table and "evidence held" in table and "Full held all" in table
     # The sample's run is the page's run: the summary and the masks show it.
     page.wait_for_function("() => document.querySelector('#summary').innerText.includes('tova:ratio=0.5')",
                            timeout=120_000)
@@ -204,4 +207,10 @@ def test_tasks_tab_draws_the_shipped_leaderboard_and_one_sample_fills_the_usual_
         "() => [...document.querySelectorAll('#heatmap .js-plotly-plot')].some(el => "
         "(el.layout.annotations || []).some(a => a.text.includes('tova:ratio=0.5')))",
         timeout=120_000)
+    # The evidence is marked: a band over its columns in the masks, underlined in the kept tokens.
+    assert page.evaluate("() => [...document.querySelectorAll('#heatmap .js-plotly-plot')].some(el => "
+                         "(el.layout.shapes || []).some(s => s.type === 'rect' && s.fillcolor === '#D35400'))")
+    page.get_by_role("tab", name="Kept tokens").click()
+    page.wait_for_selector("#kept .kvl-evidence", timeout=60_000)
+    assert "evidence" in page.locator("#kept .kvl-legend").first.inner_text()
     page.close()

@@ -163,3 +163,49 @@ def test_the_evidence_command_explains_every_stored_leaderboard_row(small_dir, t
     assert main(["evidence", "--leaderboard", str(board / "leaderboard.csv"), "--model", small_dir,
                  "--out", str(tmp_path / "none")]) == 2
     assert "in the store here" in capsys.readouterr().err
+
+
+def test_a_run_names_its_evidence_and_the_views_mark_it(default_lm, tmp_path):
+    """A user's own prompt with the evidence typed: its tokens are underlined in the kept tokens (shown even when
+    the window is elsewhere), banded in the masks and the cache reach; bad evidence is one line."""
+    import plotly.graph_objects as go
+
+    from backend import api
+    from backend.api import RequestError, RunRequest
+    from backend.traces.store import TraceStore
+    from viz import panels
+    from viz.heatmap import EVIDENCE_COLOR
+
+    prompt = "Remember this: the secret code is 48151 and nothing else. " + "Then we walked home. " * 12 + "Code?"
+    request = RunRequest(prompt=prompt, specs=["tova:budget=16"], mode="generate", max_new_tokens=2,
+                         evidence=["48151", "  "])
+    api.check_run(request)
+    assert request.evidence == ["48151"]
+    run = api.run(request, TraceStore(tmp_path / "store"))
+    positions = panels.evidence_positions(run)
+    texts = run.full.meta["token_texts"]
+    assert "".join(texts[p] for p in positions).strip() == "48151"
+    kept = panels.kept_tokens(run, len(run.full.tokens) - 1, "all", "all", window=8, far=0)
+    assert kept.count("kvl-evidence") == len(positions)  # outside the shown window, still shown
+    bands = [s for s in panels.heatmaps(run, "0", "all").layout.shapes if s.fillcolor == EVIDENCE_COLOR]
+    assert bands and all(s.type == "rect" for s in bands)
+    reach_picture, _ = panels.cache_reach(run, len(run.full.tokens) - 1)
+    assert any(s.fillcolor == EVIDENCE_COLOR for s in reach_picture.layout.shapes)
+    assert isinstance(reach_picture, go.Figure)
+    for bad in (["x"] * 9, ["y" * 201], [3]):
+        with pytest.raises(RequestError, match="evidence|Evidence"):
+            api.check_run(RunRequest(prompt="hello", specs=["tova:budget=4"], evidence=bad))
+
+
+def test_the_why_table_escapes_what_it_shows():
+    import pandas as pd
+
+    from viz.tasks import why_html
+
+    hostile = "<img src=x onerror=alert(1)>"
+    why = pd.DataFrame([{"name": hostile, "score": 0.0, "held": 0.25, "lost_layers": 3, "attention": 0.03,
+                         "full_attention": 0.41, "verdict": f"{hostile} had lost all 7 evidence tokens"}])
+    page = why_html(why, f"7 tokens in 1 occurrences of {hostile}")
+    assert "<img" not in page and page.count("&lt;img src=x onerror=alert(1)&gt;") == 3
+    assert "<td>25%</td><td>3</td><td>3%</td>" in page
+    assert why_html(None) == ""

@@ -309,6 +309,36 @@ def mark_window(fig: go.Figure, window: int, steps: tuple[int, int], positions: 
     return fig
 
 
+EVIDENCE_COLOR = "#D35400"
+
+
+def evidence_cells(positions, first: int, size: int, n_cells: int) -> list[tuple[int, int]]:
+    """The runs of cells [a, b] (inclusive) that hold an evidence position, for columns starting at token
+    ``first`` with ``size`` tokens a cell and ``n_cells`` cells."""
+    cells = np.unique((np.asarray(positions, np.int64) - first) // size)
+    cells = cells[(cells >= 0) & (cells < n_cells)]
+    if not len(cells):
+        return []
+    breaks = np.flatnonzero(np.diff(cells) > 1)
+    starts = np.r_[cells[0], cells[breaks + 1]]
+    ends = np.r_[cells[breaks], cells[-1]]
+    return list(zip(starts.tolist(), ends.tolist()))
+
+
+def mark_columns(fig: go.Figure, cells: list[tuple[int, int]], color: str = EVIDENCE_COLOR,
+                 opacity: float = 0.22) -> go.Figure:
+    """A band over every heatmap panel at the columns ``cells`` (runs of cell indices, ``evidence_cells``): where
+    the answer's evidence sits, so a reader sees when each policy stopped reading it."""
+    for trace in fig.data:
+        if not isinstance(trace, go.Heatmap):
+            continue
+        x, y = trace.xaxis or "x", trace.yaxis or "y"
+        for a, b in cells:
+            fig.add_shape(type="rect", xref=x, x0=a - 0.5, x1=b + 0.5, yref=f"{y} domain", y0=0, y1=1,
+                          fillcolor=color, opacity=opacity, line=dict(width=0), layer="above")
+    return fig
+
+
 def mark_row(fig: go.Figure, row: int, color: str = "#C0392B") -> go.Figure:
     """A line across every panel through row ``row`` (a cell index: the step Play or the step slider is at)."""
     for trace in fig.data:

@@ -77,7 +77,11 @@ def _gap(count: int, kept_hidden: int) -> str:
     return f'<span class="kvl-gap" style="{GAP_STYLE}">⋯ {_esc(what)} ⋯</span>'
 
 
-def _token_span(j: int, text: str, s: float, step: int, w: np.ndarray | None, wmax: float) -> str:
+EVIDENCE_STYLE = "text-decoration: underline 3px #D35400; text-underline-offset: 3px"
+
+
+def _token_span(j: int, text: str, s: float, step: int, w: np.ndarray | None, wmax: float,
+                evidence: bool = False) -> str:
     styles = ["border-radius: 3px", "padding: 1px 0"]
     if j > step:
         state = "future"
@@ -89,6 +93,9 @@ def _token_span(j: int, text: str, s: float, step: int, w: np.ndarray | None, wm
         state = "evicted"
         styles.append("color: #8a8a8a")
     classes = ["kvl-tok", f"kvl-{state}"]
+    if evidence:  # the answer's evidence (analysis/evidence.py): underlined whether kept or not
+        classes.append("kvl-evidence")
+        styles.append(EVIDENCE_STYLE)
     if j == step:
         classes.append("kvl-current")
         styles.append("outline: 2px solid #C0392B; outline-offset: 1px")
@@ -100,6 +107,8 @@ def _token_span(j: int, text: str, s: float, step: int, w: np.ndarray | None, wm
         tip = f"position {j} · evicted"
     else:
         tip = f"position {j} · kept by {s:.0%} of layers/heads"
+    if evidence:
+        tip += " · evidence"
     if w is not None and j <= step:
         tip += f" · weight {w[j]:.4g}"
         if wmax > 0 and w[j] > 0:
@@ -110,7 +119,7 @@ def _token_span(j: int, text: str, s: float, step: int, w: np.ndarray | None, wm
 
 def kept_tokens_html(token_texts: Sequence[str], kept: np.ndarray, step: int, weights: np.ndarray | None = None,
                      title: str | None = None, window: tuple[int, int] | None = None,
-                     max_outside: int = MAX_OUTSIDE) -> str:
+                     max_outside: int = MAX_OUTSIDE, evidence: np.ndarray | None = None) -> str:
     """The text with the tokens cached at ``step`` highlighted; returns an HTML fragment.
 
     ``kept``: bool [T] (``Trace.reads_at(layer, step)[head]``) or float [T] in [0, 1] (share of layers
@@ -120,7 +129,8 @@ def kept_tokens_html(token_texts: Sequence[str], kept: np.ndarray, step: int, we
     ``text_window``: all of a short text); outside it only kept tokens up to the step appear, at most
     ``max_outside``, with ``kvl-gap`` markers counting what lies between.
     Each token is a ``<span class="kvl-tok kvl-{kept|evicted|future}">`` with ``data-pos`` and
-    ``data-kept`` attributes; the token at ``step`` also has class ``kvl-current``.
+    ``data-kept`` attributes; the token at ``step`` also has class ``kvl-current``. ``evidence``: positions of the
+    answer's evidence, underlined (class ``kvl-evidence``) and always shown, kept or not, inside the window or not.
     """
     n = len(token_texts)
     share = _kept_share(kept)
@@ -135,7 +145,11 @@ def kept_tokens_html(token_texts: Sequence[str], kept: np.ndarray, step: int, we
             raise ValueError(f"weights must have one value per token ({n}), got shape {w.shape}")
         wmax = float(w[: step + 1].max())
     first, end = text_window(n, step) if window is None else (max(0, window[0]), min(n, window[1]))
-    shown = np.union1d(np.arange(first, end), _shown_outside(share, step, (first, end), max_outside))
+    marked = np.zeros(n, bool)
+    if evidence is not None and len(evidence):
+        marked[np.asarray(evidence, np.int64)[(np.asarray(evidence) >= 0) & (np.asarray(evidence) < n)]] = True
+    shown = np.union1d(np.union1d(np.arange(first, end), _shown_outside(share, step, (first, end), max_outside)),
+                       np.flatnonzero(marked))
     kept_before = np.r_[0, np.cumsum(share[: step + 1] > 0)]  # kept tokens before each position (up to the step)
 
     def kept_between(a: int, b: int) -> int:  # kept tokens at positions a..b-1 (none after the step)
@@ -145,7 +159,7 @@ def kept_tokens_html(token_texts: Sequence[str], kept: np.ndarray, step: int, we
     for j in shown.tolist():
         if j > previous + 1:
             parts.append(_gap(j - previous - 1, kept_between(previous + 1, j)))
-        parts.append(_token_span(j, token_texts[j], float(share[j]), step, w, wmax))
+        parts.append(_token_span(j, token_texts[j], float(share[j]), step, w, wmax, bool(marked[j])))
         previous = j
     if previous < n - 1:
         parts.append(_gap(n - 1 - previous, kept_between(previous + 1, n)))
@@ -157,7 +171,11 @@ def kept_tokens_html(token_texts: Sequence[str], kept: np.ndarray, step: int, we
               f'<span style="background: {_highlight(0.9)}; padding: 0 4px">kept</span> '
               '<span style="color: #8a8a8a">evicted</span> '
               '<span style="outline: 2px solid #C0392B; padding: 0 3px">current</span> '
-              '<span style="opacity: 0.3">not yet</span></div>')
+              '<span style="opacity: 0.3">not yet</span>'
+              + (f' <span style="{EVIDENCE_STYLE}">evidence</span> ({int(marked[: step + 1].sum())} of '
+                 f'{int(marked.sum())} arrived, {int((marked & (share > 0))[: step + 1].sum())} kept)'
+                 if marked.any() else "")
+              + '</div>')
     return f'<div class="kvl-text">{legend}<div class="kvl-box" style="{BOX_STYLE}">{"".join(parts)}</div></div>'
 
 

@@ -18,6 +18,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from backend.analysis import metrics, pos, reach, reads
+from backend.analysis.evidence import run_evidence
 from backend.policies import policy_of
 from backend.traces.trace import Trace
 
@@ -25,7 +26,7 @@ from .colors import policy_colors
 from .continuation import continuation_cell
 from .curves import score_curves_figure, score_over_steps_figure
 from .divergence import SUMMARY_COLUMNS, divergence_figure, divergence_notes, summary_table as summary_frame
-from .heatmap import mark_row, mark_window, mask_heatmaps
+from .heatmap import evidence_cells, mark_columns, mark_row, mark_window, mask_heatmaps
 from .highlight import MAX_OUTSIDE, WINDOW, continuations_html, kept_tokens_html, text_window
 from .reach import distance_figure, reach_figure
 from .retention import first_token_retention_figure, lifetime_by_position_figure, non_recent_share_figure, pos_table
@@ -204,6 +205,10 @@ def heatmaps(run, layer: str, head: str, zoom: tuple[int, int, int] | None = Non
     row = None if step is None else (int(step) - first.get("first_step", 0)) // first.get("size", 1)
     if row is not None and 0 <= row < first["reads"].shape[0]:
         mark_row(fig, row)
+    evidence = evidence_positions(run)
+    if evidence is not None:
+        mark_columns(fig, evidence_cells(evidence, first.get("first_pos", 0), first.get("size", 1),
+                                         first["reads"].shape[1]))
     return fig
 
 
@@ -218,10 +223,19 @@ def _model_window(trace: Trace, layer: str) -> tuple[int | None, str]:
     return max(sliding), f" · dashed: the model's own window, {max(sliding):,} keys{where}"
 
 
+def evidence_positions(run) -> np.ndarray | None:
+    """Token positions of the evidence the run names (``RunRequest.evidence``: a task sample's references, a
+    user's strings), None when it names none."""
+    request = getattr(run, "request", None)
+    found = run_evidence(run.full, getattr(request, "evidence", None) or [], getattr(request, "evidence_end", None))
+    return None if found is None else found.positions
+
+
 def kept_tokens(run, step: int, layer: str, head: str, window: int = WINDOW, far: int = MAX_OUTSIDE) -> str:
     """Each policy's text at ``step``: ``window`` tokens around it in full and, further away, the ``far`` tokens
     kept most (the others counted in the gaps)."""
     parts = []
+    evidence = evidence_positions(run)
     for trace in run.traces:
         at = min(step, len(trace.tokens) - 1)
         layers, heads = _chosen(trace, layer, head)
@@ -230,7 +244,8 @@ def kept_tokens(run, step: int, layer: str, head: str, window: int = WINDOW, far
         weights = None if r is None else trace.attention.rows(r, heads[0], slice(at, at + 1))[0]
         parts.append(kept_tokens_html(trace.meta["token_texts"], kept, at, weights=weights,
                                       title=f"{trace.spec} at step {at}",
-                                      window=text_window(len(trace.tokens), at, window), max_outside=far))
+                                      window=text_window(len(trace.tokens), at, window), max_outside=far,
+                                      evidence=evidence))
     return "\n".join(parts)
 
 
@@ -286,6 +301,9 @@ def cache_reach(run, step: int) -> tuple[go.Figure, go.Figure]:
     shown = {t.spec: dict(shares=reaches[t.spec].shares, beyond_window=reaches[t.spec].beyond_window,
                           token_texts=t.meta["token_texts"]) for t in run.traces}
     picture = reach_figure(shown, first.labels, at, first.size, colors=colors)
+    evidence = evidence_positions(run)
+    if evidence is not None:
+        mark_columns(picture, evidence_cells(evidence, 0, first.size, first.shares.shape[1]))
     by_distance = distance_figure({t.spec: reach.share_by_distance(t) for t in run.traces}, colors=colors)
     return picture, by_distance
 

@@ -37,3 +37,25 @@ def sample_table_html(table: pd.DataFrame) -> str:
         body.append("<tr>" + "".join(f"<td>{cell}</td>" for cell in cells) + "</tr>")
     return (f"<table class='kvlens-needle-table'><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody>"
             "</table>")
+
+
+def _share(value) -> str:
+    return "–" if value is None or pd.isna(value) else f"{100 * float(value):.0f}%"
+
+
+def why_html(why: pd.DataFrame | None, evidence: str = "") -> str:
+    """Why each policy answered as it did: the evidence (``evidence``, in words), then per policy (Full first) the
+    share of the evidence its cache still read when the answer began, the layers that had lost all of it, the
+    answer's first token's attention on it beside Full's, and the verdict in one line. Every text escaped."""
+    if why is None or why.empty:
+        return ""
+    rows = []
+    for row in why.itertuples(index=False):
+        rows.append(f"<tr><td><b>{_text(row.name)}</b></td><td>{_score(row.score)}</td><td>{_share(row.held)}</td>"
+                    f"<td>{int(row.lost_layers)}</td><td>{_share(row.attention)}</td><td>{_text(row.verdict, 600)}</td>"
+                    "</tr>")
+    head = "".join(f"<th>{h}</th>" for h in ("policy", "score", "evidence held", "layers that lost it",
+                                             "attention on it", "why"))
+    intro = f"<p><b>Evidence:</b> {_text(evidence)}</p>" if evidence else ""
+    return (f"<div class='kvlens-why'>{intro}<table class='kvlens-needle-table'><thead><tr>{head}</tr></thead>"
+            f"<tbody>{''.join(rows)}</tbody></table></div>")

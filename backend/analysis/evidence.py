@@ -87,8 +87,28 @@ def _pattern(reference: str) -> re.Pattern:
 def locate(tokenizer, ids: Sequence[int], references: Sequence[str], end: int | None = None) -> Evidence:
     """Every occurrence of each reference among the first ``end`` tokens of ``ids`` (all of them by default: pass
     the context's end so that a question repeating the answer's words is not taken for evidence)."""
-    end = len(ids) if end is None else int(end)
-    text, starts, ends = token_offsets(tokenizer, ids)
+    return _locate(*token_offsets(tokenizer, ids), references, len(ids) if end is None else int(end))
+
+
+def locate_texts(token_texts: Sequence[str], references: Sequence[str], end: int | None = None) -> Evidence:
+    """``locate`` from a trace's own token texts (each token decoded alone, ``meta["token_texts"]``), where no
+    tokenizer is at hand: the same for ASCII text."""
+    lengths = np.asarray([len(t) for t in token_texts], np.int64)
+    ends = np.cumsum(lengths)
+    end = len(token_texts) if end is None else min(int(end), len(token_texts))
+    return _locate("".join(token_texts), ends - lengths, ends, references, end)
+
+
+def run_evidence(full: Trace, names: Sequence[str], end: int | None = None) -> Evidence | None:
+    """A run's evidence strings (``api.RunRequest.evidence``) located in its prompt from Full's token texts, before
+    ``end`` when given; None when it names none."""
+    if not names:
+        return None
+    n_prompt = int(full.meta.get("n_prompt") or len(full.tokens))
+    return locate_texts(full.meta["token_texts"][:n_prompt], names, n_prompt if not end else min(int(end), n_prompt))
+
+
+def _locate(text: str, starts: np.ndarray, ends: np.ndarray, references: Sequence[str], end: int) -> Evidence:
     limit = int(ends[end - 1]) if end > 0 else 0
     spans, missing = [], []
     for reference in dict.fromkeys(r.strip() for r in references if r and r.strip()):
