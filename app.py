@@ -484,6 +484,40 @@ def shipped_leaderboard(model, task, setting, folder: Path | None = None):
     return leaderboard_figure(rows, str(task)), leaderboard_table_html(rows), ""
 
 
+SAMPLE_TABLE_COLUMNS = ["task", "sample", "policy", "ratio", "score", "answer"]
+
+
+def leaderboard_samples(model, task, setting, folder: Path | None = None) -> pd.DataFrame:
+    """The shipped answers behind one leaderboard view (every task for "average"), at the lengths a visitor can
+    run: a row per sample, policy and ratio. Empty when the model ships none."""
+    files = leaderboard_models(folder)
+    path = files[model].parent / "samples" / files[model].name if model in files else None
+    if path is None or not path.is_file():
+        return pd.DataFrame(columns=SAMPLE_TABLE_COLUMNS)
+    try:
+        df = shipped.read_leaderboard_samples(path)
+    except shipped.ShippedFileError:
+        return pd.DataFrame(columns=SAMPLE_TABLE_COLUMNS)
+    rows = df[(df["setting"] == setting) & df["length"].isin(api.TASK_LENGTHS) & df["task"].isin(OFFLINE)
+              & ((df["task"] == task) | (task == "average"))]
+    rows = rows.sort_values(["task", "sample", "policy", "ratio"], kind="stable")
+    return rows[SAMPLE_TABLE_COLUMNS].reset_index(drop=True)
+
+
+def on_board_sample(table, setting, evt: gr.SelectData):
+    """A click on a shipped sample's row sets the sample controls to it (its task, sample, setting, policy at its
+    ratio), so the next step runs it with its evidence marked."""
+    try:
+        row = pd.DataFrame(table).iloc[int(evt.index[0])]
+        sample, ratio = int(row["sample"]), float(row["ratio"])
+    except (TypeError, ValueError, IndexError, KeyError):
+        raise gr.Error("Pick a row of the table.", print_exception=False) from None
+    policy = str(row["policy"])
+    names = [policy] if policy in POLICY_CHOICES and policy != "full" else TASK_DEFAULT_POLICIES
+    ratio = ratio if TASK_RATIOS[0] <= ratio <= TASK_RATIOS[1] else TASK_DEFAULT_RATIO
+    return str(row["task"]), sample, setting, names, ratio
+
+
 def leaderboard_view(model, folder: Path | None = None):
     """A shipped model's tasks ("average" first) and settings, then the figure, table and note of its first task
     in its first setting (no tasks, no settings, no figure and a message when the file is missing or bad)."""
@@ -799,6 +833,12 @@ def build() -> gr.Blocks:
                         board_note = gr.Markdown(board_note, elem_id="leaderboard-note")
                         board_plot = gr.Plot(board_figure, elem_id="leaderboard-plot")
                         board_table = gr.HTML(board_table, elem_id="leaderboard-table")
+                        gr.Markdown("**The answers behind it**: click a row to run that sample here, its evidence "
+                                    "marked in the views and each policy's verdict below.")
+                        board_samples = gr.Dataframe(
+                            leaderboard_samples(boards[0] if boards else None, board_tasks[0] if board_tasks else None,
+                                                board_settings[0] if board_settings else None),
+                            interactive=False, max_height=260, elem_id="leaderboard-samples")
                         gr.Markdown(f"**Run one sample**: Full and up to {api.TASK_POLICIES} policies at one "
                                     f"compression ratio answer one sample of a RULER task at "
                                     f"{api.TASK_LENGTHS[0]:,} tokens (the model chosen beside the prompt), as one "
@@ -871,10 +911,11 @@ def build() -> gr.Blocks:
                             [needle_plot, needle_table, needle_status], validator=check_needle,
                             concurrency_id="model")
         board.input(on_leaderboard_model, board, [board_task, board_setting, board_plot, board_table, board_note],
-                    **views_)
+                    **views_).then(leaderboard_samples, [board, board_task, board_setting], board_samples, **views_)
         for control in (board_task, board_setting):
             control.input(shipped_leaderboard, [board, board_task, board_setting],
-                          [board_plot, board_table, board_note], **views_)
+                          [board_plot, board_table, board_note], **views_).then(
+                leaderboard_samples, [board, board_task, board_setting], board_samples, **views_)
         # A task sample is a run: it takes the model's slot, then the usual views show it as the Run button's do.
         task_inputs = [task_name, task_sample, task_setting, task_names, task_ratio, model]
         sampled = task_button.click(on_task_sample, task_inputs,
@@ -882,6 +923,12 @@ def build() -> gr.Blocks:
                                     validator=check_task_sample, concurrency_id="model")
         sampled.then(render_run, run_id, run_views, **views_).then(render_views, selectors + zoom_controls, views,
                                                                    **views_)
+        # A shipped sample's row: the controls take it, then it runs as the button's sample does.
+        picked = board_samples.select(on_board_sample, [board_samples, board_setting],
+                                      [task_name, task_sample, task_setting, task_names, task_ratio], queue=False)
+        picked.then(on_task_sample, task_inputs, [run_id, status, task_status, task_table, step, layer, head],
+                    concurrency_id="model").then(render_run, run_id, run_views, **views_).then(
+            render_views, selectors + zoom_controls, views, **views_)
         export_button.click(on_export, selectors, export_file, **views_)
         # A page load never waits behind the queue (reopening a link reads the store only).
         demo.load(on_load, None, [run_id, status], queue=False).then(render_run, run_id, run_views, **views_).then(

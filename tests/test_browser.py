@@ -164,7 +164,7 @@ def test_long_context_tab_draws_the_shipped_grid_and_refuses_an_oversized_one(pa
     assert page.locator("#needle-grid .js-plotly-plot").count() == 0  # refused before it queued
 
 
-def test_tasks_tab_draws_the_shipped_leaderboard_and_one_sample_fills_the_usual_views(page, app_url):
+def test_tasks_tab_draws_the_shipped_leaderboard_and_a_clicked_sample_runs_with_its_evidence(page, app_url):
     # A page of its own: the module's page carries the earlier tests' layer, budget and tab choices.
     page = page.context.browser.new_page(viewport={"width": 1920, "height": 1200})
     page.goto(app_url)
@@ -185,27 +185,23 @@ def test_tasks_tab_draws_the_shipped_leaderboard_and_one_sample_fills_the_usual_
             "() => document.querySelector('#leaderboard-plot .js-plotly-plot').layout.title.text"
             ".includes('query-aware')", timeout=30_000)
 
-    boxes = page.locator("#task-policies label")
-    for i in range(boxes.count()):  # TOVA alone, at the slider's ratio (0.5) on sample 0 of niah_single_1
-        label = boxes.nth(i)
-        if label.locator("input").is_checked() != (label.inner_text().strip() == "tova"):
-            label.click()
-    page.locator("#task-run").click()
+    # A click on a shipped answer's row (the first: sample 0 under A2SF at ratio 0.25) runs that sample here.
+    page.locator("#leaderboard-samples [role=gridcell]").nth(2).click()
     page.wait_for_function("() => document.querySelector('#task-status').innerText.includes('score')",
                            timeout=240_000)
     status = page.locator("#task-status").inner_text()
-    assert "niah_single_1, sample 0, query-agnostic" in status and "tova:ratio=0.5: score" in status
+    assert "niah_single_1, sample 0, query-" in status and "a2sf:ratio=0.25: score" in status
     table = page.locator("#task-table").inner_text()
-    assert "tova:ratio=0.5" in table
+    assert "a2sf:ratio=0.25" in table
     # Why: the needle's number located in the context and followed through each cache, Full's first.
     assert "Evidence:" in table and "evidence held" in table and "Full held all" in table
     # The sample's run is the page's run: the summary and the masks show it.
-    page.wait_for_function("() => document.querySelector('#summary').innerText.includes('tova:ratio=0.5')",
+    page.wait_for_function("() => document.querySelector('#summary').innerText.includes('a2sf:ratio=0.25')",
                            timeout=120_000)
     page.get_by_role("tab", name="Masks").click()
     page.wait_for_function(
         "() => [...document.querySelectorAll('#heatmap .js-plotly-plot')].some(el => "
-        "(el.layout.annotations || []).some(a => a.text.includes('tova:ratio=0.5')))",
+        "(el.layout.annotations || []).some(a => a.text.includes('a2sf:ratio=0.25')))",
         timeout=120_000)
     # The evidence is marked: a band over its columns in the masks, underlined in the kept tokens.
     assert page.evaluate("() => [...document.querySelectorAll('#heatmap .js-plotly-plot')].some(el => "

@@ -186,3 +186,33 @@ def test_the_sample_request_is_each_policy_at_the_sliders_ratio():
     assert request.specs == ["tova:ratio=0.875", "kvzip:ratio=0.875"] and request.length == api.TASK_LENGTHS[0]
     with pytest.raises(RequestError, match="Pick 1 to 3"):
         app.sample_request("ruler_cwe", 9, "agnostic", None, 0.5, DEFAULT_MODEL)
+
+
+SAMPLES_HEADER = "model,task,length,policy,ratio,setting,sample,score,answer,references,run_id,spec,budget,tokens,context_tokens\n"
+
+
+def test_the_answers_behind_a_leaderboard_are_listed_and_a_click_picks_one(boards):
+    (boards / "samples").mkdir()
+    (boards / "samples" / "m.csv").write_text(SAMPLES_HEADER + "\n".join([
+        'm,niah_single_1,1024,full,0.0,agnostic,1,1.0,42,"[""42""]",,full,,900,860',
+        'm,niah_single_1,1024,tova,0.75,agnostic,1,0.0,<b>7</b>,"[""42""]",,tova:ratio=0.75,215,900,860',
+        'm,niah_single_1,1024,tova,0.75,aware,1,1.0,42,"[""42""]",,tova:ratio=0.75,215,900,860',
+        'm,niah_single_1,4096,tova,0.75,agnostic,0,0.0,1,"[""42""]",,tova:ratio=0.75,860,3900,3860',
+        'm,ruler_vt,1024,tova,0.5,agnostic,2,0.0,X,"[""Y""]",,tova:ratio=0.5,430,900,860']) + "\n")
+    rows = app.leaderboard_samples("m", "niah_single_1", "agnostic")
+    assert list(rows.columns) == app.SAMPLE_TABLE_COLUMNS
+    assert rows[["policy", "ratio", "sample"]].values.tolist() == [["full", 0.0, 1], ["tova", 0.75, 1]]  # 1k only
+    assert rows["answer"].tolist() == ["42", "<b>7</b>"]  # plain text: the Dataframe shows it as text
+    assert len(app.leaderboard_samples("m", "average", "agnostic")) == 3  # every task
+    assert app.leaderboard_samples("nosuch", "niah_single_1", "agnostic").empty
+
+    class Click:
+        index = (1, 2)
+
+    assert app.on_board_sample(rows, "agnostic", Click()) == ("niah_single_1", 1, "agnostic", ["tova"], 0.75)
+    Click.index = (0, 0)  # Full's row: the default policies at the default ratio
+    assert app.on_board_sample(rows, "agnostic", Click()) == ("niah_single_1", 1, "agnostic",
+                                                             app.TASK_DEFAULT_POLICIES, app.TASK_DEFAULT_RATIO)
+    Click.index = (9, 0)
+    with pytest.raises(gr.Error, match="Pick a row"):
+        app.on_board_sample(rows, "agnostic", Click())

@@ -122,3 +122,22 @@ def read_leaderboard(path: Path) -> pd.DataFrame:
         df[column] = df[column].fillna("").astype(str)
     df["length"] = df["length"].astype(int)
     return df
+
+
+SAMPLE_COLUMNS = ["model", "task", "length", "policy", "ratio", "setting", "sample", "score", "answer", "spec"]
+
+
+def read_leaderboard_samples(path: Path) -> pd.DataFrame:
+    """A shipped leaderboard's rows per sample (``samples/<model>.csv``: each policy's answer to each sample and its
+    score), or ShippedFileError."""
+    path = Path(path)
+    df = _read_csv(path, SAMPLE_COLUMNS)
+    for column in ("length", "ratio", "sample", "score"):
+        df[column] = _numbers(df, path.name, column)
+    if not df["score"].between(0, 1).all():
+        raise ShippedFileError(f"{path.name}: scores must be 0 to 1.")
+    for column in ("model", "task", "setting", "policy", "answer", "spec"):
+        df[column] = df[column].fillna("").astype(str)
+    df["length"], df["sample"] = df["length"].astype(int), df["sample"].astype(int)
+    return df
+
