@@ -447,7 +447,30 @@ def on_needle(names, budget, lengths, model, request: gr.Request = None, progres
     rates = found_rates(table)
     found = ", ".join(f"{spec} {rate:.0%}" for spec, rate in zip(rates["spec"], rates["found"]))
     status = f"{len(jobs)} cells in {time.monotonic() - started:.0f} s; found: {found}."
-    return needle_figure(table, "Your needle grid"), needle_table_html(table), html.escape(status)
+    cells = table[NEEDLE_CELL_COLUMNS].reset_index(drop=True)
+    return needle_figure(table, "Your needle grid"), needle_table_html(table), html.escape(status), cells
+
+
+NEEDLE_CELL_COLUMNS = ["spec", "length", "depth", "found", "answer"]
+
+
+def on_needle_cell(table, model, evt: gr.SelectData, request: gr.Request = None, progress=gr.Progress()):
+    """A click on a needle cell's row: that cell as a run of its own, the needle's number marked as its evidence
+    in the usual views."""
+    try:
+        try:
+            row = pd.DataFrame(table).iloc[int(evt.index[0])]
+            spec, length, depth = str(row["spec"]), int(row["length"]), float(row["depth"])
+        except (TypeError, ValueError, IndexError, KeyError):
+            raise RequestError("Pick a cell's row of the table.") from None
+        run = compute_run(api.needle_request(spec, length, depth, model), progress)
+    except RequestError as err:
+        raise shown(err) from None
+    finally:
+        _leave(request)
+    RECENT_RUNS.remember(run)
+    status = f"Needle cell {length:,} tokens, depth {depth:g}: Full and {spec}, the needle's number marked."
+    return (run.run_id, html.escape(status), *selectors_for(run))
 
 
 def leaderboard_models(folder: Path | None = None) -> dict[str, Path]:
@@ -816,6 +839,9 @@ def build() -> gr.Blocks:
                         needle_status = gr.Markdown(elem_id="needle-status")
                         needle_plot = gr.Plot(elem_id="needle-grid")
                         needle_table = gr.HTML(elem_id="needle-table")
+                        gr.Markdown("Click a cell's row to open it as a run, the needle's number marked in the views.")
+                        needle_cells = gr.Dataframe(pd.DataFrame(columns=NEEDLE_CELL_COLUMNS), interactive=False,
+                                                    max_height=240, elem_id="needle-cells")
                     with gr.Tab("Tasks"):
                         gr.Markdown(NOTES["tasks"])
                         boards = list(leaderboard_models())
@@ -908,8 +934,11 @@ def build() -> gr.Blocks:
         sweep_button.click(on_sweep, [prompt, mode, max_new, names, sinks, alpha, heads, model],
                            [sweep_plot, sweep_status], validator=check_sweep, concurrency_id="model")
         needle_button.click(on_needle, [needle_names, needle_budget, needle_lengths, model],
-                            [needle_plot, needle_table, needle_status], validator=check_needle,
+                            [needle_plot, needle_table, needle_status, needle_cells], validator=check_needle,
                             concurrency_id="model")
+        needle_cells.select(on_needle_cell, [needle_cells, model], [run_id, status, step, layer, head],
+                            concurrency_id="model").then(render_run, run_id, run_views, **views_).then(
+            render_views, selectors + zoom_controls, views, **views_)
         board.input(on_leaderboard_model, board, [board_task, board_setting, board_plot, board_table, board_note],
                     **views_).then(leaderboard_samples, [board, board_task, board_setting], board_samples, **views_)
         for control in (board_task, board_setting):

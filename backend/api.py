@@ -567,6 +567,23 @@ def task_sample(request: SampleRequest, store: TraceStore | None, limits: Limits
 
 # --- A visitor's needle grid -------------------------------------------------------------------------
 
+def needle_request(spec: str, length, depth, model: str = DEFAULT_MODEL, limits: Limits = LIMITS) -> RunRequest:
+    """One needle-grid cell as a run of its own (``spec`` beside Full, the app's layers recorded) whose evidence is
+    the needle's number, or RequestError: what a click on a grid's cell opens."""
+    from .experiments.needle import Cell, haystack
+
+    check_needle([spec], [length], model, limits)
+    if depth not in NEEDLE_DEPTHS:
+        raise RequestError(f"Depths here are {', '.join(map(str, NEEDLE_DEPTHS))}.")
+    lm = get_model(model)
+    cell = Cell(int(length), float(depth))
+    text, _ = haystack(lm, cell)
+    request = RunRequest(prompt=text, specs=[spec], mode="generate", max_new_tokens=NEW_TOKENS, model=model,
+                         chat=True, evidence=[cell.number()])
+    check_run(request, limits)
+    return request
+
+
 def check_needle(specs: Sequence[str], lengths: Sequence, model: str, limits: Limits = LIMITS) -> list[dict]:
     """The jobs of a visitor's needle grid (Full first, then ``specs``, at ``lengths`` x ``NEEDLE_DEPTHS``, one
     seed), or RequestError; cheap (never loads the model), so the app checks it before the job queues.

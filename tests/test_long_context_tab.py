@@ -163,10 +163,23 @@ def test_a_visitor_grid_runs_end_to_end_on_the_tiny_model(tmp_path, monkeypatch)
     monkeypatch.setitem(models.LOADED, DEFAULT_MODEL, replace(tiny, tokenizer=AnswerTokenizer()))
     monkeypatch.setenv("KVLENS_STORE_DIR", str(tmp_path / "store"))  # the grid's worker opens the default store
     seen = []
-    figure, table, status = app.on_needle(["tova", "sinks"], 16, [512], DEFAULT_MODEL,
+    figure, table, status, cells = app.on_needle(["tova", "sinks"], 16, [512], DEFAULT_MODEL,
                                           progress=lambda frac, desc: seen.append((frac, desc)))
     assert [trace.name for trace in figure.data] == ["full", "tova:budget=16", "sinks:budget=16"]
     assert seen[0][0] == 0 and seen[-1] == (1.0, "needle cells: 3 of 3 done")
     assert table.count("<tr>") == 1 + 3 * 3  # the header, then 3 depths x 3 policies
     assert "&lt;" in table and "<1" not in table  # the tiny tokenizer answers "<17><4>...": escaped
     assert status.startswith("3 cells in") and "tova:budget=16 0%" in status
+    # A click on a cell's row opens that cell as a run of its own, the needle's number named as its evidence.
+    assert list(cells.columns) == app.NEEDLE_CELL_COLUMNS and len(cells) == 9
+    from backend.experiments.needle import Cell
+    from backend.traces.store import TraceStore
+
+    monkeypatch.setattr(app, "STORE", TraceStore(tmp_path / "app-store"))
+
+    class Click:
+        index = (int(cells.index[(cells["spec"] == "tova:budget=16") & (cells["depth"] == 0.5)][0]), 0)
+
+    run_id, cell_status, *_ = app.on_needle_cell(cells, DEFAULT_MODEL, Click(), progress=lambda *a, **k: None)
+    assert cell_status.startswith("Needle cell 512 tokens, depth 0.5: Full and tova:budget=16")
+    assert app.load_run(run_id).run.request.evidence == [Cell(512, 0.5).number()]
