@@ -92,8 +92,15 @@ def test_the_verdict_counts_layers_and_tokens_and_when_they_left():
     mine = follow(make_trace(8, evicted_at=evicted, n_layers=2, n_kv_heads=2), spans_of([(2, 4)]))
     full = follow(make_trace(8, n_layers=2, n_kv_heads=2), spans_of([(2, 4)]))
     line = verdict("TOVA", mine, full, spans_of([(2, 4)]), score=0.0, context_end=6)
-    assert line == ("TOVA had lost all 2 evidence tokens in 1 of 2 layers by token 5, 1 tokens before the question "
-                    "(no KV head read them when the answer began) (answered wrong).")
+    assert line == ("TOVA had lost all 2 evidence tokens in 1 of 2 layers, the last by token 5, 1 tokens before the "
+                    "question: no KV head read them when the answer began (answered wrong).")
+    # Layer 1 keeps token 3 in head 1 only, and loses token 2 in both heads at steps 6 and 7 (past the question).
+    evicted[1] = [[-1, -1, 6, 4, -1, -1, -1, -1], [-1, -1, 7, -1, -1, -1, -1, -1]]
+    mine = follow(make_trace(8, evicted_at=evicted, n_layers=2, n_kv_heads=2), spans_of([(2, 4)]))
+    assert verdict("H2O", mine, full, spans_of([(2, 4)]), context_end=6) == (
+        "H2O had lost all 2 evidence tokens in 1 of 2 layers and up to 1 of 2 in 1 more, the last by token 7, as "
+        "the question was read: no KV head read them when the answer began.")
+    assert mine.lost_layers(full).tolist() == [True, False]
     kept = follow(make_trace(8, n_layers=2, n_kv_heads=2), spans_of([(2, 4)]))
     assert verdict("Full", kept, full, spans_of([(2, 4)]), score=1.0).startswith(
         "Full held all 2 evidence tokens in every layer")
@@ -209,3 +216,14 @@ def test_the_why_table_escapes_what_it_shows():
     assert "<img" not in page and page.count("&lt;img src=x onerror=alert(1)&gt;") == 3
     assert "<td>25%</td><td>3</td><td>3%</td>" in page
     assert why_html(None) == ""
+
+
+def test_the_answer_step_is_the_query_that_wrote_its_first_visible_token():
+    from backend.analysis.evidence import answer_step
+
+    trace = make_trace(8, n_prompt=5, mode="generate")
+    trace.meta["token_texts"] = ["a", "b", "c", "d", "e", " ", "\n", "42"]
+    assert answer_step(trace) == 6  # query 6 wrote "42" (position 7), after a space and a newline
+    trace.meta["token_texts"] = ["a", "b", "c", "d", "e", "4", "2", "."]
+    assert answer_step(trace) == 4
+    assert answer_step(make_trace(8)) == 7  # a text with no answer: its last query

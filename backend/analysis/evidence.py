@@ -151,9 +151,12 @@ class Followed:
         """The share of (layer, KV head, evidence token) triples held at the step."""
         return float(self.held.mean()) if self.held.size else float("nan")
 
-    def lost_layers(self) -> np.ndarray:
-        """bool [L]: layers in which no KV head held any evidence token at the step."""
-        return ~self.held.any(axis=(1, 2)) if self.held.size else np.zeros(0, bool)
+    def lost_layers(self, full: "Followed | None" = None) -> np.ndarray:
+        """bool [L]: layers in which no KV head held any evidence token at the step (of those Full held there)."""
+        if not self.held.size:
+            return np.zeros(self.held.shape[0], bool)
+        lost = ~self.held.any(axis=(1, 2))
+        return lost & full.held.any(axis=(1, 2)) if full is not None else lost
 
     @property
     def mean_attention(self) -> float | None:
@@ -161,10 +164,17 @@ class Followed:
 
 
 def answer_step(trace: Trace) -> int:
-    """The query that produced the answer's first token: the prompt's last position (generate mode), else the
-    text's last token."""
-    n_prompt = trace.meta.get("n_prompt")
-    return int(n_prompt if n_prompt else len(trace.tokens)) - 1
+    """The query that produced the answer's first token that is not blank (a chat model often writes a space or a
+    newline first, and the digits of a number after it): in generate mode, the prompt's last position plus the
+    blank tokens before it; the text's last token otherwise."""
+    n_prompt = int(trace.meta.get("n_prompt") or len(trace.tokens))
+    texts = trace.meta.get("token_texts") or []
+    blank = 0
+    while n_prompt + blank < min(len(trace.tokens), len(texts)) and not texts[n_prompt + blank].strip():
+        blank += 1
+    if n_prompt + blank >= min(len(trace.tokens), len(texts)):  # no answer, or an answer of blanks only
+        blank = 0
+    return n_prompt - 1 + blank
 
 
 def follow(trace: Trace, evidence: Evidence, step: int | None = None) -> Followed:
@@ -197,7 +207,9 @@ def follow(trace: Trace, evidence: Evidence, step: int | None = None) -> Followe
 
 
 def _percent(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.0f}%"
+    if x is None:
+        return "-"
+    return f"{100 * x:.1f}%" if 100 * x < 10 else f"{100 * x:.0f}%"
 
 
 def verdict(name: str, mine: Followed, full: Followed | None, evidence: Evidence, score: float | None = None,
@@ -214,19 +226,27 @@ def verdict(name: str, mine: Followed, full: Followed | None, evidence: Evidence
         if full is not None and full.mean_attention is not None:
             attention += f", Full {_percent(full.mean_attention)}"
     gone = ~mine.held.any(axis=1)  # [L, E]: no KV head read the token at the step
-    if full is not None:  # only where Full read it (a sliding-window layer reads no token beyond its window)
-        gone &= full.held.any(axis=1)
-    layers_losing = int(gone.any(axis=1).sum())
-    if not layers_losing:
+    readable = full.held.any(axis=1) if full is not None else np.ones_like(gone)
+    gone &= readable  # only where Full read it (a sliding-window layer reads no token beyond its window)
+    all_gone = gone.any(axis=1) & (gone == readable).all(axis=1)  # every token Full read there is gone
+    some_gone = gone.any(axis=1) & ~all_gone
+    if not gone.any():
         return (f"{name} held all {n_evidence} evidence tokens in every layer when the answer began"
                 f"{attention}{outcome}.")
-    most = int(gone.sum(axis=1).max())
-    # When the tokens went, in the layers that lost them: the latest step at which a lost token's last KV head
-    # stopped reading it.
-    left = np.where(gone[:, None, :], mine.left, -1).max()
-    when = f" by token {left:,}" if left >= 0 else ""
-    if left >= 0 and context_end is not None and left < context_end:
-        when += f", {context_end - left:,} tokens before the question"
-    lost = f"{most} of {n_evidence}" if most < n_evidence else f"all {n_evidence}"
-    return (f"{name} had lost {lost} evidence tokens in {layers_losing} of {n_layers} layers{when} (no KV head read "
-            f"them when the answer began){attention}{outcome}.")
+    parts = []
+    if all_gone.any():
+        parts.append(f"all {n_evidence} evidence tokens in {int(all_gone.sum())} of {n_layers} layers")
+    if some_gone.any():
+        most = int(gone[some_gone].sum(axis=1).max())
+        parts.append(f"up to {most} of {n_evidence} in {int(some_gone.sum())}"
+                     f"{' more' if all_gone.any() else f' of {n_layers} layers'}")
+    # When they went: the latest step at which a lost token's last KV head stopped reading it.
+    left = int(np.where(gone[:, None, :], mine.left, -1).max())
+    when = ""
+    if left >= 0:
+        when = f", the last by token {left:,}"
+        if context_end is not None:
+            when += (f", {context_end - left:,} tokens before the question" if left < context_end
+                     else " (at the question)" if left == context_end else ", as the question was read")
+    return (f"{name} had lost {' and '.join(parts)}{when}: no KV head read them when the answer began{attention}"
+            f"{outcome}.")

@@ -49,7 +49,7 @@ def explain(tokenizer, rows: Sequence[tuple[str, Trace, float | None]], full: Tr
     for name, trace, score in [("Full", full, None), *rows]:
         mine = reference if trace is full else follow(trace, evidence)
         out.append({"name": name, "evidence_tokens": len(evidence.positions), "missing": ", ".join(evidence.missing),
-                    "held": held_share(mine, reference), "lost_layers": int(mine.lost_layers().sum()),
+                    "held": held_share(mine, reference), "lost_layers": int(mine.lost_layers(reference).sum()),
                     "attention": mine.mean_attention, "full_attention": reference.mean_attention,
                     "verdict": verdict(name, mine, reference, evidence, score, context_end)})
     return evidence, out
