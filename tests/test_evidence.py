@@ -143,6 +143,8 @@ def small_dir(default_lm, tmp_path_factory):
 def test_the_evidence_command_explains_every_stored_leaderboard_row(small_dir, tmp_path, monkeypatch, capsys):
     """A leaderboard of one needle sample, then `evidence` from the store alone: the needle's number is found in
     the context, Full read all of it as the answer began, and every row has its verdict."""
+    import json
+
     import pandas as pd
 
     from backend.cli import main
@@ -152,6 +154,13 @@ def test_the_evidence_command_explains_every_stored_leaderboard_row(small_dir, t
     assert main(["tasks", "--model", small_dir, "--tasks", "niah_single_1", "--lengths", "256", "--samples", "1",
                  "--policy", "tova,knorm", "--ratios", "0.875", "--out", str(board)]) == 0
     leaderboard = pd.read_csv(board / "leaderboard.csv", keep_default_na=False, na_values=[""])
+    from backend import api
+    from backend.traces.store import TraceStore
+
+    tova = leaderboard[leaderboard["policy"] == "tova"].iloc[0]
+    reopened = api.reopen(tova.run_id, TraceStore())  # the row's link opens with its references as evidence
+    assert reopened.request.evidence == json.loads(tova.references)
+    assert reopened.request.evidence_end == tova.context_tokens
     capsys.readouterr()
     assert main(["evidence", "--leaderboard", str(board / "leaderboard.csv"), "--model", small_dir,
                  "--out", str(tmp_path / "why")]) == 0

@@ -199,16 +199,20 @@ def _answer(lm: LoadedModel, spec: str, policy: Policy, trace: Trace, key: str, 
     return Answer(spec=spec, policy=policy, text=text, trace=trace, key=key, run=run)
 
 
-def link(store: TraceStore | None, lm: LoadedModel, request: TaskRequest, item: Answer, full_key: str) -> str:
+def link(store: TraceStore | None, lm: LoadedModel, request: TaskRequest, item: Answer, full_key: str,
+         evidence_end: int | None = None) -> str:
     """A share link (the app's ``?run=``) to ``item``'s trace beside Full's: its id, from the traces' keys (the
-    same sample under the same policy has the same link), or "" when the store cannot hold it."""
+    same sample under the same policy has the same link), or "" when the store cannot hold it. It opens with the
+    sample's references marked as its evidence (``api.RunRequest.evidence``), before ``evidence_end`` tokens."""
     if store is None or not item.run.stored:
         return ""
     run_id = hashlib.sha256(json.dumps([item.key, full_key]).encode()).hexdigest()[:32]
     specs = [] if item.policy.name == "full" else [item.spec]
     keys = [] if item.policy.name == "full" else [item.key]
+    references = request.doc.get("outputs")  # RULER's; another lm-eval task's sample may name none
     prompt = {"prompt": request.context, "specs": specs, "mode": "generate", "max_new_tokens": request.max_new_tokens,
-              "model": lm.name, "chat": False}
+              "model": lm.name, "chat": False, "evidence_end": evidence_end,
+              "evidence": [str(r) for r in references] if isinstance(references, (list, tuple)) else []}
     return run_id if put_link(store, run_id, prompt, keys, full_key) else ""
 
 
@@ -234,7 +238,7 @@ def run_sample(lm: LoadedModel, name: str, length: int, index: int, specs: Seque
                      "budget": getattr(policy, "budget", None), "setting": setting, "sample": int(index),
                      "score": float(score(task, request.doc, item.text)), "answer": item.text,
                      "references": json.dumps(list(request.doc["outputs"])),
-                     "run_id": link(store, lm, request, item, full_key), "spec": item.spec, "tokens": len(ids),
+                     "run_id": link(store, lm, request, item, full_key, end), "spec": item.spec, "tokens": len(ids),
                      "context_tokens": end})
     return rows
 
