@@ -50,7 +50,9 @@ class Evidence:
 
     def describe(self) -> str:
         found = sorted({s.label for s in self.spans})
-        text = f"{len(self.positions)} tokens in {len(self.spans)} occurrences of {', '.join(found) or 'nothing'}"
+        n = len(self.spans)
+        text = (f"{len(self.positions)} tokens in {n} occurrence{'' if n == 1 else 's'} of "
+                f"{', '.join(found) or 'nothing'}")
         if self.missing:
             text += f"; not in the prompt: {', '.join(self.missing)}"
         return text
