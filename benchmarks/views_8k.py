@@ -5,7 +5,8 @@
 Goal: each view renders in at most 2 s and at most 5 MB of plotly JSON (or HTML) at 8192 tokens of
 30 layers x 3 KV heads (``default``), and in at most 3 s at 32,768 tokens shaped like Gemma 3 270M
 (``gemma``: 18 layers, 1 KV head of 256 dimensions, a 512-token sliding window in 5 of every 6 layers).
-The run holds Full + sinks, h2o, tova, a2sf at budget 256 + an oracle selection. The traces are synthetic
+The run holds Full + sinks, h2o, tova, a2sf at budget 256 + an oracle selection, and names a word that one token in
+twenty is as its evidence (the views mark it; "why" follows it through every trace). The traces are synthetic
 but shaped like real ones: eviction steps from a cache of ``budget`` slots that drops one token per step,
 oracle spans from a top-``budget`` set that swaps a few tokens per step (cut at a local layer's window, as
 the engine records them), top-k attention rows as the app records them (k = 7 at 8k: sink, the last few tokens, the rest
@@ -53,6 +54,7 @@ SHAPES = MappingProxyType({
 })
 DEFAULT = SHAPES["default"]
 BUDGET = 256
+EVIDENCE = "budget"  # one of WORDS: about one token in twenty
 WORDS = [" the", " cache", " keeps", " a", " token", ",", ".", "\n", " of", " attention", " <b>bold</b>", " &",
          " model", " reads", " every", " query", " sink", " and", " its", " budget"]
 
@@ -189,7 +191,9 @@ def synthetic_run(n: int = 8192, budget: int = BUDGET, seed: int = 0, shape: Sha
               trace(f"tova:{b}", "eviction", evicted_at=_evictions(n, budget, rng, shape, protect_sinks=1)),
               trace(f"a2sf:{b},alpha=0.1", "eviction", evicted_at=_evictions(n, budget, rng, shape, 4, 16)),
               trace(f"oracle:{b}", "selection", spans=_oracle_spans(n, budget, rng, shape))]
-    return SimpleNamespace(run_id=f"synthetic-{n}", traces=traces, full=full)
+    # The evidence a task sample names: a word the text repeats (CWE's case, the most marks), marked in the views.
+    request = SimpleNamespace(evidence=[EVIDENCE], evidence_end=None)
+    return SimpleNamespace(run_id=f"synthetic-{n}", traces=traces, full=full, request=request)
 
 
 def views(n: int, shape: Shape = DEFAULT) -> dict:
@@ -223,7 +227,17 @@ def views(n: int, shape: Shape = DEFAULT) -> dict:
         "t-SNE (first time: embedding)": tsne,
         "t-SNE (again: cached embedding)": tsne,
         "export figures.html (plotly.js inlined)": lambda run: panels.figures_html(run, "all", "all", middle, 0.3),
+        "why: the evidence through every trace + verdicts": why,
     }
+
+
+def why(run) -> str:
+    """The task sample's "why" table: its evidence located, then followed through every trace at the last step."""
+    from backend.analysis.evidence import follow, run_evidence, verdict
+
+    evidence = run_evidence(run.full, run.request.evidence)
+    full = follow(run.full, evidence)
+    return "\n".join(verdict(t.spec, follow(t, evidence), full, evidence) for t in run.traces)
 
 
 def payload_bytes(result) -> int:

@@ -236,3 +236,21 @@ def test_the_answer_step_is_the_query_that_wrote_its_first_visible_token():
     trace.meta["token_texts"] = ["a", "b", "c", "d", "e", "4", "2", "."]
     assert answer_step(trace) == 4
     assert answer_step(make_trace(8)) == 7  # a text with no answer: its last query
+
+
+def test_evidence_columns_become_runs_of_cells_and_one_band_each_per_panel():
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    from viz.heatmap import evidence_cells, mark_columns
+
+    # Columns of 4 tokens from token 8: positions 9, 10 share cell 0, 17 is cell 2, 30 is past 4 cells.
+    assert evidence_cells([9, 10, 17, 30, 3], first=8, size=4, n_cells=4) == [(0, 0), (2, 2)]
+    assert evidence_cells([8, 12, 16, 24], first=8, size=4, n_cells=5) == [(0, 2), (4, 4)]
+    assert evidence_cells([], 0, 1, 5) == []
+    fig = make_subplots(rows=1, cols=2)
+    for col in (1, 2):
+        fig.add_trace(go.Heatmap(z=[[0, 1, 2, 3]]), row=1, col=col)
+    mark_columns(fig, [(0, 0), (2, 3)])
+    bands = [(s.xref, s.x0, s.x1) for s in fig.layout.shapes]
+    assert bands == [("x", -0.5, 0.5), ("x", 1.5, 3.5), ("x2", -0.5, 0.5), ("x2", 1.5, 3.5)]
