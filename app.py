@@ -260,16 +260,19 @@ def on_tick(run_id, step, speed, layer, head, alpha, zoom=False, first_step=0, f
                     panels.score_curves(run, layer, head, alpha, step)[1], *player(False)]
 
 
-def run_request(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model):
-    """The run the controls describe (not yet checked)."""
+def run_request(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model, evidence=""):
+    """The run the controls describe (not yet checked); ``evidence``: strings of the text that hold the answer, one
+    per line, marked in the views."""
     try:
         specs = specs_from_controls(names, budget, sinks, alpha, heads, custom)
     except (TypeError, ValueError):  # a raw API call with controls out of shape
         raise RequestError("The policy controls are out of range.") from None
-    return api.RunRequest(prompt=prompt, specs=specs, mode=mode, max_new_tokens=max_new, model=model)
+    lines = evidence.splitlines() if isinstance(evidence, str) else evidence
+    return api.RunRequest(prompt=prompt, specs=specs, mode=mode, max_new_tokens=max_new, model=model,
+                          evidence=lines if isinstance(lines, list) else [])
 
 
-def on_cost(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model):
+def on_cost(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model, evidence=""):
     """The line under the Run button: what the chosen set costs against the limit, before anything runs."""
     try:
         return html.escape(api.cost(run_request(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom,
@@ -321,10 +324,11 @@ def _verdicts(check, n_inputs: int, request: gr.Request | None):
     return [gr.validate(True, "")] * n_inputs
 
 
-def check_run(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model, request: gr.Request = None):
+def check_run(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model, evidence="",
+              request: gr.Request = None):
     """Validator of a run: runs before the job queues, outside the model slot."""
     return _verdicts(lambda: api.check_run(run_request(prompt, mode, max_new, names, budget, sinks, alpha,
-                                                           heads, custom, model)), 10, request)
+                                                           heads, custom, model, evidence)), 11, request)
 
 
 def check_sweep(prompt, mode, max_new, names, sinks, alpha, heads, model, request: gr.Request = None):
@@ -377,11 +381,11 @@ def compute_sample(request: api.SampleRequest, progress=None) -> api.SampleResul
     return api.task_sample(request, zerogpu.own_store(STORE))
 
 
-def on_run(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model, request: gr.Request = None,
-           progress=gr.Progress()):
+def on_run(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model, evidence="",
+           request: gr.Request = None, progress=gr.Progress()):
     try:
-        run = compute_run(run_request(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model),
-                          progress)
+        run = compute_run(run_request(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model,
+                                      evidence), progress)
     except RequestError as err:
         raise shown(err) from None
     finally:
@@ -749,6 +753,9 @@ def build() -> gr.Blocks:
                                         lines=2, placeholder="tova:budget=32,heads=head\nsnapkv:ratio=0.75")
                     model = gr.Dropdown(list(LIMITS.models), value=api.DEFAULT_MODEL, label="Model",
                                         info="Hub models load only where the Space has internet.")
+                    evidence = gr.Textbox(label="Evidence: a string of your text that holds the answer, one per line "
+                                                "(marked in the views: when did each policy stop reading it?)",
+                                          lines=1, max_lines=4, elem_id="evidence")
                 run_button = gr.Button("Run", variant="primary", elem_id="run")
                 cost_line = gr.Markdown(elem_id="cost")
                 status = gr.Markdown(elem_id="status")
@@ -898,7 +905,7 @@ def build() -> gr.Blocks:
         views = [heatmap, reach, reach_distance, kept, curves, curves_steps, step_row]
         selectors = [run_id, layer, head, step, curve_alpha]
         zoom_controls = [zoom, zoom_step, zoom_pos, zoom_size]
-        run_inputs = [prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model]
+        run_inputs = [prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model, evidence]
         # The model runs one job at a time ("model"); the views of stored runs share two workers ("views").
         # Moving the budget re-runs too: replayed from the store when that budget was computed before.
         views_ = {"concurrency_id": "views", "concurrency_limit": 2}

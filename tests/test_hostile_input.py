@@ -127,7 +127,7 @@ def test_the_validator_refuses_outside_the_model_slot_and_gates_one_job_per_sess
     first, second = visitor("s1"), visitor("s1")
     controls = ("hi there", "prompt", 8, ["tova"], 40, 4, 0.1, "paper default", "", DEFAULT_MODEL)
     bad = app.check_run("x" * (LIMITS.text_chars + 1), *controls[1:], request=first)
-    assert bad[0]["is_valid"] is False and "characters long" in bad[0]["message"] and len(bad) == 10
+    assert bad[0]["is_valid"] is False and "characters long" in bad[0]["message"] and len(bad) == 11
     ok = app.check_run(*controls, request=first)
     assert all(v["is_valid"] for v in ok)
     again = app.check_run(*controls, request=second)  # the first job has not ended yet
@@ -185,7 +185,7 @@ def join(url: str, data: list, fn: str = "on_run") -> httpx.Response:
                       headers={"content-type": "application/json"})
 
 
-CONTROLS = ["prompt", 8, ["tova"], 40, 4, 0.1, "paper default", "", DEFAULT_MODEL]
+CONTROLS = ["prompt", 8, ["tova"], 40, 4, 0.1, "paper default", "", DEFAULT_MODEL, ""]  # ... model, evidence
 
 
 def test_uploads_are_refused_and_nothing_is_kept(server):
@@ -202,7 +202,7 @@ def test_api_bad_inputs_get_their_one_line_message(server):
     for prompt, specs, message in [("caf\ud800", "", "not valid Unicode"),
                                    ("hello there", "<img src=x onerror=alert(1)>", "unknown policy"),
                                    ("x" * (LIMITS.text_chars + 1), "", "characters long")]:
-        data = [prompt, *CONTROLS[:7], specs, DEFAULT_MODEL]
+        data = [prompt, *CONTROLS[:7], specs, DEFAULT_MODEL, ""]
         response = join(server, data)
         assert response.status_code == 422, response.text
         detail = json.loads(response.text)["detail"]
@@ -309,7 +309,7 @@ def result_of(url: str, response: httpx.Response, fn: str = "on_run") -> str:
     return httpx.get(f"{url}/gradio_api/call/{fn}/{event_id}", timeout=120).text
 
 
-RAW_RUN = ["The cat sat.", "generate", 4, ["tova"], 16, 4, 0.1, "paper default", "", DEFAULT_MODEL]
+RAW_RUN = ["The cat sat.", "generate", 4, ["tova"], 16, 4, 0.1, "paper default", "", DEFAULT_MODEL, ""]
 
 
 def test_an_api_client_runs_again_once_its_run_has_ended(server):
