@@ -254,3 +254,29 @@ def test_evidence_columns_become_runs_of_cells_and_one_band_each_per_panel():
     mark_columns(fig, [(0, 0), (2, 3)])
     bands = [(s.xref, s.x0, s.x1) for s in fig.layout.shapes]
     assert bands == [("x", -0.5, 0.5), ("x", 1.5, 3.5), ("x2", -0.5, 0.5), ("x2", 1.5, 3.5)]
+
+
+def test_play_shows_the_evidence_leave(default_lm, tmp_path, monkeypatch):
+    """Play's frames underline the evidence: kept when it has just arrived, evicted by the end (TOVA, budget 32,
+    layer 0, KV head 0, over a prompt that goes on for a hundred tokens after it)."""
+    import re
+
+    import app
+    from backend import api
+    from backend.api import RunRequest
+    from backend.traces.store import TraceStore
+
+    prompt = "Remember this: the secret code is 48151 and nothing else. " + "Then we walked home. " * 12 + "Code?"
+    run = api.run(RunRequest(prompt=prompt, specs=["tova:budget=32"], mode="generate", max_new_tokens=2,
+                             evidence=["48151"]), TraceStore(tmp_path / "store"))
+    app.RECENT_RUNS.remember(run)
+    from viz import panels
+
+    arrived = int(panels.evidence_positions(run).max()) + 1
+
+    def evidence_states(step):
+        kept = app.on_tick(run.run_id, step - 1, 1, "0", "0", 0.1)[1]  # speed 1: one step a tick
+        return re.findall(r'class="kvl-tok kvl-(\w+) kvl-evidence', kept)
+
+    assert set(evidence_states(arrived)) == {"kept"}
+    assert set(evidence_states(len(run.full.tokens) - 1)) == {"evicted"}
