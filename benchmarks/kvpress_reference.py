@@ -22,7 +22,8 @@ directory in KV Lens's venv with::
         --model ~/.cache/kvlens/models/smollm2-135m-instruct-b179c9523d0e6a0f
 
 It takes about two minutes on one CPU thread (``--threads``) and writes about 1 MB; a rerun writes the same
-bytes (``--only KEY ...`` runs some presses, ``--no-answers`` skips the greedy answers).
+bytes (``--only KEY ...`` runs some presses and keeps the others of an existing fixture, ``--no-answers`` skips the
+greedy answers).
 
 The prompt: the token ids KV Lens feeds in generate mode for ``assets/examples/needle.txt``, i.e. the text as a
 user turn of the chat template with the generation prompt (``LoadedModel.encode(text, chat=True)``). The script
@@ -34,7 +35,7 @@ What is recorded, for each press and budget b in BUDGETS: the whole n-token prom
 press (``with press(model): model(ids, past_key_values=cache)``), float32, sdpa attention (AdaKV and KVzip
 refuse eager), and the positions kvpress keeps are read per layer and KV head:
 
-* ScorerPress-based presses (SnapKV, PyramidKV, Knorm, StreamingLLM, TOVA, ExpectedAttention, Random) gather
+* ScorerPress-based presses (SnapKV, PyramidKV, Knorm, KeyDiff, StreamingLLM, TOVA, ExpectedAttention, Random) gather
   the kept keys out of the cache; each kept key row is matched back to the one prompt position it was copied
   from, so the record is what kvpress kept, ties included. The press's scores are captured too, to count the
   (layer, head) pairs where the b-th and (b+1)-th best scores tie (where torch.topk's tie-breaking chose).
@@ -86,8 +87,8 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from kvpress import (AdaKVPress, ExpectedAttentionPress, KnormPress, KVzipPress, PyramidKVPress, RandomPress,
-                     ScorerPress, SnapKVPress, StreamingLLMPress, TOVAPress)
+from kvpress import (AdaKVPress, ExpectedAttentionPress, KeyDiffPress, KnormPress, KVzipPress, PyramidKVPress,
+                     RandomPress, ScorerPress, SnapKVPress, StreamingLLMPress, TOVAPress)
 
 BUDGETS = (24, 40, 64, 96)
 MAX_NEW = 16
@@ -120,6 +121,7 @@ def presses() -> list[tuple[str, str, dict, Callable[[float], object]]]:
                                            "kernel_size": 5},
          lambda r: AdaKVPress(SnapKVPress(compression_ratio=r, window_size=8), alpha_safeguard=0.2)),
         ("knorm", "KnormPress", {}, lambda r: KnormPress(compression_ratio=r)),
+        ("keydiff", "KeyDiffPress", {}, lambda r: KeyDiffPress(compression_ratio=r)),
         ("streamingllm", "StreamingLLMPress", {"n_sink": 4}, lambda r: StreamingLLMPress(compression_ratio=r)),
         ("tova", "TOVAPress", {}, lambda r: TOVAPress(compression_ratio=r)),
         ("expected_attention", "ExpectedAttentionPress",
@@ -385,6 +387,11 @@ def main() -> None:
         print(f"{key}: {time.time() - t0:.1f} s", file=sys.stderr, flush=True)
 
     out = Path(args.out)
+    if args.only and out.is_file():  # the other presses stay as they were recorded
+        kept = json.loads(out.read_text())
+        if kept.get("input_ids") != fixture["input_ids"] or kept.get("versions") != fixture["versions"]:
+            sys.exit(f"{out} was recorded on other tokens or versions: run every press again")
+        fixture = {**kept, "presses": {**kept["presses"], **fixture["presses"]}}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(fixture, separators=(",", ":")) + "\n")
     print(f"wrote {out} ({out.stat().st_size} bytes) in {time.time() - start:.1f} s", file=sys.stderr)

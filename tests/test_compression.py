@@ -232,3 +232,19 @@ def test_snapkv_pool_mean_in_the_engine_is_kvpress_scoring_on_each_query_heads_o
             best = np.argsort(-score[head], kind="stable")[: budget - window]
             expected = sorted(best.tolist()) + list(range(n - window, n))
             assert np.flatnonzero(trace.evicted_at[layer, head, :n] == -1).tolist() == expected, (layer, head)
+
+
+def test_keydiff_keeps_the_keys_least_like_the_mean_unit_key():
+    """One head, keys (2, 0), (1, 0.1), (3, 0.2), (0, 1): unit keys (1, 0), (0.995, 0.0995), (0.998, 0.0665),
+    (0, 1); their mean (0.7482, 0.2915) points at 21.3 degrees, so the cosines are 0.932, 0.963, 0.954, 0.363:
+    the lone (0, 1) scores highest, then (2, 0); the scale of a key does not matter, only its direction."""
+    from backend.policies import KeyDiff
+
+    keys = np.array([[[2.0, 0.0], [1.0, 0.1], [3.0, 0.2], [0.0, 1.0]]])
+    scores = KeyDiff(budget=2).score(view(4, keys=keys))
+    np.testing.assert_allclose(-scores[0], [0.932, 0.963, 0.954, 0.363], atol=1e-3)
+    assert KeyDiff(budget=2).keep(view(4, keys=keys))[0].tolist() == [True, False, False, True]
+    # A token no longer held does not pull the anchor: without (1, 0.1) and (3, 0.2) the mean is (0.5, 0.5).
+    held = np.array([[True, False, False, True]])
+    np.testing.assert_allclose(-KeyDiff(budget=2).score(view(4, keys=keys, kept=held))[0, [0, 3]],
+                               [2 ** -0.5, 2 ** -0.5])
