@@ -35,6 +35,7 @@ MATCHED = {
     "kvzip_layerwise": "kvzip:budget={b},prefix=zero,quote_space=false,scope=layer",
     "knorm": "knorm:budget={b}",
     "keydiff": "keydiff:budget={b}",
+    "chunkkv_knorm": "chunkkv:budget={b},scorer=knorm,preset=kvpress",
     "streamingllm": "streamingllm:budget={b1}",
     "tova": "tova:budget={b1},heads=layer",
     "expected_attention": "expected_attention:budget={b},window=241,epsilon=0",

@@ -87,8 +87,8 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from kvpress import (AdaKVPress, ExpectedAttentionPress, KeyDiffPress, KnormPress, KVzipPress, PyramidKVPress,
-                     RandomPress, ScorerPress, SnapKVPress, StreamingLLMPress, TOVAPress)
+from kvpress import (AdaKVPress, ChunkKVPress, ExpectedAttentionPress, KeyDiffPress, KnormPress, KVzipPress,
+                     PyramidKVPress, RandomPress, ScorerPress, SnapKVPress, StreamingLLMPress, TOVAPress)
 
 BUDGETS = (24, 40, 64, 96)
 MAX_NEW = 16
@@ -122,6 +122,8 @@ def presses() -> list[tuple[str, str, dict, Callable[[float], object]]]:
          lambda r: AdaKVPress(SnapKVPress(compression_ratio=r, window_size=8), alpha_safeguard=0.2)),
         ("knorm", "KnormPress", {}, lambda r: KnormPress(compression_ratio=r)),
         ("keydiff", "KeyDiffPress", {}, lambda r: KeyDiffPress(compression_ratio=r)),
+        ("chunkkv_knorm", "ChunkKVPress", {"press": "KnormPress", "chunk_length": 20},
+         lambda r: ChunkKVPress(press=KnormPress(compression_ratio=r), chunk_length=20)),
         ("streamingllm", "StreamingLLMPress", {"n_sink": 4}, lambda r: StreamingLLMPress(compression_ratio=r)),
         ("tova", "TOVAPress", {}, lambda r: TOVAPress(compression_ratio=r)),
         ("expected_attention", "ExpectedAttentionPress",
@@ -179,11 +181,12 @@ def boundary_ties(scores: torch.Tensor, n_kept: int) -> int:
 class Capture:
     """Wraps a ScorerPress instance's ``score`` and ``compress`` to read back what it kept, layer by layer."""
 
-    def __init__(self, press: ScorerPress, n_layers: int):
+    def __init__(self, press: ScorerPress | ChunkKVPress, n_layers: int):
         self.kept: list = [None] * n_layers
         self.n_kept: list = [None] * n_layers
         self.tied_heads: list[list[int]] = []
-        orig_score, orig_compress = press.score, press.compress
+        scorer = press.press if isinstance(press, ChunkKVPress) else press  # ChunkKV keeps chunks of its scores
+        orig_score, orig_compress = scorer.score, press.compress
         last = {}
 
         def score(module, hidden_states, keys, values, attentions, kwargs):
@@ -203,10 +206,12 @@ class Capture:
                 assert len(set(per_head[-1])) == len(per_head[-1])
             self.kept[layer] = per_head
             self.n_kept[layer] = new_keys.shape[2]
-            self.tied_heads += [[layer, h] for h in tied_rows(last.pop("scores")[0], new_keys.shape[2])]
+            scores = last.pop("scores")[0]
+            if scorer is press:  # a token-level top-k (a chunk's ties are not a token's)
+                self.tied_heads += [[layer, h] for h in tied_rows(scores, new_keys.shape[2])]
             return new_keys, new_values
 
-        press.score, press.compress = score, compress
+        scorer.score, press.compress = score, compress
 
 
 def masked_kept(model, n: int) -> list:
@@ -236,7 +241,7 @@ def run_press(model, tokenizer, ids: torch.Tensor, cls: str, params: dict, press
     n_layers = model.config.num_hidden_layers
     clear_masks(model)
     out: dict = {}
-    capture = Capture(press, n_layers) if isinstance(press, ScorerPress) else None
+    capture = Capture(press, n_layers) if isinstance(press, (ScorerPress, ChunkKVPress)) else None
     if isinstance(press, AdaKVPress):
         inner, scores_seen = press.press, []
         orig_score = inner.score
@@ -376,7 +381,7 @@ def main() -> None:
                     assert all(sum(c) == n_kv * b for c in counts), counts
                 else:
                     assert sum(map(sum, counts)) == n_layers * n_kv * b, counts
-            elif cls != "PyramidKVPress":
+            elif cls not in ("PyramidKVPress", "ChunkKVPress"):  # ChunkKV keeps whole chunks
                 assert all(c == b for layer in counts for c in layer), counts
             if cls == "KVzipPress":
                 entry["prefix_length"] = run.pop("prefix_length")

@@ -248,3 +248,29 @@ def test_keydiff_keeps_the_keys_least_like_the_mean_unit_key():
     held = np.array([[True, False, False, True]])
     np.testing.assert_allclose(-KeyDiff(budget=2).score(view(4, keys=keys, kept=held))[0, [0, 3]],
                                [2 ** -0.5, 2 ** -0.5])
+
+
+def test_chunkkv_keeps_whole_chunks_counted_from_the_first_token_the_last_one_short():
+    """Knorm's scores (-|k|) of 7 tokens in chunks of 3: [0-2] norms 1, [3-5] norms 5, [6] norm 0.5 (a chunk of
+    one). Chunk means -1, -5, -0.5; kvpress's count is the share budget / 7 of the 3 chunks, the paper's
+    budget // 3 chunks; at least one either way."""
+    from backend.policies import ChunkKV
+
+    norms = np.array([1, 1, 1, 5, 5, 5, 0.5])
+    keys = np.stack([norms, 0 * norms], -1)[None]
+    share = ChunkKV(budget=3, chunk=3, scorer="knorm", count="share")
+    assert share.keep(view(7, keys=keys))[0].tolist() == [False] * 6 + [True]  # int(3 * 3 / 7) = 1 chunk
+    assert ChunkKV(budget=5, chunk=3, scorer="knorm", count="share").keep(view(7, keys=keys))[0].tolist() == \
+        [True, True, True, False, False, False, True]  # int(3 * 5 / 7) = 2 chunks: [6], then [0-2]
+    assert ChunkKV(budget=5, chunk=3, scorer="knorm").keep(view(7, keys=keys))[0].tolist() == \
+        [False] * 6 + [True]  # 5 // 3 = 1 chunk: never more tokens than the budget
+    assert ChunkKV.for_budget(8).chunk == 4 and ChunkKV.for_budget(64).chunk == 20
+    # Two heads: the chunks are the layer's, scored by the sum over the heads, the same for both.
+    two = np.stack([keys[0], np.stack([[0.1, 0.1, 0.1, 0.2, 0.2, 0.2, 9.0], np.zeros(7)], -1)])
+    kept = ChunkKV(budget=3, chunk=3, scorer="knorm", count="share").keep(view(7, heads=2, keys=two))
+    assert kept.tolist() == [[True, True, True, False, False, False, False]] * 2  # sums: -1.1, -5.2, -9.5
+    assert ChunkKV(budget=8, chunk=3, scorer="knorm").keep(view(7, keys=keys)).all()  # fits: all kept
+    with pytest.raises(ValueError, match="chunk"):
+        ChunkKV(budget=8, chunk=0)
+    with pytest.raises(ValueError, match="count"):
+        ChunkKV(budget=8, count="some")
