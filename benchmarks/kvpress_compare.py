@@ -36,6 +36,7 @@ MATCHED = {
     "knorm": "knorm:budget={b}",
     "keydiff": "keydiff:budget={b}",
     "chunkkv_knorm": "chunkkv:budget={b},scorer=knorm,preset=kvpress",
+    "lagkv_lag32": "lagkv:budget={b},lag=32",
     "streamingllm": "streamingllm:budget={b1}",
     "tova": "tova:budget={b1},heads=layer",
     "expected_attention": "expected_attention:budget={b},window=241,epsilon=0",

@@ -88,7 +88,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from kvpress import (AdaKVPress, ChunkKVPress, ExpectedAttentionPress, KeyDiffPress, KnormPress, KVzipPress,
-                     PyramidKVPress, RandomPress, ScorerPress, SnapKVPress, StreamingLLMPress, TOVAPress)
+                     LagKVPress, PyramidKVPress, RandomPress, ScorerPress, SnapKVPress, StreamingLLMPress, TOVAPress)
 
 BUDGETS = (24, 40, 64, 96)
 MAX_NEW = 16
@@ -122,6 +122,8 @@ def presses() -> list[tuple[str, str, dict, Callable[[float], object]]]:
          lambda r: AdaKVPress(SnapKVPress(compression_ratio=r, window_size=8), alpha_safeguard=0.2)),
         ("knorm", "KnormPress", {}, lambda r: KnormPress(compression_ratio=r)),
         ("keydiff", "KeyDiffPress", {}, lambda r: KeyDiffPress(compression_ratio=r)),
+        ("lagkv_lag32", "LagKVPress", {"n_sink": 4, "lag_size": 32, "cross_scoring": False},
+         lambda r: LagKVPress(compression_ratio=r, lag_size=32)),
         ("chunkkv_knorm", "ChunkKVPress", {"press": "KnormPress", "chunk_length": 20},
          lambda r: ChunkKVPress(press=KnormPress(compression_ratio=r), chunk_length=20)),
         ("streamingllm", "StreamingLLMPress", {"n_sink": 4}, lambda r: StreamingLLMPress(compression_ratio=r)),

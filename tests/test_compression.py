@@ -274,3 +274,21 @@ def test_chunkkv_keeps_whole_chunks_counted_from_the_first_token_the_last_one_sh
         ChunkKV(budget=8, chunk=0)
     with pytest.raises(ValueError, match="count"):
         ChunkKV(budget=8, count="some")
+
+
+def test_lagkv_scores_each_partition_against_the_next_ones_range():
+    """Sinks 1, lag 2, 7 cached tokens of one channel pair: partitions [1, 2] and [3, 4] are scored, [5, 6] is
+    the last (kept, as the sink). Partition [1, 2] against [3, 4]'s range: keys (0, 0) and (10, 5) against
+    min (2, 2) max (4, 6) scale to (-1, -0.5) and (4, 0.75); their spreads (sample std) 0.354 and 2.298, so token 2
+    ranks above token 1; [3, 4] against [5, 6]'s min (0, 0) max (5, 3): (0.4, 2) and (0.8, 0.667), spreads 1.131
+    and 0.094, token 3 first. Values alike. Rank / lag: 0 or 0.5."""
+    from backend.policies import LagKV
+
+    keys = np.array([[[9, 9], [0, 0], [10, 5], [2, 6], [4, 2], [0, 3], [5, 0]]], float)
+    scores = LagKV(budget=5, sinks=1, lag=2).score(view(7, keys=keys, values=keys))[0]
+    np.testing.assert_allclose(scores, [1, 0, 0.5, 0.5, 0, 1, 1])
+    # Too short to partition (fewer than sinks + 2 lags): the sinks, then the latest tokens first.
+    short = LagKV(budget=2, sinks=1, lag=4).score(view(7, keys=keys, values=keys))[0]
+    np.testing.assert_allclose(short, [1, 0, 1 / 6, 2 / 6, 3 / 6, 4 / 6, 5 / 6])
+    assert LagKV(budget=3, sinks=1, lag=4).keep(view(7, keys=keys, values=keys))[0].tolist() == \
+        [True, False, False, False, False, True, True]

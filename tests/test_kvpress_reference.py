@@ -38,3 +38,16 @@ def test_kvpress_compatible_settings_keep_kvpress_tokens_in_every_layer_and_head
             for head, kept in enumerate(heads):
                 if (layer, head) not in tied:
                     assert ours[layer][head] == kept, (press, layer, head)
+
+
+def test_lagkv_keeps_kvpress_tokens_up_to_the_ties_of_its_ranks(default_lm, kvpress):
+    """LagKV scores a token by its rank in its partition, so every rank recurs once per partition and the budget's
+    boundary falls among equal scores in every head: kvpress's topk breaks those ties its own way, KV Lens keeps
+    the earliest. At budget 96 each head's kept set is kvpress's but for one such swap at most."""
+    n = kvpress["n"]
+    (trace,) = run(default_lm, [MATCHED["lagkv_lag32"].format(b=96)], kvpress["input_ids"], max_new_tokens=1)
+    theirs = kvpress["presses"]["lagkv_lag32"]["budgets"]["96"]
+    assert len(theirs["tied_heads"]) == 90  # every head ties at the boundary (the fixture says so)
+    for layer, (ours, kept) in enumerate(zip(kept_sets(trace, n), theirs["kept"])):
+        for head, (a, b) in enumerate(zip(ours, kept)):
+            assert len(a) == len(b) == 96 and len(set(a) ^ set(b)) <= 2, (layer, head)
