@@ -212,3 +212,52 @@ def test_tasks_tab_draws_the_shipped_leaderboard_and_a_clicked_sample_runs_with_
     page.wait_for_selector("#kept .kvl-evidence", timeout=60_000)
     assert "evidence" in page.locator("#kept .kvl-legend").first.inner_text()
     page.close()
+
+
+def test_evidence_typed_with_a_prompt_is_marked_and_play_shows_it_leave(page, app_url):
+    """A prompt whose answer sits in "48151", that string typed as its evidence: as Play steps through the text, the
+    kept tokens (layer 0, KV head 0) underline it as kept once it has arrived, and evicted by the end (TOVA at
+    budget 32)."""
+    page = page.context.browser.new_page(viewport={"width": 1920, "height": 1200})
+    page.goto(app_url)
+    page.wait_for_selector("#run", timeout=60_000)
+    prompt = "Remember this: the secret code is 48151 and nothing else. " + "Then we walked home. " * 12 + "Code?"
+    page.locator("#prompt textarea").fill(prompt)
+    page.get_by_text("Policy parameters").click()
+    page.locator("#evidence textarea").fill("48151")
+    boxes = page.locator("#policies label")
+    for i in range(boxes.count()):
+        label = boxes.nth(i)
+        if label.locator("input").is_checked() != (label.inner_text().strip() == "tova"):
+            label.click()
+    budget = page.locator("#budget input[type=number]")
+    budget.fill("32")
+    budget.press("Enter")
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('#heatmap .js-plotly-plot')].some(el => "
+        "(el.layout.annotations || []).some(a => a.text.includes('tova:budget=32')))", timeout=180_000)
+    page.locator("#layer input").click()
+    page.get_by_role("option", name="0", exact=True).last.click()
+    page.wait_for_function(
+        "() => document.querySelector('#heatmap .js-plotly-plot').layout.title.text.includes('layer 0')",
+        timeout=60_000)
+    page.locator("#head input").click()
+    page.get_by_role("option", name="0", exact=True).last.click()  # the list just opened
+    page.wait_for_function(
+        "() => document.querySelector('#heatmap .js-plotly-plot').layout.title.text.includes('KV head 0')",
+        timeout=60_000)
+    page.get_by_role("tab", name="Kept tokens").click()
+    page.wait_for_selector("#kept .kvl-evidence", timeout=60_000)
+    # Play at one step a tick from the start: the kept tokens follow it; note the evidence's state at every frame.
+    page.locator("#play-speed label", has_text="1 step per tick").click()
+    page.locator("#play").click()  # from the last step Play starts over at 0
+    seen, deadline = [], time.time() + 150
+    while time.time() < deadline:
+        states = page.locator("#kept .kvl-evidence").evaluate_all("els => els.map(e => e.classList[1])")
+        seen.append(frozenset(states))
+        if "Play" in page.locator("#play").inner_text() and len(seen) > 5:
+            break
+        time.sleep(0.1)
+    assert frozenset({"kvl-kept"}) in seen  # kept once it has arrived
+    assert seen[-1] == frozenset({"kvl-evicted"})  # gone by the last step
+    page.close()
