@@ -89,7 +89,7 @@ class Visitor:
 
     def inputs(self):
         return (self.prompt, "generate", MAX_NEW, self.names, self.budget, self.sinks, self.alpha, self.heads, "",
-                MODEL)
+                MODEL, "")  # ..., the model, no evidence
 
 
 def expected_specs():
@@ -263,7 +263,7 @@ def stop_app(proc: subprocess.Popen) -> None:
 
 
 QUEUE_SIZE = 64  # app.QUEUE_SIZE (not imported: importing app builds the whole UI)
-BURST_RUN = ["The cat sat.", "generate", 4, ["tova"], 16, 4, 0.1, "paper default", "", MODEL]
+BURST_RUN = ["The cat sat.", "generate", 4, ["tova"], 16, 4, 0.1, "paper default", "", MODEL, ""]
 
 
 def burst(n: int, timeout_s: float) -> int:

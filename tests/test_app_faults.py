@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NEEDLE = (ROOT / "assets" / "examples" / "needle.txt").read_text().strip()
 MODEL = "smollm2-135m-instruct"
 # needle.txt (~200 tokens) scored teacher-forced under 3 policies (+ Full): several seconds of model work.
-RUN = (NEEDLE, "prompt", 8, ["sinks", "tova", "a2sf"], 40, 4, 0.1, "paper default", "", MODEL)
+RUN = (NEEDLE, "prompt", 8, ["sinks", "tova", "a2sf"], 40, 4, 0.1, "paper default", "", MODEL, "")  # ..., evidence
 OFFLINE_ENV = {"GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_OFFLINE": "1"}
 
 
@@ -223,7 +223,7 @@ def test_exports_are_removed_at_exit_and_at_start_up(tmp_path, monkeypatch):
         assert not orphan.parent.parent.exists()
         c = client(url)
         try:
-            c.submit("The cat sat.", "generate", 4, ["tova"], 16, 4, 0.1, "paper default", "", MODEL,
+            c.submit("The cat sat.", "generate", 4, ["tova"], 16, 4, 0.1, "paper default", "", MODEL, "",
                      api_name="/on_run").result(timeout=120)
             c.submit("all", "all", 4, 0.3, api_name="/on_export").result(timeout=60)  # through the API: no .then
         finally:
