@@ -130,7 +130,8 @@ def kept_tokens_html(token_texts: Sequence[str], kept: np.ndarray, step: int, we
     ``max_outside``, with ``kvl-gap`` markers counting what lies between.
     Each token is a ``<span class="kvl-tok kvl-{kept|evicted|future}">`` with ``data-pos`` and
     ``data-kept`` attributes; the token at ``step`` also has class ``kvl-current``. ``evidence``: positions of the
-    answer's evidence, underlined (class ``kvl-evidence``) and always shown, kept or not, inside the window or not.
+    answer's evidence, underlined (class ``kvl-evidence``) and shown kept or not; outside the window it takes up to
+    half of the ``max_outside`` shown there (the nearest to the step first).
     """
     n = len(token_texts)
     share = _kept_share(kept)
@@ -148,8 +149,13 @@ def kept_tokens_html(token_texts: Sequence[str], kept: np.ndarray, step: int, we
     marked = np.zeros(n, bool)
     if evidence is not None and len(evidence):
         marked[np.asarray(evidence, np.int64)[(np.asarray(evidence) >= 0) & (np.asarray(evidence) < n)]] = True
-    shown = np.union1d(np.union1d(np.arange(first, end), _shown_outside(share, step, (first, end), max_outside)),
-                       np.flatnonzero(marked))
+    # Outside the window the evidence takes up to half of the ``max_outside`` shown there (the nearest to the step),
+    # the most kept tokens the rest: a text whose every twentieth token is evidence stays as small as any other.
+    far = np.flatnonzero(marked)
+    far = far[(far < first) | (far >= end)]
+    far = np.sort(far[np.argsort(np.abs(far - step), kind="stable")[:max_outside // 2]])
+    others = _shown_outside(np.where(marked, 0.0, share), step, (first, end), max_outside - len(far))
+    shown = np.union1d(np.union1d(np.arange(first, end), far), others)
     kept_before = np.r_[0, np.cumsum(share[: step + 1] > 0)]  # kept tokens before each position (up to the step)
 
     def kept_between(a: int, b: int) -> int:  # kept tokens at positions a..b-1 (none after the step)
