@@ -4,8 +4,8 @@ layers, a scaled query): Full equals the plain model, the prompt path equals the
 at a budget of the whole text equals Full. The running-score policies walk in one Triton launch per block
 there, SparQ and ReAttention take their kernels. Random weights, three layers, a small vocabulary.
 
-Skipped without CUDA. ``KVLENS_TEST_DEVICE=cpu`` runs the same tests on the CPU (to try them where there is no
-GPU; the tolerances are the GPU's).
+Skipped without CUDA. ``ENGINE_TEST_DEVICE=cpu`` (not a ``KVLENS_`` setting, which the app checks) runs the same
+tests on the CPU, to try them where there is no GPU; the tolerances are the GPU's.
 """
 import os
 
@@ -19,8 +19,9 @@ from backend.engine.models import LoadedModel
 from backend.engine.runner import compute_traces, score_text
 from backend.policies import POLICIES, H2O, TOVA, Oracle, ReAttention, SparQ, load_plugins
 from tests.conftest import TinyTokenizer, make_tiny
+from tests.test_families import refused
 
-DEVICE = os.environ.get("KVLENS_TEST_DEVICE", "cuda")
+DEVICE = os.environ.get("ENGINE_TEST_DEVICE", "cuda")
 pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 load_plugins()
@@ -62,11 +63,6 @@ def lm(request) -> LoadedModel:
 
 def atol(lm: LoadedModel) -> float:
     return ATOL[lm.model.dtype]
-
-
-def refused(lm: LoadedModel, name: str) -> bool:
-    features = lm.features
-    return not POLICIES[name].honours_layer_limits and bool(features.softcap or any(features.windows))
 
 
 def plain_logprobs(lm: LoadedModel) -> np.ndarray:

@@ -71,7 +71,8 @@ def test_held_and_the_step_each_token_left_per_head():
     assert followed.step == 7
     assert followed.held.tolist() == [[[False, False], [False, True]]]
     assert followed.left.tolist() == [[[4, 6], [5, -1]]]
-    assert followed.held_share == 0.25
+    assert followed.held_share() == 0.25
+    assert followed.held_share(follow(make_trace(8, n_kv_heads=2), spans_of([(2, 4)]))) == 0.25
     assert followed.lost_layers().tolist() == [False]
     early = follow(trace, spans_of([(2, 4)]), step=4)  # query 4 no longer reads token 2 in head 0
     assert early.held.tolist() == [[[False, True], [True, True]]]

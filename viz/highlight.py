@@ -147,8 +147,9 @@ def kept_tokens_html(token_texts: Sequence[str], kept: np.ndarray, step: int, we
         wmax = float(w[: step + 1].max())
     first, end = text_window(n, step) if window is None else (max(0, window[0]), min(n, window[1]))
     marked = np.zeros(n, bool)
-    if evidence is not None and len(evidence):
-        marked[np.asarray(evidence, np.int64)[(np.asarray(evidence) >= 0) & (np.asarray(evidence) < n)]] = True
+    if evidence is not None:
+        at = np.asarray(evidence, np.int64)
+        marked[at[(at >= 0) & (at < n)]] = True
     # Outside the window the evidence takes up to half of the ``max_outside`` shown there (the nearest to the step),
     # the most kept tokens the rest: a text whose every twentieth token is evidence stays as small as any other.
     far = np.flatnonzero(marked)

@@ -148,10 +148,11 @@ class Followed:
     left: np.ndarray
     attention: np.ndarray | None
 
-    @property
-    def held_share(self) -> float:
-        """The share of (layer, KV head, evidence token) triples held at the step."""
-        return float(self.held.mean()) if self.held.size else float("nan")
+    def held_share(self, full: "Followed | None" = None) -> float:
+        """The share of the (layer, KV head, evidence token) triples held at the step: of those Full held there
+        when ``full`` is given (nan when Full held none), else of all."""
+        held, reference = (self.held, np.ones_like(self.held)) if full is None else (self.held & full.held, full.held)
+        return float(held.sum() / reference.sum()) if reference.sum() else float("nan")
 
     def lost_layers(self, full: "Followed | None" = None) -> np.ndarray:
         """bool [L]: layers in which no KV head held any evidence token at the step (of those Full held there)."""

@@ -12,10 +12,9 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-import numpy as np
 import pandas as pd
 
-from ..analysis.evidence import Evidence, Followed, follow, locate, verdict
+from ..analysis.evidence import Evidence, follow, locate, verdict
 from ..runs import link_key
 from ..traces.store import TraceStore, load_trace
 from ..traces.trace import Trace
@@ -32,13 +31,6 @@ def sample_evidence(tokenizer, full: Trace, references: Sequence[str], context_e
     return locate(tokenizer, full.tokens[:n_prompt], references, end)
 
 
-def held_share(mine: Followed, full: Followed) -> float:
-    """The share of what Full read of the evidence as the answer began (per layer, KV head and token) that this
-    trace read too; nan when Full read none of it."""
-    reference = full.held.sum()
-    return float((mine.held & full.held).sum() / reference) if reference else float("nan")
-
-
 def explain(tokenizer, rows: Sequence[tuple[str, Trace, float | None]], full: Trace, references: Sequence[str],
             context_end: int | None) -> tuple[Evidence, list[dict]]:
     """Per (name, trace, score): the held share, the layers that lost all evidence, the answer's attention on it
@@ -49,7 +41,7 @@ def explain(tokenizer, rows: Sequence[tuple[str, Trace, float | None]], full: Tr
     for name, trace, score in [("Full", full, None), *rows]:
         mine = reference if trace is full else follow(trace, evidence)
         out.append({"name": name, "evidence_tokens": len(evidence.positions), "missing": ", ".join(evidence.missing),
-                    "held": held_share(mine, reference), "lost_layers": int(mine.lost_layers(reference).sum()),
+                    "held": mine.held_share(reference), "lost_layers": int(mine.lost_layers(reference).sum()),
                     "attention": mine.mean_attention, "full_attention": reference.mean_attention,
                     "verdict": verdict(name, mine, reference, evidence, score, context_end)})
     return evidence, out
@@ -84,7 +76,7 @@ def evidence_frame(df: pd.DataFrame, store: TraceStore, tokenizer) -> tuple[pd.D
                 continue
             asked.append((i, trace, float(row.score)))
         first = rows.iloc[0]
-        context_end = int(first.context_tokens) if "context_tokens" in rows and first.context_tokens == first.context_tokens else None
+        context_end = int(first.context_tokens) if pd.notna(first.get("context_tokens")) else None
         evidence, explained = explain(tokenizer, [(rows.loc[i, "policy"], t, s) for i, t, s in asked], full,
                                       json.loads(first.references), context_end)
         for (i, _, score), row in zip(asked, explained[1:]):
@@ -113,9 +105,3 @@ def predicts(frame: pd.DataFrame) -> float:
     rows = frame[frame["policy"] != "full"]
     return float(((rows["held"] >= HELD) == (rows["score"] >= 0.5)).mean()) if len(rows) else float("nan")
 
-
-def held_table(followed: Followed, full: Followed) -> np.ndarray:
-    """float [L, H]: per layer and KV head, the share of the evidence Full read there that this trace read too."""
-    reference = full.held.sum(-1)
-    mine = (followed.held & full.held).sum(-1)
-    return np.where(reference > 0, mine / np.maximum(reference, 1), np.nan)
