@@ -75,8 +75,8 @@ EXPORTS = Path(gradio_upload_folder()) / f"kvlens-exports-{os.getpid()}"
 EXPORT_TTL_S = 600
 MAX_BODY = 4 * LIMITS.text_chars + 64 * 1024  # the longest allowed prompt as UTF-8, plus the other inputs
 NOTES = {name: (ROOT / "assets" / "notes" / f"{name}.md").read_text() for name in
-         ("intro", "masks", "reach", "kept", "curves", "tsne", "divergence", "retention", "sweep", "long_context",
-          "tasks", "play")}
+         ("intro", "masks", "reach", "kept", "forms", "curves", "tsne", "divergence", "retention", "sweep",
+          "long_context", "tasks", "play")}
 NEEDLE_DEFAULT_POLICIES = ["sinks", "tova", "reattention"]
 NEEDLE_DEFAULT_BUDGET = 64
 TASK_DEFAULT_POLICIES = ["tova", "snapkv", "kvzip"]
@@ -208,12 +208,12 @@ def render_heatmap(run_id, layer, head, zoom=False, first_step=0, first_pos=0, s
 def render_views(run_id, layer, head, step, alpha, zoom=False, first_step=0, first_pos=0, size=panels.ZOOM_SIZES[1]):
     """The views that follow the layer, head and step selectors (t-SNE is computed on demand)."""
     if not run_id:
-        return [None] * 7
+        return [None] * 8
     run = load_run(run_id).run
     step = panels.clamp_step(run, step)
     return [render_heatmap(run_id, layer, head, zoom, first_step, first_pos, size, step), *panels.cache_reach(run, step),
             panels.kept_tokens(run, step, layer, head), *panels.score_curves(run, layer, head, alpha, step),
-            panels.step_row(run, step, layer, head)]
+            panels.step_row(run, step, layer, head), panels.held_forms(run, step, head)]
 
 
 def player(playing: bool) -> list:
@@ -797,6 +797,9 @@ def build() -> gr.Blocks:
                     with gr.Tab("Kept tokens"):
                         gr.Markdown(NOTES["kept"])
                         kept = gr.HTML(elem_id="kept")
+                    with gr.Tab("Held forms"):
+                        gr.Markdown(NOTES["forms"])
+                        held_forms = gr.Plot(elem_id="forms")
                     with gr.Tab("A2S vs A2SF"):
                         gr.Markdown(NOTES["curves"])
                         curve_alpha = gr.Slider(0.0, 1.0, value=0.3, step=0.05, label="alpha for A2SF")
@@ -902,7 +905,7 @@ def build() -> gr.Blocks:
 
         run_views = [summary, divergence_plot, continuations, first_token_plot, non_recent_plot, retention_plot,
                      pos_table, share]
-        views = [heatmap, reach, reach_distance, kept, curves, curves_steps, step_row]
+        views = [heatmap, reach, reach_distance, kept, curves, curves_steps, step_row, held_forms]
         selectors = [run_id, layer, head, step, curve_alpha]
         zoom_controls = [zoom, zoom_step, zoom_pos, zoom_size]
         run_inputs = [prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model, evidence]

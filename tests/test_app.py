@@ -81,7 +81,7 @@ def test_deep_link_and_views_render_a_stored_run(tiny_session):
     assert len(first_token.data[0].y) == 2 and len(non_recent.data) == 3  # per layer of the tiny model
     assert list(summary["Policy"]) == ["tova:budget=6", "oracle:budget=6", "sparq:budget=6,r=4"]
     assert run.run_id in share and "no continuations" in continuations
-    heatmap, reach, reach_distance, kept, curves, curves_steps, row = app.render_views(run_id, "1", "0", 30, 0.3)
+    heatmap, reach, reach_distance, kept, curves, curves_steps, row, _forms = app.render_views(run_id, "1", "0", 30, 0.3)
     assert len(heatmap.data) == 3 and kept.count("at step 30") == 3 and curves.data and curves_steps.data
     assert "at step 30" in reach.layout.title.text and len(reach_distance.data) == 3
     assert len(heatmap.layout.shapes) == 3 and "at step 30" in row.layout.title.text  # the step's row, marked

@@ -165,7 +165,7 @@ def test_every_view_renders_the_compression_policies_and_the_summary_names_their
     assert list(summary["Policy"]) == specs and all(o is not None for o in others)
     assert all(d.startswith("once after the prompt") for d in summary["Decides"])
     assert list(summary["Budget shared"]) == ["uniform", "pyramid across layers", "head-adaptive", "uniform"]
-    heatmap, reach, reach_distance, kept, curves, steps, row = app.render_views(run.run_id, "all", "all", 10, 0.3)
+    heatmap, reach, reach_distance, kept, curves, steps, row, _forms = app.render_views(run.run_id, "all", "all", 10, 0.3)
     panels = [trace for trace in heatmap.data if trace.type == "heatmap"]
     assert len(panels) == 4 and all(f"{s}" in kept for s in specs)
     assert app.on_tsne(run.run_id, "snapkv", "1", "0").data

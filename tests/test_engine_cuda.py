@@ -85,7 +85,7 @@ def test_full_equals_the_plain_model(lm):
 def test_a_budget_of_the_whole_text_equals_full(lm, name):
     if refused(lm, name):
         return
-    policy = POLICIES[name].for_budget(64)
+    policy = POLICIES[name].for_budget(64).whole()
     (trace,), full = compute_traces(lm, [name], [policy], IDS, mode="generate", max_new_tokens=4, record_layers=())
     np.testing.assert_array_equal(trace.tokens, full.tokens)
     np.testing.assert_allclose(trace.logprobs, full.logprobs, atol=atol(lm), err_msg=name)

@@ -94,7 +94,7 @@ def test_full_equals_the_plain_model(any_lm):
 @pytest.mark.parametrize("name", NAMES)
 def test_a_budget_at_least_the_length_equals_full(any_lm, name):
     lm = any_lm
-    policy = POLICIES[name].for_budget(64)
+    policy = POLICIES[name].for_budget(64).whole()  # every token in its whole form
     if refused(lm, name):
         with pytest.raises(ValueError, match="does not honour this model's"):
             compute_traces(lm, [name], [policy], IDS, record_layers=())

@@ -51,3 +51,24 @@ def test_lagkv_keeps_kvpress_tokens_up_to_the_ties_of_its_ranks(default_lm, kvpr
     for layer, (ours, kept) in enumerate(zip(kept_sets(trace, n), theirs["kept"])):
         for head, (a, b) in enumerate(zip(ours, kept)):
             assert len(a) == len(b) == 96 and len(set(a) ^ set(b)) <= 2, (layer, head)
+
+
+THINK = Path(__file__).resolve().parent / "fixtures" / "kvpress_think.json"
+
+
+@pytest.mark.parametrize("share", ["0.25", "0.5", "0.75"])
+def test_think_with_kvpress_settings_prunes_kvpress_channels_and_answers_alike(default_lm, share):
+    """ThinK alone (a budget above the prompt: SnapKV keeps every token), every key pruned and channels scored over
+    the last 32 queries, as kvpress's ThinKPress: the same channels in every layer and KV head, the same answer
+    (tests/fixtures/kvpress_think.json, written by benchmarks/kvpress_channels.py)."""
+    import json
+
+    import numpy as np
+
+    reference = json.loads(THINK.read_text())
+    spec = f"think:budget=100000,window={reference['window']},whole_window=false,channels={share}"
+    (trace,) = run(default_lm, [spec], reference["input_ids"], max_new_tokens=reference["max_new_tokens"])
+    np.testing.assert_array_equal(trace.forms["channel_steps"], [len(reference["input_ids"]) - 1])
+    pruned = [[np.flatnonzero(~head).tolist() for head in layer] for layer in trace.forms["channels"][0]]
+    assert pruned == reference["runs"][share]["pruned"]
+    assert trace.generated_ids.tolist() == reference["runs"][share]["answer_ids"]

@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from backend.analysis import metrics, pos, reach, reads
+from backend.analysis import forms, metrics, pos, reach, reads
 from backend.analysis.evidence import run_evidence
 from backend.policies import policy_of
 from backend.traces.trace import Trace
@@ -25,6 +25,7 @@ from backend.traces.trace import Trace
 from .colors import policy_colors
 from .continuation import continuation_cell
 from .curves import score_curves_figure, score_over_steps_figure
+from .forms import forms_figure
 from .divergence import SUMMARY_COLUMNS, divergence_figure, divergence_notes, summary_table as summary_frame
 from .heatmap import evidence_cells, mark_columns, mark_row, mark_window, mask_heatmaps
 from .highlight import MAX_OUTSIDE, WINDOW, continuations_html, kept_tokens_html, text_window
@@ -308,6 +309,19 @@ def cache_reach(run, step: int) -> tuple[go.Figure, go.Figure]:
     return picture, by_distance
 
 
+def held_forms(run, step: int, head: str) -> go.Figure:
+    """How the keys and values the query at ``step`` reads differ from the model's own, for each policy that
+    reforms what it holds (ThinK's pruned channels, KIVI's bits), per layer; the channels each head keeps."""
+    panels = {}
+    for trace in run.traces:
+        policy = policy_of(trace.meta)
+        if trace.forms and policy is not None and policy.reforms:
+            at = min(step, len(trace.tokens) - 1)
+            panels[trace.spec] = forms.held_forms(trace, at, None if head == "all" else int(head))
+    texts = max((t.meta["token_texts"] for t in run.traces), key=len)
+    return forms_figure(panels, texts, "the KV heads' mean" if head == "all" else f"KV head {head}")
+
+
 def step_row(run, step: int, layer: str, head: str) -> go.Figure:
     """The masks' row at ``step``: what its query reads under each policy, positions in at most ``ROW_CELLS``
     cells (the same reads as ``kept_tokens``)."""
@@ -472,6 +486,8 @@ def figures_html(run, layer: str, head: str, step: int, alpha: float,
     ``shares`` from ``non_recent_shares``. The POS table is no figure: an export never tags."""
     figures = [heatmaps(run, layer, head), *cache_reach(run, step), *score_curves(run, layer, head, alpha, step),
                divergence(run)[0], *retention_figures(run, shares)]
+    if any(t.forms for t in run.traces):
+        figures.append(held_forms(run, step, head))
     parts = [fig.to_html(full_html=False, include_plotlyjs=(i == 0)) for i, fig in enumerate(figures)]
     title = html.escape(f"KV Lens run {run.run_id[:12]}: {', '.join(t.spec for t in run.traces)}")
     return f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title></head><body><h2>{title}</h2>" + \

@@ -156,6 +156,9 @@ class RowLayerState:
         self.top = TopRecorder(record_top_k) if record_top_k else None
         self.stat_rows: dict[str, list[np.ndarray]] = {}  # attending policies: per-step numbers
         self.running = compiled_running_score(policy)  # not None: the walk runs compiled
+        # A policy that ``reforms``: its held tokens' own keys and values [H, P, d] (positions 0..P-1 at its last
+        # compression; a later token is read as computed), and what changed when (HeldForms).
+        self.forms = HeldForms(n_kv_heads) if policy.reforms else None
         self.softcap: float | None = None  # the layer's, as the last block was attended
         self.window: int | None = None
 
@@ -165,6 +168,8 @@ class RowLayerState:
             self.evicted_at = np.concatenate([self.evicted_at, np.full((self.n_kv_heads, new), -1, np.int32)], 1)
             if self.policy.kind == "compression":
                 self.alive = np.concatenate([self.alive, np.ones((self.n_kv_heads, new), bool)], 1)
+            if self.forms is not None:
+                self.forms.extend(total)
 
     # --- one block of queries -------------------------------------------------------------------------
 
@@ -182,7 +187,19 @@ class RowLayerState:
             return self._attend_full(q, key, value, first, scaling)
         if kind == "selection":
             return self._attend_selection(q, key, value, first, scaling)
+        if self.forms is not None:
+            return self._attend_in_segments(q, key, value, first, scaling, n_prompt)
         return self._attend_cached(q, key, value, first, scaling, n_prompt)
+
+    def _attend_in_segments(self, q, key, value, first, scaling, n_prompt):
+        """A policy that reforms what it holds: the block's queries after a compression read the new forms, so
+        the block is attended in segments that end where the policy compresses (as a token loop would)."""
+        n = q.shape[2]
+        ends = [i + 1 for i in range(n - 1) if self.policy.compresses_after(first + i, n_prompt)]
+        outs = [self._attend_cached(q[:, :, a:b], key[:, : first + b], value[:, : first + b], first + a, scaling,
+                                    n_prompt)
+                for a, b in zip([0, *ends], [*ends, n])]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, 2)
 
     def _limited(self, total: int) -> bool:
         """Does this layer cap its logits or hide keys beyond its window from a block over ``total`` keys?"""
@@ -234,6 +251,8 @@ class RowLayerState:
         at = torch.from_numpy(np.maximum(columns, 0)).to(key.device)
         heads = torch.arange(n_heads, device=key.device)[:, None]
         keys, values = key[heads, at], value[heads, at]  # [H, C, d]
+        if self.forms is not None:
+            keys, values = self.forms.read(keys, values, heads, at)
         scores = attention_logits(q, keys[:, None], scaling, self.softcap)  # [H, G, n, C]
         if self.window is not None and self.window < key.shape[1]:  # held keys the layer's window has passed
             steps = torch.arange(first, first + n, device=scores.device)
@@ -413,11 +432,16 @@ class RowLayerState:
         held = self.alive[:, : t + 1]
         queries = (torch.stack([row[2] for row in self.window_rows], 2) if self.window_rows
                    else key.new_zeros(self.n_kv_heads, 0, 0, key.shape[-1]))
+        keys, values = (key[:, : t + 1], value[:, : t + 1]) if self.forms is None else \
+            self.forms.held(key, value, t + 1)
         view = CacheView(t=t, n_prompt=n_prompt, layer=self.layer, n_layers=self.n_layers, attn_window=window,
-                         keys=key[:, : t + 1], values=value[:, : t + 1], kept=held.copy(), state=self.state,
+                         keys=keys, values=values, kept=held.copy(), state=self.state,
                          queries=queries, query_positions=np.array([row[3] for row in self.window_rows], np.int64),
                          rope=self.rope, attn_window_heads=window_heads)
-        dropped = held & ~policy.keep(view)
+        keep = policy.keep(view)
+        dropped = held & ~keep
+        if self.forms is not None:
+            self.forms.apply(policy.reform(view, keep & held), t, key, value)
         self.alive[:, : t + 1] &= ~dropped
         self.evicted_at[:, : t + 1][dropped] = t + 1
         kept &= np.take_along_axis(self.alive, np.maximum(columns, 0), axis=1)
@@ -440,6 +464,7 @@ class RowLayerState:
         twin = copy.copy(self)
         twin.state = copy.deepcopy(self.state)
         twin.slots, twin.alive, twin.evicted_at = self.slots.copy(), self.alive.copy(), self.evicted_at.copy()
+        twin.forms = None if self.forms is None else self.forms.fork()
         twin.window_rows = list(self.window_rows)
         twin.spans = _NoSpans() if self.spans is not None else None
         twin.top, twin.stat_rows = None, {}
@@ -464,6 +489,104 @@ class RowLayerState:
         self.evicted_at[:, : t + 1][dropped] = t + 1
         columns = self.slots
         self._keep_columns(columns, (columns >= 0) & np.take_along_axis(self.alive, np.maximum(columns, 0), 1))
+
+
+class HeldForms:
+    """The form of the tokens one row holds in one layer, for a policy that ``reforms`` them (ThinK's pruned key
+    channels, CaM's merged values, KIVI's quantised keys and values): its own keys and values of positions
+    0..P-1, read in place of the model's, and the record of what changed (the trace's ``form_*`` arrays)."""
+
+    def __init__(self, n_kv_heads: int):
+        self.keys: torch.Tensor | None = None  # [H, P, d], the model's dtype
+        self.values: torch.Tensor | None = None
+        self.reformed_at = np.zeros((n_kv_heads, 0), np.int32)  # the step from which a token is read reformed, -1
+        self.key_error = np.zeros((n_kv_heads, 0), np.float32)  # |k' - k| / |k| of its latest form, 0 when whole
+        self.value_error = np.zeros((n_kv_heads, 0), np.float32)
+        self.merged_into = np.zeros((n_kv_heads, 0), np.int32)  # where a dropped token's value went, -1 nowhere
+        self.merge_weight = np.zeros((n_kv_heads, 0), np.float32)
+        self.channels: list[tuple] = []  # (step, kept bool [H, d], logit error [H]) at each channel pruning
+
+    def extend(self, total: int) -> None:
+        new = total - self.reformed_at.shape[1]
+        if new <= 0:
+            return
+        heads = len(self.reformed_at)
+
+        def grown(a, fill):
+            return np.concatenate([a, np.full((heads, new), fill, a.dtype)], 1)
+
+        self.reformed_at, self.merged_into = grown(self.reformed_at, -1), grown(self.merged_into, -1)
+        self.key_error, self.value_error = grown(self.key_error, 0), grown(self.value_error, 0)
+        self.merge_weight = grown(self.merge_weight, 0)
+
+    def read(self, keys: torch.Tensor, values: torch.Tensor, heads: torch.Tensor, at: torch.Tensor):
+        """The keys and values [H, C, d] gathered at positions ``at`` [H, C], in the form this row holds them."""
+        if self.keys is None:
+            return keys, values
+        covered = self.keys.shape[1]
+        inside = (at < covered)[..., None]
+        at = at.clamp(max=covered - 1)
+        return torch.where(inside, self.keys[heads, at], keys), torch.where(inside, self.values[heads, at], values)
+
+    def held(self, key: torch.Tensor, value: torch.Tensor, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions 0..upto-1 [H, upto, d] as held: the row's own forms, then the model's keys and values."""
+        if self.keys is None:
+            return key[:, :upto], value[:, :upto]
+        covered = min(self.keys.shape[1], upto)
+        return (torch.cat([self.keys[:, :covered], key[:, covered:upto]], 1),
+                torch.cat([self.values[:, :covered], value[:, covered:upto]], 1))
+
+    def apply(self, reform, t: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Hold the reformed tokens of a compression after query t in their new form (``Reform``)."""
+        if reform is None:
+            return
+        keys, values = self.held(key, value, t + 1)
+        changed = torch.from_numpy(np.asarray(reform.positions, bool)).to(keys.device)[..., None]
+        if reform.keys is not None:
+            keys = torch.where(changed, torch.as_tensor(reform.keys).to(keys), keys)
+        if reform.values is not None:
+            values = torch.where(changed, torch.as_tensor(reform.values).to(values), values)
+        self.keys, self.values = keys, values
+        first = np.asarray(reform.positions, bool) & (self.reformed_at[:, : t + 1] < 0)
+        self.reformed_at[:, : t + 1][first] = t + 1
+        self.key_error[:, : t + 1] = _relative_error(keys, key[:, : t + 1])
+        self.value_error[:, : t + 1] = _relative_error(values, value[:, : t + 1])
+        if reform.channels is not None:
+            error = np.full(len(reform.channels), np.nan) if reform.channel_error is None else reform.channel_error
+            self.channels.append((t, np.asarray(reform.channels, bool), np.asarray(error, np.float32)))
+        if reform.merged_into is not None:
+            into = np.asarray(reform.merged_into)
+            self.merged_into[:, : t + 1] = np.where(into >= 0, into, self.merged_into[:, : t + 1])
+            self.merge_weight[:, : t + 1] = np.where(into >= 0, reform.merge_weight, self.merge_weight[:, : t + 1])
+
+    def fork(self) -> "HeldForms":
+        twin = copy.copy(self)  # the tensors are replaced, never changed in place
+        for name in ("reformed_at", "key_error", "value_error", "merged_into", "merge_weight"):
+            setattr(twin, name, getattr(self, name).copy())
+        twin.channels = list(self.channels)
+        return twin
+
+    def arrays(self, length: int, reforms: str) -> dict[str, np.ndarray]:
+        """This (layer, row)'s part of the trace's ``form_*`` arrays over ``length`` tokens (docs/trace-format.md)."""
+        out = {"reformed_at": np.where(self.reformed_at[:, :length] > length, -1, self.reformed_at[:, :length]),
+               "key_error": self.key_error[:, :length].astype(np.float16),
+               "value_error": self.value_error[:, :length].astype(np.float16)}
+        if reforms == "merge":
+            out.update(merged_into=self.merged_into[:, :length], merge_weight=self.merge_weight[:, :length])
+        if reforms == "channels":
+            done = [c for c in self.channels if c[0] < length]
+            heads, dim = len(self.reformed_at), 0 if self.keys is None else self.keys.shape[-1]
+            out.update(channel_steps=np.array([t for t, _, _ in done], np.int32),
+                       channels=np.stack([m for _, m, _ in done]) if done else np.zeros((0, heads, dim), bool),
+                       channel_error=np.stack([e for _, _, e in done]) if done else np.zeros((0, heads), np.float32))
+        return out
+
+
+def _relative_error(held: torch.Tensor, computed: torch.Tensor) -> np.ndarray:
+    """|held - computed| / |computed| per token [H, T] (float32)."""
+    computed = computed.float()
+    error = torch.linalg.vector_norm(held.float() - computed, dim=-1)
+    return (error / torch.linalg.vector_norm(computed, dim=-1).clamp_min(1e-12)).cpu().numpy()
 
 
 class PolicyCache(DynamicCache):
@@ -557,6 +680,18 @@ class PolicyCache(DynamicCache):
         index = torch.from_numpy(positions.astype(np.int64))
         return np.stack([torch.cat(self.recorded_k[layer], 2)[row][:, index].float().cpu().numpy()
                          for layer in self.record_layers]).astype(np.float16)
+
+    def forms(self, row: int, length: int) -> dict[str, np.ndarray]:
+        """A reforming row's held forms over its first ``length`` tokens, as the trace's ``form_*`` arrays: per
+        layer stacked [L, ...], but ``channels`` [C, L, H, d] at the C steps ``channel_steps`` (the same in every
+        layer: compressions follow the schedule, not the layer)."""
+        layers = [layer[row].forms.arrays(length, layer[row].policy.reforms) for layer in self.rows]
+        out = {f"form_{name}": np.stack([part[name] for part in layers]) for name in layers[0]}
+        if "form_channels" in out:
+            out["form_channels"] = out["form_channels"].swapaxes(0, 1)
+            out["form_channel_error"] = out["form_channel_error"].swapaxes(0, 1)
+            out["form_channel_steps"] = layers[0]["channel_steps"]
+        return out
 
     def stats(self, row: int) -> dict[str, np.ndarray]:
         """An attending policy's per-step numbers: name -> [L, T, ...]."""

@@ -299,7 +299,8 @@ def _masks(cache: PolicyCache, row: int, policy: Policy, length: int) -> dict[st
     """What row ``row`` read over its first ``length`` tokens (rows may stop early at EOS)."""
     if policy.kind in ("eviction", "compression"):
         evicted = cache.evicted_at(row)[..., :length]
-        return {"evicted_at": np.where(evicted > length, -1, evicted).astype(np.int32)}
+        forms = cache.forms(row, length) if policy.reforms else {}
+        return {"evicted_at": np.where(evicted > length, -1, evicted).astype(np.int32), **forms}
     if policy.kind == "selection":
         stats = {f"stat_{name}": values[:, :length] for name, values in cache.stats(row).items()}
         return {"spans": cache.spans(row, length), **stats}

@@ -9,7 +9,8 @@ import math
 import re
 from dataclasses import MISSING, fields
 
-from .base import CacheView, CompressionPolicy, EvictionPolicy, FullPolicy, Policy, SelectionPolicy
+from .base import (CacheView, CompressionPolicy, EvictionPolicy, FullPolicy, Policy, Reform, SelectionPolicy,
+                   ratio_budget)
 from .registry import POLICIES, PluginError, load_plugins, register
 # Registration order = the order the app, the CLI and the README list them.
 from .full import Full  # noqa: E402,I001
@@ -36,6 +37,9 @@ from .quest import Quest  # noqa: E402
 from .streamingllm import StreamingLLM  # noqa: E402
 from .expected_attention import ExpectedAttention  # noqa: E402
 from .rkv import RKV  # noqa: E402
+from .think import ThinK  # noqa: E402
+from .cam import CaM  # noqa: E402
+from .kivi import KIVI  # noqa: E402
 
 
 class SpecError(ValueError):
@@ -70,12 +74,6 @@ def _convert(policy: str, key: str, raw: str, typ):
 NOMINAL_CONTEXT = 1 << 20
 
 
-def ratio_budget(ratio: float, context: int) -> int:
-    """The budget a compression ratio leaves on ``context`` tokens (kvpress's meaning: the share of the context's
-    KV pairs removed, so 0.75 keeps a quarter): int(context x (1 - ratio)), at least 1."""
-    return max(1, int(context * (1.0 - ratio)))
-
-
 def parse_spec(spec: str, context: int | None = None) -> Policy:
     """``name[:key=value,...]`` -> a policy instance, or SpecError with a one-line reason.
 
@@ -83,7 +81,8 @@ def parse_spec(spec: str, context: int | None = None) -> Policy:
     settings); parameters given beside it override the set's. ``ratio=R`` (0 <= R < 1) instead of ``budget``
     is a compression ratio: the budget is ``ratio_budget(R, context)``, ``context`` being the tokens the
     policy compresses (the prompt in generate mode, the text in prompt mode; ``NOMINAL_CONTEXT`` until they
-    are known), with the other parameters the policy's own for that budget (``for_budget``)."""
+    are known), with the other parameters the policy's own for that budget (``for_budget``); a policy that
+    compresses otherwise takes the ratio its own way (``for_ratio``: KIVI's bits)."""
     name, _, rest = spec.strip().partition(":")
     name = name.strip().lower()
     if name not in POLICIES:
@@ -118,7 +117,7 @@ def parse_spec(spec: str, context: int | None = None) -> Policy:
                             else f"{name}: give one ratio or one budget, not both")
         kwargs[key] = _convert(name, key, raw.strip(), known[key].type)
     try:
-        base = {} if ratio is None else cls.for_budget(ratio_budget(ratio, context or NOMINAL_CONTEXT)).params()
+        base = {} if ratio is None else cls.for_ratio(ratio, context or NOMINAL_CONTEXT).params()
         return cls(**{**base, **cls.presets.get(preset, {}), **kwargs})
     except ValueError as err:
         raise SpecError(str(err)) from None
@@ -158,4 +157,4 @@ __all__ = ["POLICIES", "Policy", "EvictionPolicy", "SelectionPolicy", "FullPolic
            "ratio_budget",
            "describe", "policy_table", "policy_of", "register", "load_plugins", "PluginError",
            "Full", "Window", "Sinks", "H2O", "TOVA", "A2SF", "Oracle", "SparQ", "ReAttention", "SnapKV", "PyramidKV", "AdaKV",
-           "Knorm", "CompressionPolicy", "CacheView"]
+           "Knorm", "CompressionPolicy", "CacheView", "Reform", "ThinK", "CaM", "KIVI"]

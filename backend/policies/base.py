@@ -30,6 +30,9 @@ import torch
 State = dict[str, np.ndarray]
 
 HEAD_MODES = ("head", "layer")
+# What a policy may do to the tokens it holds besides choosing them (``Policy.reforms``): nothing (""), read only
+# some of their key channels (ThinK), fold evicted values into held ones (CaM), or hold them at fewer bits (KIVI).
+REFORMS = ("", "channels", "merge", "precision")
 
 
 def grow(a: np.ndarray, length: int) -> np.ndarray:
@@ -38,6 +41,12 @@ def grow(a: np.ndarray, length: int) -> np.ndarray:
     if missing <= 0:
         return a
     return np.concatenate([a, np.zeros(a.shape[:-1] + (missing,), a.dtype)], axis=-1)
+
+
+def ratio_budget(ratio: float, context: int) -> int:
+    """The budget a compression ratio leaves on ``context`` tokens (kvpress's meaning: the share of the context's KV
+    pairs removed, so 0.75 keeps a quarter): int(context x (1 - ratio)), at least 1."""
+    return max(1, int(context * (1.0 - ratio)))
 
 
 @dataclass(frozen=True)
@@ -87,6 +96,11 @@ class Policy:
     # query-agnostic task run, or the question's)? A compression policy compresses there and a dense prefill
     # ends there; a per-step eviction policy decides alike wherever it is said to end.
     reads_prompt_end: ClassVar[bool] = True
+    # Does the policy change the form of the keys and values it holds (one of REFORMS; "" holds them as the model
+    # computed them)? A compression policy that does says how in ``reform``, each time it compresses; the engine
+    # then reads its held tokens in their new form on every path, and the trace records what changed
+    # (docs/trace-format.md, "Held forms").
+    reforms: ClassVar[str] = ""
 
     def __post_init__(self) -> None:
         budget = self.budget
@@ -99,6 +113,11 @@ class Policy:
     def params(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+    def whole(self) -> "Policy":
+        """The policy holding every token it keeps in its whole form (no key channel pruned, nothing merged, the
+        model's own precision): at a budget of the whole text it then equals Full (the registry's tests)."""
+        return self
+
     def schedule(self, mode: str | None = None) -> str:
         """When the policy decides in ``mode`` (generate, prompt, or None for both), in words (the app's summary)."""
         return {"full": "never drops", "eviction": "every step", "selection": "before every query"}.get(self.kind, "")
@@ -106,13 +125,20 @@ class Policy:
     def spec(self) -> str:
         """The spec that parses back to this policy: ``name:budget=..`` plus every other non-default parameter."""
         items = [f"{f.name}={getattr(self, f.name)}" for f in fields(self)
-                 if f.name == "budget" or getattr(self, f.name) != f.default]
+                 if (f.name == "budget" and self.budget is not None) or getattr(self, f.name) != f.default]
         return self.name + (":" + ",".join(items) if items else "")
 
     @classmethod
     def for_budget(cls, budget: int) -> "Policy":
         """The policy at ``budget`` with its other parameters at their defaults (the app's budget slider)."""
         return cls(budget=budget) if any(f.name == "budget" for f in fields(cls)) else cls()
+
+    @classmethod
+    def for_ratio(cls, ratio: float, context: int) -> "Policy":
+        """The policy at compression ratio ``ratio`` (the share of the context's KV cache removed) on ``context``
+        tokens: by default its budget (``ratio_budget``) with ``for_budget``'s parameters; a policy that
+        compresses otherwise (KIVI's bits) says how."""
+        return cls.for_budget(ratio_budget(ratio, context))
 
     def check_model(self, head_dim: int, n_layers: int) -> None:
         """Raise ValueError when the parameters do not fit the model (checked once the model is known)."""
@@ -270,6 +296,25 @@ class CacheView:
         return value
 
 
+@dataclass
+class Reform:
+    """How a compression changes the form of held tokens (one layer, one batch row, after query ``t``).
+
+    positions: bool [H, t+1], the tokens whose form changes now; keys, values: [H, t+1, d] their new keys and
+    values (read where ``positions`` is set; None: unchanged); channels: bool [H, d], the key channels the
+    reformed tokens keep (a channel-pruning policy), and ``channel_error`` [H] what that cost the attention logits
+    it was chosen for; merged_into: int [H, t+1], the held position each token dropped now gave its value to (-1:
+    none; a merging policy), with ``merge_weight`` [H, t+1] its share."""
+
+    positions: np.ndarray
+    keys: np.ndarray | None = None
+    values: np.ndarray | None = None
+    channels: np.ndarray | None = None
+    channel_error: np.ndarray | None = None
+    merged_into: np.ndarray | None = None
+    merge_weight: np.ndarray | None = None
+
+
 @dataclass(frozen=True)
 class CompressionPolicy(Policy):
     """Scores the cache on a schedule and keeps the ``budget`` best tokens per KV head, the ``recent`` latest
@@ -331,6 +376,11 @@ class CompressionPolicy(Policy):
     def keep(self, view: CacheView) -> np.ndarray:
         """Bool [H, t+1]: the ``recent`` latest cached tokens, then the best others up to the layer's budget."""
         return keep_top(self.score(view), view.kept, self.layer_budget(view), self.recent)
+
+    def reform(self, view: CacheView, keep: np.ndarray) -> Reform | None:
+        """After ``keep`` chose what stays (bool [H, t+1]), how the held tokens' form changes (a policy that
+        ``reforms``); ``view.keys`` and ``view.values`` are the tokens as held so far. None: unchanged."""
+        return None
 
     # --- the extra pass of a policy that ``rereads`` (backend/engine/reconstruction.py; KVzip) -------------
 

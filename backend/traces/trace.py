@@ -46,11 +46,15 @@ class Trace:
         if keys is not None and key_positions is None:
             key_positions = np.arange(keys.shape[2], dtype=np.int32)
         self.key_positions = key_positions
-        # Per-step numbers travel as ``stat_<name>`` arrays (e.g. SparQ's stat_alpha [L, T, H_q]).
+        # Per-step numbers travel as ``stat_<name>`` arrays (e.g. SparQ's stat_alpha [L, T, H_q]), the held
+        # forms of a policy that reforms its tokens as ``form_<name>`` (e.g. form_key_error [L, H, T]).
         self.stats = dict(stats or {})
+        self.forms: dict[str, np.ndarray] = {}
         for name, values in arrays.items():
             if name.startswith("stat_"):
                 self.stats[name[5:]] = values
+            elif name.startswith("form_"):
+                self.forms[name[5:]] = values
             elif not name.startswith(("span_", "attn_")):
                 raise TypeError(f"unexpected trace field {name!r}")
 
@@ -114,6 +118,7 @@ class Trace:
     def arrays(self) -> dict[str, np.ndarray]:
         out = {name: getattr(self, name) for name in ARRAY_FIELDS if getattr(self, name) is not None}
         out.update({f"stat_{name}": values for name, values in self.stats.items()})
+        out.update({f"form_{name}": values for name, values in self.forms.items()})
         if self.spans is not None:
             out.update(self.spans.arrays())
         if self.attention is not None:

@@ -1,0 +1,105 @@
+"""What a policy that reforms the tokens it holds did to them, from its trace's ``form_*`` arrays, binned for a view.
+
+A token a reforming policy holds is read in its own form from the step it was reformed: its key with some channels
+pruned (ThinK), its value with evicted values merged in (CaM), both rounded to fewer bits (KIVI). It is held, not
+evicted: the masks, the reach and the kept tokens show it read. What changed is drawn here: per layer and column of
+positions, the relative error of the keys and values the query at a step reads against the model's own (Full's
+cache), and for channel pruning which channels each head keeps and what that cost the logits it was chosen for.
+Work and output are O(layers x heads x T) and at most ``MAX_COLUMNS`` columns, whatever the length.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from ..traces.trace import Trace
+from .reach import column_size
+
+MAX_COLUMNS = 400
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldForms:
+    """A reforming trace's forms as the query at ``step`` reads them.
+
+    key_error, value_error: float32 [rows, columns], one row per layer (the chosen KV head, or their mean), the
+    mean relative error |k' - k| / |k| of the column's held tokens (0 for a token held whole; NaN for a column whose
+    tokens are all evicted); ``size`` positions a column. reformed: float32 [rows, columns], the share of the
+    column's held tokens read reformed. channels: bool [layers x heads, d], the key channels each (layer, head) kept
+    at its latest channel pruning by ``step`` (None: no channel pruning yet, or not a channel policy), pruned at
+    ``channel_step`` with ``channel_error`` [layers x heads] the logits' relative error it cost (ThinK's objective).
+    merged, merge_distance: float32 [rows, columns] for a merging policy, of the column's tokens evicted by ``step``
+    the share whose value went into held tokens, and how many positions later the first of those lay on average
+    (NaN where none was evicted, or none merged).
+    """
+
+    step: int
+    size: int
+    layers: list[str]
+    key_error: np.ndarray
+    value_error: np.ndarray
+    reformed: np.ndarray
+    channel_labels: list[str]
+    channels: np.ndarray | None = None
+    channel_step: int | None = None
+    channel_error: np.ndarray | None = None
+    merged: np.ndarray | None = None
+    merge_distance: np.ndarray | None = None
+
+
+def held_forms(trace: Trace, step: int, head: int | None = None, max_columns: int = MAX_COLUMNS) -> HeldForms:
+    """The forms of what the query at ``step`` reads, per layer, for KV head ``head`` (None: the heads' mean)."""
+    forms = trace.forms
+    n_layers, n_heads = trace.meta["n_layers"], trace.meta["n_kv_heads"]
+    count = step + 1
+    size = column_size(step, max_columns)
+    columns = math.ceil(count / size)
+    heads = list(range(n_heads)) if head is None else [head]
+    key_rows, value_rows, reformed_rows, merged_rows, distance_rows = [], [], [], [], []
+    merging = "merged_into" in forms
+    for layer in range(n_layers):
+        read = trace.reads_at(layer, step)[heads, :count]  # [h, count]
+        at = forms["reformed_at"][layer][heads, :count]
+        reformed = read & (at >= 0) & (at <= step)
+
+        # Over the tokens the query reads: a reformed one's error, a whole one's 0.
+        for rows, values in ((key_rows, forms["key_error"]), (value_rows, forms["value_error"])):
+            rows.append(_binned_share(np.where(reformed, values[layer][heads, :count], 0.0), read, columns, size))
+        reformed_rows.append(_binned_share(reformed, read, columns, size))
+        if merging:
+            gone = trace.evicted_at[layer][heads, :count]
+            evicted = (gone >= 0) & (gone <= step)
+            into = forms["merged_into"][layer][heads, :count]
+            merged = evicted & (into >= 0)
+            merged_rows.append(_binned_share(merged, evicted, columns, size))
+            distance = np.where(merged, into - np.arange(count), 0).astype(np.float64)
+            distance_rows.append(_binned_share(distance, merged, columns, size))
+    channels = channel_step = channel_error = None
+    labels = [f"L{layer} H{h}" for layer in range(n_layers) for h in range(n_heads)]
+    if "channel_steps" in forms:
+        done = np.flatnonzero(forms["channel_steps"] < step)  # a pruning after query s is read from s + 1
+        if len(done):
+            last = done[-1]
+            channels = forms["channels"][last].reshape(n_layers * n_heads, -1).astype(bool)
+            channel_error = forms["channel_error"][last].reshape(-1).astype(np.float32)
+            channel_step = int(forms["channel_steps"][last]) + 1
+    return HeldForms(step=step, size=size, layers=[f"L{layer}" for layer in range(n_layers)],
+                     key_error=np.stack(key_rows), value_error=np.stack(value_rows),
+                     reformed=np.stack(reformed_rows), channel_labels=labels, channels=channels,
+                     channel_step=channel_step, channel_error=channel_error,
+                     merged=np.stack(merged_rows) if merging else None,
+                     merge_distance=np.stack(distance_rows) if merging else None)
+
+
+def _binned_share(values: np.ndarray, among: np.ndarray, columns: int, size: int) -> np.ndarray:
+    """float32 [columns]: per column of ``size`` positions, the sum of ``values`` where ``among`` over the count of
+    ``among`` (all heads given together); NaN where ``among`` holds none."""
+    heads, count = among.shape
+    top, bottom = np.zeros((heads, columns * size)), np.zeros((heads, columns * size))
+    top[:, :count] = np.where(among, values, 0.0)
+    bottom[:, :count] = among
+    total = bottom.reshape(heads, columns, size).sum(-1).sum(0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (top.reshape(heads, columns, size).sum(-1).sum(0) / total).astype(np.float32)
