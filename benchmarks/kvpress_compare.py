@@ -36,6 +36,7 @@ MATCHED = {
     "knorm": "knorm:budget={b}",
     "keydiff": "keydiff:budget={b}",
     "chunkkv_knorm": "chunkkv:budget={b},scorer=knorm,preset=kvpress",
+    "cur": "cur:budget={b}",
     "lagkv_lag32": "lagkv:budget={b},lag=32",
     "streamingllm": "streamingllm:budget={b1}",
     "tova": "tova:budget={b1},heads=layer",

@@ -35,7 +35,7 @@ What is recorded, for each press and budget b in BUDGETS: the whole n-token prom
 press (``with press(model): model(ids, past_key_values=cache)``), float32, sdpa attention (AdaKV and KVzip
 refuse eager), and the positions kvpress keeps are read per layer and KV head:
 
-* ScorerPress-based presses (SnapKV, PyramidKV, Knorm, KeyDiff, StreamingLLM, TOVA, ExpectedAttention, Random) gather
+* ScorerPress-based presses (SnapKV, PyramidKV, Knorm, KeyDiff, CUR, StreamingLLM, TOVA, ExpectedAttention, Random) gather
   the kept keys out of the cache; each kept key row is matched back to the one prompt position it was copied
   from, so the record is what kvpress kept, ties included. The press's scores are captured too, to count the
   (layer, head) pairs where the b-th and (b+1)-th best scores tie (where torch.topk's tie-breaking chose).
@@ -87,8 +87,8 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from kvpress import (AdaKVPress, ChunkKVPress, ExpectedAttentionPress, KeyDiffPress, KnormPress, KVzipPress,
-                     LagKVPress, PyramidKVPress, RandomPress, ScorerPress, SnapKVPress, StreamingLLMPress, TOVAPress)
+from kvpress import (AdaKVPress, ChunkKVPress, CURPress, ExpectedAttentionPress, KeyDiffPress, KnormPress,
+                     KVzipPress, LagKVPress, PyramidKVPress, RandomPress, ScorerPress, SnapKVPress, StreamingLLMPress, TOVAPress)
 
 BUDGETS = (24, 40, 64, 96)
 MAX_NEW = 16
@@ -124,6 +124,9 @@ def presses() -> list[tuple[str, str, dict, Callable[[float], object]]]:
         ("keydiff", "KeyDiffPress", {}, lambda r: KeyDiffPress(compression_ratio=r)),
         ("lagkv_lag32", "LagKVPress", {"n_sink": 4, "lag_size": 32, "cross_scoring": False},
          lambda r: LagKVPress(compression_ratio=r, lag_size=32)),
+        ("cur", "CURPress", {"num_sinks": 4, "leverage_type": "kv_product", "use_random_leverage": False,
+                             "use_local_approximation": True, "local_window_size": 16},
+         lambda r: CURPress(compression_ratio=r)),
         ("chunkkv_knorm", "ChunkKVPress", {"press": "KnormPress", "chunk_length": 20},
          lambda r: ChunkKVPress(press=KnormPress(compression_ratio=r), chunk_length=20)),
         ("streamingllm", "StreamingLLMPress", {"n_sink": 4}, lambda r: StreamingLLMPress(compression_ratio=r)),

@@ -292,3 +292,36 @@ def test_lagkv_scores_each_partition_against_the_next_ones_range():
     np.testing.assert_allclose(short, [1, 0, 1 / 6, 2 / 6, 3 / 6, 4 / 6, 5 / 6])
     assert LagKV(budget=3, sinks=1, lag=4).keep(view(7, keys=keys, values=keys))[0].tolist() == \
         [True, False, False, False, False, True, True]
+
+
+def test_cur_keeps_the_sinks_then_the_largest_local_leverage_of_keys_times_values():
+    from backend.policies.cur import CUR, local_leverage
+
+    # Squared norms 1 3 | 2 2 | 4 in windows of 2: shares .25 .75 | .5 .5 | 1 (the last window has one token).
+    np.testing.assert_allclose(local_leverage(np.array([1.0, 3, 2, 2, 4]), 2), [0.25, 0.75, 0.5, 0.5, 1.0])
+    keys = np.array([[[1.0, 0], [1, 1], [2, 0], [0, 1], [1, 0], [3, 0]]])  # squared norms 1 2 4 1 1 9
+    values = np.ones((1, 6, 2))  # equal: the values' leverage is 1/w everywhere, so the keys' decides
+    view = CacheView(t=5, n_prompt=6, layer=0, n_layers=1, attn_window=np.zeros((1, 0, 6)), keys=keys, values=values,
+                     kept=np.ones((1, 6), bool))
+    # One sink (token 0), windows of 3: keys' shares 1/7 2/7 4/7 | 1/11 1/11 9/11 -> budget 3 keeps 0, 5 and 2.
+    np.testing.assert_array_equal(CUR(budget=3, sinks=1, local=3).keep(view), [[True, False, True, False, False, True]])
+    # The whole cache as one neighbourhood (local=0): squared norms 2 < 4 < 9 -> 0 (the sink), 2 and 5 still.
+    score = CUR(budget=3, sinks=1, local=0, leverage="key").score(view)
+    assert score[0, 0] == np.inf and np.argsort(-score[0, 1:])[:2].tolist() == [4, 1]
+    with pytest.raises(ValueError, match="leverage"):
+        CUR(leverage="keys")
+
+
+def test_simlayerkv_keeps_the_first_and_latest_tokens_of_a_lazy_layer_and_everything_of_a_busy_one():
+    from backend.policies.simlayerkv import SimLayerKV
+
+    def view(row):
+        return CacheView(t=7, n_prompt=8, layer=0, n_layers=1, attn_window=np.array([[row]]), keys=np.ones((1, 8, 2)),
+                         values=np.ones((1, 8, 2)), kept=np.ones((1, 8), bool))
+
+    policy = SimLayerKV(budget=4, sinks=1, threshold=0.9)  # a lazy layer keeps token 0 and the latest 3
+    lazy = view([0.5, 0.01, 0.02, 0.01, 0.01, 0.15, 0.15, 0.15])  # .5 + .45 = .95 on those: lazy
+    np.testing.assert_array_equal(policy.keep(lazy), [[True, False, False, False, False, True, True, True]])
+    busy = view([0.4, 0.1, 0.05, 0.05, 0.0, 0.15, 0.15, 0.1])  # .8: it reads the middle too, so it keeps it all
+    assert policy.keep(busy).all() and not policy.lazy(busy) and policy.lazy(lazy)
+    assert not SimLayerKV(budget=4, sinks=1, threshold=1.0).lazy(lazy)  # kvpress's default: never lazy

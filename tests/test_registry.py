@@ -87,8 +87,8 @@ def test_what_each_query_reads_stays_within_the_budget(lm, ids, name):
     policy = small(name)
     (trace,), _ = compute_traces(lm, [name], [policy], ids, record_layers=())
     counts = reads(trace)[getattr(policy, "dense_layers", 0):].sum(-1)  # [L, H, T], past Quest's dense layers
-    if policy.kind == "full" or policy.budget is None:  # Full, and KIVI, which holds every token (quantised)
-        return
+    if policy.kind == "full" or policy.budget is None or not policy.within_budget:
+        return  # Full; KIVI, which holds every token (quantised); SimLayerKV's busy layers, which hold the text
     if policy.kind != "compression":
         assert counts.max() <= policy.budget
         return

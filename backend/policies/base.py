@@ -71,6 +71,9 @@ class Policy:
     # besides the model's own (KVzip's reconstruction re-reads the context once).
     reads_every_key: ClassVar[bool] = False
     extra_passes: ClassVar[int] = 0
+    # Does every query read at most ``budget`` tokens (after each compression)? SimLayerKV's busy layers hold the
+    # whole text: its budget is its lazy layers'.
+    within_budget: ClassVar[bool] = True
 
     # The hooks the engine and the runner ask every policy, declared here so one class lists them all; each
     # kind's class below adds what that kind gives (``step``, ``keep``, ``select``).
