@@ -325,3 +325,25 @@ def test_simlayerkv_keeps_the_first_and_latest_tokens_of_a_lazy_layer_and_everyt
     busy = view([0.4, 0.1, 0.05, 0.05, 0.0, 0.15, 0.15, 0.1])  # .8: it reads the middle too, so it keeps it all
     assert policy.keep(busy).all() and not policy.lazy(busy) and policy.lazy(lazy)
     assert not SimLayerKV(budget=4, sinks=1, threshold=1.0).lazy(lazy)  # kvpress's default: never lazy
+
+
+def test_criticalkv_fills_half_its_budget_from_the_scorer_then_weighs_scores_by_projected_values():
+    from backend.policies.criticalkv import CriticalKV, projected_norms
+
+    # One KV head, two query heads of size 1, hidden 2: W_o's columns (1, 0) and (0, 2) -> a value v projects to
+    # (v, 0) and (0, 2v): L1 norms |v| and 2|v|, mean 1.5|v|.
+    output = np.array([[1.0, 0.0], [0.0, 2.0]])
+    np.testing.assert_allclose(projected_norms(np.array([[[1.0], [-2.0]]]), output, group=2), [[1.5, 3.0]])
+    # Knorm as the scorer (scores -|k|), budget 4, first 0.5: its best two (the smallest keys, 0 and 1) stay; of the
+    # rest, (score + epsilon) x 1.5|v| decides: token 5 (-5 x 0.15 = -0.75) and 2 (-2 x 1.5) beat 3 (-9) and 4 (-12),
+    # where Knorm alone keeps the four smallest keys.
+    keys = np.array([[[0.5], [1.0], [2.0], [3.0], [4.0], [5.0]]])
+    values = np.array([[[1.0], [1.0], [1.0], [2.0], [2.0], [0.1]]])
+    view = CacheView(t=5, n_prompt=6, layer=0, n_layers=1, attn_window=np.zeros((1, 0, 6)), keys=keys, values=values,
+                     kept=np.ones((1, 6), bool), output=output)
+    policy = CriticalKV(budget=4, scorer="knorm", epsilon=0.0)
+    np.testing.assert_array_equal(policy.keep(view), [[True, True, True, False, False, True]])
+    np.testing.assert_array_equal(Knorm(budget=4).keep(view), [[True, True, True, True, False, False]])
+    with pytest.raises(ValueError, match="output projection"):
+        policy.keep(CacheView(t=5, n_prompt=6, layer=0, n_layers=1, attn_window=np.zeros((1, 0, 6)), keys=keys,
+                              values=values, kept=np.ones((1, 6), bool)))

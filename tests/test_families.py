@@ -169,6 +169,15 @@ def test_the_features_are_read_from_the_config_and_the_modules():
     assert torch.equal(smol[1].rope(x, positions), x) and not torch.equal(smol[0].rope(x, positions), x)
 
 
+def test_the_output_projection_is_found_by_its_shape_in_every_family(lm):
+    """CriticalKV weighs values by the attention's output projection, found as the linear map from the heads to
+    the hidden size; where the input projections share that shape (as many heads as the hidden size holds), the
+    last one: the module transformers names as the output."""
+    for layer, features in zip(lm.model.model.layers, read_features(lm.model).layers):
+        names = [name for name, module in layer.self_attn.named_children() if module is features.output]
+        assert names and names[0] in ("o_proj", "dense", "out_proj"), names
+
+
 class HandWrittenAttention(torch.nn.Module):
     """Stands in for an attention module written by hand: its own forward never dispatches through transformers'
     attention functions (here it only wraps the original, so the model still runs)."""

@@ -140,10 +140,11 @@ class RowLayerState:
     """What one policy has done in one layer of one batch row: its state, what it holds, what it read."""
 
     def __init__(self, policy: Policy, n_kv_heads: int, record_top_k: int = 0, layer: int = 0, n_layers: int = 1,
-                 rope: Callable | None = None):
+                 rope: Callable | None = None, output: torch.Tensor | None = None):
         self.policy = policy
         self.layer, self.n_layers = layer, n_layers
         self.rope = rope  # the model's RoPE, for compression policies that rotate queries (CacheView.rope)
+        self.output = output  # the layer's output projection weight (CacheView.output)
         self.n_kv_heads = n_kv_heads
         self.state = policy.layer_state(n_kv_heads, layer)
         # Eviction and compression: the positions the row holds, per KV head in position order (-1 pads
@@ -437,7 +438,7 @@ class RowLayerState:
         view = CacheView(t=t, n_prompt=n_prompt, layer=self.layer, n_layers=self.n_layers, attn_window=window,
                          keys=keys, values=values, kept=held.copy(), state=self.state,
                          queries=queries, query_positions=np.array([row[3] for row in self.window_rows], np.int64),
-                         rope=self.rope, attn_window_heads=window_heads)
+                         rope=self.rope, attn_window_heads=window_heads, output=self.output)
         keep = policy.keep(view)
         dropped = held & ~keep
         if self.forms is not None:
@@ -611,8 +612,10 @@ class PolicyCache(DynamicCache):
         self.prerope_k: dict[int, torch.Tensor] = {}  # layer -> every key so far, before RoPE
         self.recorded_k: dict[int, list[torch.Tensor]] = {}  # recorded layer -> blocks of keys before RoPE
         self.record_top_k = record_top_k  # entries kept of each recorded attention row
+        outputs = ([None if layer.output is None else layer.output.weight.detach() for layer in features.layers]
+                   if features is not None else [None] * n_layers)
         self.rows = [[RowLayerState(p, n_kv_heads, record_top_k if layer in self.record_layers else 0, layer,
-                                    n_layers, ropes[layer]) for p in self.policies]
+                                    n_layers, ropes[layer], outputs[layer]) for p in self.policies]
                      for layer in range(n_layers)]
         self.decoding = False  # True: the next blocks' queries are decoding steps (see Block.decoding)
         self.n_prompt: int | None = None  # generate mode: where the prompt ends (compression policies act there)

@@ -9,7 +9,8 @@ policies need to know about a loaded model is here:
   global theta, GLM's partial and Cohere's interleaved rotary come with the model's function), or none at
   all on a NoPE layer (SmolLM3's ``no_rope_layers``);
 * **where queries and keys are read before RoPE**: after QK-norm when the layer has one (Qwen 3, OLMo 2,
-  Gemma 3, Cohere), else the projections, split from a fused QKV projection (Phi-3);
+  Gemma 3, Cohere), else the projections, split from a fused QKV projection (Phi-3); and the output projection
+  (the linear map from the heads' outputs to the hidden size, whatever its name), for scorers that weigh values by it;
 * **the logits**: the LM head's output scaled as the model scales it (Cohere's ``logit_scale``, Granite's
   ``logits_scaling``, Gemma's final soft-capping).
 
@@ -69,6 +70,9 @@ class LayerFeatures:
     window: int | None  # a sliding-window layer reads the latest ``window`` keys only; None: every key
     rope: Rope  # how the layer rotates queries and keys (the identity on a NoPE layer)
     capture: Capture
+    # The attention's output projection (heads x head size -> hidden), which CriticalKV weighs values by; None
+    # where the module has no single such linear map.
+    output: torch.nn.Module | None = None
 
 
 def key_rope(rope: Rope, head_dim: int, device: torch.device | str = "cpu") -> KeyRope:
@@ -138,7 +142,7 @@ def read_features(model) -> ModelFeatures:
                                    f"transformers' AttentionInterface")
         window = config.sliding_window if layer_types[index] == "sliding_attention" else None
         layers.append(LayerFeatures(window=window, rope=_layer_rope(model, attention, layer_types[index]),
-                                    capture=_capture(config, attention)))
+                                    capture=_capture(config, attention), output=_output(config, attention)))
     layouts = _layouts(model, layers[0].capture)
     layers = [dataclasses.replace(layer, capture=dataclasses.replace(layer.capture, q_layout=layouts[0],
                                                                      k_layout=layouts[1])) for layer in layers]
@@ -188,6 +192,17 @@ def _capture(config, attention) -> Capture:
         keys = config.num_key_value_heads * head_dim
         return Capture(fused, fused, slice(0, queries), slice(queries, queries + keys))
     raise UnsupportedModel(f"{config.model_type}: its attention has neither q_proj/k_proj nor a fused qkv_proj")
+
+
+def _output(config, attention) -> torch.nn.Module | None:
+    """The attention's output projection, whatever the modeling code calls it: a linear map from every head's output
+    (heads x head size) to the hidden size. Where the input projections have that shape too (as many heads as the
+    hidden size holds), it is the last one: modeling code defines the output after the inputs it mirrors."""
+    head_dim = getattr(attention, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    fitting = [module for module in attention.children() if isinstance(module, torch.nn.Linear)
+               and module.in_features == config.num_attention_heads * head_dim
+               and module.out_features == config.hidden_size]
+    return fitting[-1] if fitting else None
 
 
 def _layouts(model, capture: Capture) -> tuple[str, str]:

@@ -275,6 +275,8 @@ class CacheView:
     rotation, so ``rope(x, -p)`` undoes it at position p.
     attn_window_heads: [H, G, w, t+1] the same rows per query head (head h*G + g), each its own softmax; given
     only to a policy whose ``window_by_query_head`` is true (None otherwise).
+    output: [hidden, H*G*d] float64, the layer's output projection (query head j's output enters through columns
+    j*d..(j+1)*d), converted on first read; None where the engine found none (and in bare unit tests).
     """
 
     t: int
@@ -290,10 +292,11 @@ class CacheView:
     query_positions: np.ndarray | None = None
     rope: Callable | None = None
     attn_window_heads: np.ndarray | None = None
+    output: "np.ndarray | torch.Tensor | None" = None
 
     def __getattribute__(self, name):
         value = object.__getattribute__(self, name)
-        if name in ("keys", "values", "queries") and value is not None and not isinstance(value, np.ndarray):
+        if name in ("keys", "values", "queries", "output") and value is not None and not isinstance(value, np.ndarray):
             value = value.double().cpu().numpy()  # only policies that read them pay for the copy
             object.__setattr__(self, name, value)
         return value
