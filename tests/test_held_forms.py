@@ -270,3 +270,42 @@ def test_cam_s_trace_and_view_say_where_evicted_values_went(tiny, text_ids):
     assert [panel.name for panel in figure.data] == [spec, spec]  # the values' error, and what was merged
     merged = np.asarray(figure.data[1].z, float)
     assert np.nanmax(merged) > 0 and np.isnan(merged[:, 28:]).all()  # the window's latest were never evicted
+
+
+# --- FINCH --------------------------------------------------------------------------------------------------------
+
+def test_finch_weighs_each_question_query_by_the_keys_it_sees_and_keeps_chunk_shares():
+    from backend.policies.finch import FINCH
+
+    # Two question queries at positions 4 and 5 (window 2), rows over 6 tokens: weighed by 4 and 5, then averaged:
+    # token 0: (.5 x 4 + .1 x 5) / 2 = 1.25, token 1: (.1 x 4 + .5 x 5) / 2 = 1.45, 2: .2, 3: .5.
+    rows = np.array([[[0.5, 0.1, 0.1, 0.0, 0.3, 0.0], [0.1, 0.5, 0.0, 0.2, 0.1, 0.1]]])
+    view = CacheView(t=5, n_prompt=6, layer=0, n_layers=1, attn_window=rows, keys=np.ones((1, 6, 2)),
+                     values=np.ones((1, 6, 2)), kept=np.ones((1, 6), bool), query_positions=np.array([4, 5]))
+    policy = FINCH(budget=4, window=2, rerotate=False)
+    np.testing.assert_allclose(policy.score(view)[0, :4], [1.25, 1.45, 0.2, 0.5])
+    np.testing.assert_array_equal(policy.keep(view), [[True, True, False, False, True, True]])
+    # In chunks of 2: 4 held before the window, 2 slots -> half of each chunk: 1 of (0, 1), 3 of (2, 3).
+    np.testing.assert_array_equal(FINCH(budget=4, window=2, chunk=2, rerotate=False).keep(view),
+                                  [[False, True, False, True, True, True]])
+
+
+def test_finch_rerotates_the_kept_keys_to_consecutive_positions(tiny, text_ids):
+    from backend.policies.finch import FINCH
+
+    prompt = text_ids[:24]
+    policy = FINCH(budget=8, window=4)
+    (trace,), full = compute_traces(tiny, ["finch"], [policy], prompt, mode="generate", max_new_tokens=3,
+                                    record_layers=())
+    kept = trace.evicted_at[..., :24] == -1
+    moved = trace.forms["reformed_at"][..., :24] == 24
+    # Every kept key but those already at their rank (the first ones, if kept) turned; none evicted turned.
+    ranks = np.cumsum(kept, -1) - 1
+    np.testing.assert_array_equal(moved, kept & (ranks != np.arange(24)))
+    # A rotation keeps a key's norm and changes its direction: the relative error is |R(s) k - k| / |k| > 0.
+    assert (trace.forms["key_error"][..., :24][moved] > 0).all() and (trace.forms["value_error"] == 0).all()
+    plain = dataclasses.replace(policy, rerotate=False)
+    (unturned,), _ = compute_traces(tiny, ["finch"], [plain], prompt, mode="generate", max_new_tokens=3,
+                                    record_layers=())
+    np.testing.assert_array_equal(unturned.evicted_at, trace.evicted_at)  # the same tokens, read at other positions
+    assert not np.allclose(unturned.logprobs[23:], trace.logprobs[23:])

@@ -24,7 +24,7 @@ MERGED_COLOR = "#997700"
 PANEL_HEIGHT = 230
 NOTHING = ("None of these policies changes the form of what it holds: each token is read as the model computed it, "
            "or not at all. ThinK prunes key channels, KIVI rounds keys and values to fewer bits, CaM merges evicted values "
-           "into held ones.")
+           "into held ones, FINCH re-rotates the keys it keeps.")
 
 
 def empty_forms_figure(message: str = NOTHING) -> go.Figure:

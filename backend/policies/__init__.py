@@ -32,6 +32,7 @@ from .lagkv import LagKV  # noqa: E402
 from .cur import CUR  # noqa: E402
 from .simlayerkv import SimLayerKV  # noqa: E402
 from .criticalkv import CriticalKV  # noqa: E402
+from .finch import FINCH  # noqa: E402
 from .scissorhands import Scissorhands  # noqa: E402
 from .keyformer import Keyformer  # noqa: E402
 from .kvzip import KVzip  # noqa: E402

@@ -31,8 +31,9 @@ State = dict[str, np.ndarray]
 
 HEAD_MODES = ("head", "layer")
 # What a policy may do to the tokens it holds besides choosing them (``Policy.reforms``): nothing (""), read only
-# some of their key channels (ThinK), fold evicted values into held ones (CaM), or hold them at fewer bits (KIVI).
-REFORMS = ("", "channels", "merge", "precision")
+# some of their key channels (ThinK), fold evicted values into held ones (CaM), hold them at fewer bits (KIVI), or
+# turn their keys to other positions (FINCH's re-rotation).
+REFORMS = ("", "channels", "merge", "precision", "rotation")
 
 
 def grow(a: np.ndarray, length: int) -> np.ndarray:
@@ -112,6 +113,9 @@ class Policy:
         heads = self.heads
         if heads not in HEAD_MODES:
             raise ValueError(f"{self.name}: heads must be one of {HEAD_MODES}, got {heads!r}")
+        if self.reforms not in REFORMS or (self.reforms and self.kind != "compression"):
+            raise ValueError(f"{self.name}: reforms must be one of {REFORMS[1:]} on a compression policy (it reforms "
+                             f"what it holds when it compresses), got {self.reforms!r} on a {self.kind} policy")
 
     def params(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
