@@ -2,12 +2,16 @@
 Full, the error of what it holds, and its run's cost against a plain forward.
 
     .venv/bin/python -m benchmarks.held_forms [--text assets/examples/needle.txt] [--new 24]
+    .venv/bin/python -m benchmarks.held_forms --shot docs/held-forms.png   # the Held forms view, as a picture
 
 Generate mode in the chat template, float32, one batched run of every spec below with Full. Per spec: the greedy
 answer; the mean KL(Full || policy) over Full's continuation (the divergence view's number); over the tokens it
 holds reformed when the prompt has been read, the mean relative error of their keys and values against the model's
 own (``form_key_error``, ``form_value_error``); and ThinK's mean cost to the window's logits (``form_channel_error``).
 The run's seconds are printed beside one plain forward of the prompt in the same process.
+
+``--shot`` instead draws the app's Held forms view of ThinK, CaM, KIVI and FINCH on the text (at the prompt's last
+query) and saves it as a PNG through Chromium (Playwright).
 """
 from __future__ import annotations
 
@@ -24,6 +28,36 @@ SPECS = ("kivi:bits=8", "kivi:bits=4", "kivi:bits=2", "kivi:bits=2,residual=32,g
          "snapkv:budget=64", "think:budget=64,channels=0.5")
 
 
+SHOT_SPECS = ("think:budget=96,channels=0.5", "cam:budget=96", "kivi:residual=64,group=32", "finch:budget=96")
+
+
+def shot(lm, ids: list[int], path: Path) -> None:
+    """The Held forms figure of SHOT_SPECS on ``ids`` at the prompt's last query, saved as a PNG."""
+    import tempfile
+    import types
+
+    from playwright.sync_api import sync_playwright
+
+    from backend.engine.runner import compute_traces
+    from backend.policies import parse_spec
+    from viz import panels
+
+    traces, full = compute_traces(lm, list(SHOT_SPECS), [parse_spec(s) for s in SHOT_SPECS], ids, mode="generate",
+                                  max_new_tokens=8, record_layers=())
+    figure = panels.held_forms(types.SimpleNamespace(traces=[full, *traces]), len(ids), "all")
+    with tempfile.TemporaryDirectory() as folder:
+        page_path = Path(folder) / "forms.html"
+        figure.write_html(page_path, include_plotlyjs=True)
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path="/usr/bin/chromium")
+            page = browser.new_page(viewport={"width": 1200, "height": int(figure.layout.height or 900)})
+            page.goto(page_path.as_uri())
+            page.wait_for_selector(".main-svg")
+            page.screenshot(path=str(path), full_page=True)
+            browser.close()
+    print(f"wrote {path}")
+
+
 def main() -> None:
     from backend.engine.models import load_model
     from backend.engine.runner import compute_traces
@@ -32,9 +66,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--text", default=str(ROOT / "assets" / "examples" / "needle.txt"))
     parser.add_argument("--new", type=int, default=24, help="tokens generated")
+    parser.add_argument("--shot", type=Path, help="draw the Held forms view to this PNG instead")
     args = parser.parse_args()
     lm = load_model()
     ids = lm.encode(Path(args.text).read_text(), chat=True)
+    if args.shot:
+        shot(lm, ids, args.shot)
+        return
     n = len(ids)
     with torch.inference_mode():
         lm.model(torch.tensor([ids]))  # warm-up
