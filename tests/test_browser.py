@@ -261,3 +261,26 @@ def test_evidence_typed_with_a_prompt_is_marked_and_play_shows_it_leave(page, ap
     assert frozenset({"kvl-kept"}) in seen  # kept once it has arrived
     assert seen[-1] == frozenset({"kvl-evicted"})  # gone by the last step
     page.close()
+
+
+def test_the_held_forms_tab_draws_the_pruned_channels_and_the_rounded_tokens(page, app_url):
+    """ThinK and KIVI at the budget slider's 40: the Held forms tab draws ThinK's keys and channels and KIVI's keys
+    and values; the masks still show every KIVI token read (held, not evicted)."""
+    page = page.context.browser.new_page(viewport={"width": 1920, "height": 1200})
+    page.goto(app_url)
+    page.wait_for_selector("#run", timeout=60_000)
+    boxes = page.locator("#policies label")
+    for i in range(boxes.count()):
+        label = boxes.nth(i)
+        if label.locator("input").is_checked() != (label.inner_text().strip() in ("think", "kivi")):
+            label.click()
+    page.locator("#run").click()
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('#heatmap .js-plotly-plot')].some(el => "
+        "(el.layout.annotations || []).some(a => a.text.includes('kivi')))", timeout=180_000)
+    page.get_by_role("tab", name="Held forms").click()
+    page.wait_for_selector("#forms .js-plotly-plot", timeout=60_000)
+    titles = " ".join(map(str, plot_titles(page, "forms")))
+    assert "think:budget=40: the keys' relative error" in titles and "key channels kept" in titles
+    assert "kivi" in titles and "the values' relative error" in titles
+    page.close()

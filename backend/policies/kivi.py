@@ -61,6 +61,7 @@ class KIVI(CompressionPolicy):
     color = "#4B0092"
     reforms = "precision"
     uses_attention = False
+    reads_every_key = True  # it holds every token: each query reads them all (limits.row_cost)
     budget: int | None = None
     bits: int = 2
     group: int = 32
