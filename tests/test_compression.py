@@ -319,11 +319,15 @@ def test_simlayerkv_keeps_the_first_and_latest_tokens_of_a_lazy_layer_and_everyt
         return CacheView(t=7, n_prompt=8, layer=0, n_layers=1, attn_window=np.array([[row]]), keys=np.ones((1, 8, 2)),
                          values=np.ones((1, 8, 2)), kept=np.ones((1, 8), bool))
 
-    policy = SimLayerKV(budget=4, sinks=1, threshold=0.9)  # a lazy layer keeps token 0 and the latest 3
-    lazy = view([0.5, 0.01, 0.02, 0.01, 0.01, 0.15, 0.15, 0.15])  # .5 + .45 = .95 on those: lazy
+    # Budget 4, one sink: the last query (7) decides by its attention on token 0 and the 3 before it (4-6), its own
+    # left out (kvpress); a lazy layer keeps token 0 and the latest 3 (5-7).
+    policy = SimLayerKV(budget=4, sinks=1, threshold=0.9)
+    lazy = view([0.5, 0.01, 0.01, 0.01, 0.15, 0.15, 0.15, 0.02])  # .5 + .45 = .95: lazy
     np.testing.assert_array_equal(policy.keep(lazy), [[True, False, False, False, False, True, True, True]])
-    busy = view([0.4, 0.1, 0.05, 0.05, 0.0, 0.15, 0.15, 0.1])  # .8: it reads the middle too, so it keeps it all
+    busy = view([0.4, 0.1, 0.05, 0.05, 0.15, 0.15, 0.05, 0.05])  # .4 + .35 = .75: it reads the middle, keeps it all
     assert policy.keep(busy).all() and not policy.lazy(busy) and policy.lazy(lazy)
+    selfish = view([0.5, 0.01, 0.01, 0.01, 0.01, 0.01, 0.01, 0.44])  # its own token is not the recent tokens'
+    assert not policy.lazy(selfish)
     assert not SimLayerKV(budget=4, sinks=1, threshold=1.0).lazy(lazy)  # kvpress's default: never lazy
 
 

@@ -53,22 +53,54 @@ def test_lagkv_keeps_kvpress_tokens_up_to_the_ties_of_its_ranks(default_lm, kvpr
             assert len(a) == len(b) == 96 and len(set(a) ^ set(b)) <= 2, (layer, head)
 
 
-THINK = Path(__file__).resolve().parent / "fixtures" / "kvpress_think.json"
+SPECIAL = Path(__file__).resolve().parent / "fixtures" / "kvpress_special.json"
+
+
+@pytest.fixture(scope="module")
+def special():
+    """kvpress's ThinK channels, SimLayerKV lazy layers and FINCH kept sets (benchmarks/kvpress_special.py)."""
+    import json
+
+    return json.loads(SPECIAL.read_text())
 
 
 @pytest.mark.parametrize("share", ["0.25", "0.5", "0.75"])
-def test_think_with_kvpress_settings_prunes_kvpress_channels_and_answers_alike(default_lm, share):
+def test_think_with_kvpress_settings_prunes_kvpress_channels_and_answers_alike(default_lm, special, share):
     """ThinK alone (a budget above the prompt: SnapKV keeps every token), every key pruned and channels scored over
-    the last 32 queries, as kvpress's ThinKPress: the same channels in every layer and KV head, the same answer
-    (tests/fixtures/kvpress_think.json, written by benchmarks/kvpress_channels.py)."""
-    import json
-
+    the last 32 queries, as kvpress's ThinKPress: the same channels in every layer and KV head, the same answer."""
     import numpy as np
 
-    reference = json.loads(THINK.read_text())
-    spec = f"think:budget=100000,window={reference['window']},whole_window=false,channels={share}"
-    (trace,) = run(default_lm, [spec], reference["input_ids"], max_new_tokens=reference["max_new_tokens"])
-    np.testing.assert_array_equal(trace.forms["channel_steps"], [len(reference["input_ids"]) - 1])
+    think = special["think"]
+    spec = f"think:budget=100000,window={think['window']},whole_window=false,channels={share}"
+    (trace,) = run(default_lm, [spec], special["input_ids"], max_new_tokens=special["max_new_tokens"])
+    np.testing.assert_array_equal(trace.forms["channel_steps"], [len(special["input_ids"]) - 1])
     pruned = [[np.flatnonzero(~head).tolist() for head in layer] for layer in trace.forms["channels"][0]]
-    assert pruned == reference["runs"][share]["pruned"]
-    assert trace.generated_ids.tolist() == reference["runs"][share]["answer_ids"]
+    assert pruned == think["runs"][share]["pruned"]
+    assert trace.generated_ids.tolist() == think["runs"][share]["answer_ids"]
+
+
+def test_simlayerkv_finds_kvpress_lazy_layers_and_answers_alike(default_lm, special):
+    """At thresholds 0.5, 0.7 and 0.9 (23, 12 and 0 lazy layers of 30 in kvpress), the same layers are lazy and the
+    answers are kvpress's (a lazy layer keeps one token more here: n_recent against n_recent - n_last)."""
+    sim = special["simlayerkv"]
+    n = len(special["input_ids"])
+    budget = sim["n_initial"] + sim["n_recent"]
+    specs = [f"simlayerkv:budget={budget},sinks={sim['n_initial']},last={sim['n_last']},threshold={t}"
+             for t in sim["runs"]]
+    traces = run(default_lm, specs, special["input_ids"], max_new_tokens=special["max_new_tokens"])
+    for (threshold, theirs), trace in zip(sim["runs"].items(), traces):
+        lazy = [bool((layer[..., :n] != -1).any()) for layer in trace.evicted_at]
+        assert lazy == theirs["lazy"], threshold
+        assert trace.generated_ids.tolist() == theirs["answer_ids"], threshold
+
+
+@pytest.mark.parametrize("budget", ["40", "96"])
+def test_finch_keeps_kvpress_tokens_and_answers_alike_with_rerotated_keys(default_lm, special, budget):
+    """FINCH with the question as its window (kvpress cuts it off with a delimiter token): the same kept tokens in
+    every layer and KV head, and, keys re-rotated to consecutive positions in both, the same answer."""
+    finch = special["finch"]
+    (trace,) = run(default_lm, [f"finch:budget={budget},window={finch['question']}"], special["input_ids"],
+                   max_new_tokens=special["max_new_tokens"])
+    theirs = finch["budgets"][budget]
+    assert kept_sets(trace, len(special["input_ids"])) == theirs["kept"]
+    assert trace.generated_ids.tolist() == theirs["answer_ids"]

@@ -13,13 +13,14 @@ class SimLayerKV(CompressionPolicy):
     """Find the lazy layers and keep only their first and latest tokens; other layers keep everything.
 
     A layer is lazy when the last ``last`` queries (the prompt's end) put more than ``threshold`` of their attention
-    (mean over heads and queries) on the ``sinks`` first tokens and the latest ``budget - sinks``: it reads little
-    else, so the rest can go (the paper's finding: such layers recur across prompts). One decision per layer; the
-    budget is a lazy layer's, and a busy layer holds the whole text.
+    (mean over heads and queries) on the ``sinks`` first tokens and the ``budget - sinks`` before them (their
+    attention to themselves left out, as kvpress's): it reads little else, so the rest can go (the paper's finding:
+    such layers recur across prompts). A lazy layer then keeps its ``sinks`` first and ``budget - sinks`` latest
+    tokens; a busy one the whole text. One decision per layer.
 
-    As kvpress's ``SimLayerKVPress`` (1 last query, 4 sinks), with the paper's threshold for Llama 3 (0.9; kvpress's
-    default 1.0 makes no layer lazy; the paper gives 0.65 for Llama 2, 0.8 Mistral, 0.85 Qwen). kvpress keeps
-    ``n_recent - n_last`` latest tokens in a lazy layer; here a lazy layer keeps ``budget`` tokens in all.
+    As kvpress's ``SimLayerKVPress`` (1 last query, 4 sinks; ``n_recent`` = budget - sinks), with the paper's
+    threshold for Llama 3 (0.9; kvpress's default 1.0 makes no layer lazy; the paper gives 0.65 for Llama 2, 0.8
+    Mistral, 0.85 Qwen). kvpress keeps one token fewer in a lazy layer (``n_recent - n_last`` latest).
 
     budget: tokens a lazy layer keeps (sinks included). sinks: first tokens kept. last: queries that decide.
     threshold: share of attention on the kept tokens above which a layer is lazy.
@@ -52,18 +53,19 @@ class SimLayerKV(CompressionPolicy):
         return self.last
 
     def lazy(self, view: CacheView) -> bool:
-        """Do the last queries put more than ``threshold`` of their attention on the tokens a lazy layer keeps?"""
-        kept = self._kept(view)
+        """Do the last queries put more than ``threshold`` of their attention on the first ``sinks`` tokens and the
+        ``budget - sinks`` before them (their attention to themselves left out, as kvpress)?"""
         rows = view.attn_window  # [H, w, t+1]
         if rows.shape[1] == 0:
             return False
-        return float((rows * kept[:, None, :]).sum(-1).mean()) > self.threshold
-
-    def _kept(self, view: CacheView) -> np.ndarray:
-        """Bool [H, t+1]: per head its ``sinks`` first and ``budget - sinks`` latest cached tokens."""
         order = np.cumsum(view.kept, axis=1)  # 1 = the first cached token
-        latest = np.cumsum(view.kept[:, ::-1], axis=1)[:, ::-1]
-        return view.kept & ((order <= self.sinks) | (latest <= self.budget - self.sinks))
+        before = np.cumsum(view.kept[:, ::-1], axis=1)[:, ::-1] - self.last  # 1 = the latest before the queries
+        scored = view.kept & ((order <= self.sinks) | ((before >= 1) & (before <= self.budget - self.sinks)))
+        return float((rows * scored[:, None, :]).sum(-1).mean()) > self.threshold
 
     def keep(self, view: CacheView) -> np.ndarray:
-        return self._kept(view) if self.lazy(view) else view.kept.copy()
+        if not self.lazy(view):
+            return view.kept.copy()
+        order = np.cumsum(view.kept, axis=1)
+        latest = np.cumsum(view.kept[:, ::-1], axis=1)[:, ::-1]
+        return view.kept & ((order <= self.sinks) | (latest <= self.budget - self.sinks))
