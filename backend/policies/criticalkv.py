@@ -30,7 +30,8 @@ class CriticalKV(SharesBudget):
 
     The paper bounds the output's perturbation by attention times the projected value's norm (Sec. 3) and selects in
     two stages (Alg. 1); kvpress's ``CriticalKVPress`` wraps any scorer (its defaults: first 0.5, epsilon 1e-4), and
-    so does this one (``scorer``, SnapKV by default as the paper's experiments, ``scorer_preset``).
+    so does this one (``scorer``, SnapKV by default as the paper's experiments, ``scorer_preset``). ``preset=kvpress``
+    takes kvpress's SnapKV settings for the scorer (kvpress's ``CriticalKVPress(SnapKVPress(window_size=8))``).
 
     budget: tokens kept per KV head at each compression. scorer, scorer_preset: the scores it re-weighs.
     first: the budget's share the scorer alone fills. epsilon: added to the scores before weighing.
@@ -42,6 +43,7 @@ class CriticalKV(SharesBudget):
     paper = ("Feng et al., 2025, *Identify Critical KV Cache in LLM Inference from an Output Perturbation "
              "Perspective*, Sec. 3-4")
     color = "#35978F"
+    presets = {"kvpress": {"scorer_preset": "kvpress"}}
     first: float = 0.5
     epsilon: float = 1e-4
 
