@@ -37,6 +37,7 @@ MATCHED = {
     "keydiff": "keydiff:budget={b}",
     "chunkkv_knorm": "chunkkv:budget={b},scorer=knorm,preset=kvpress",
     "cur": "cur:budget={b}",
+    "compactor_seed0": "compactor:budget={b},preset=kvpress",
     "criticalkv_snapkv_w8": "criticalkv:budget={b},preset=kvpress",
     "lagkv_lag32": "lagkv:budget={b},lag=32",
     "streamingllm": "streamingllm:budget={b1}",

@@ -351,3 +351,28 @@ def test_criticalkv_fills_half_its_budget_from_the_scorer_then_weighs_scores_by_
     with pytest.raises(ValueError, match="output projection"):
         policy.keep(CacheView(t=5, n_prompt=6, layer=0, n_layers=1, attn_window=np.zeros((1, 0, 6)), keys=keys,
                               values=values, kept=np.ones((1, 6), bool)))
+
+
+def test_compactor_blends_key_leverage_and_chunked_attention_as_written_out():
+    import torch
+
+    from backend.policies.compactor import chunked_attention, leverage, sketch
+
+    # Chunked, non-causal attention: 3 tokens in chunks of 2, one head, queries = keys = e1, e1, e2 (unscaled dots).
+    # Chunk 1 (tokens 0, 1): each query reads both alike -> 1 each. Chunk 2 (token 2 and a pad): masked, it reads
+    # itself only -> 1; as kvpress, the pad key (logit ~0) takes e^0 of each softmax and the pad query reads both.
+    x = torch.tensor([[[[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]]]])
+    np.testing.assert_allclose(chunked_attention(x, x, 2)[0, 0], [1.0, 1.0, 1.0], atol=1e-6)
+    e = np.e
+    padded = e / (e + 1) + 0.5  # token 2's own query (e^1 against the pad's e^0), and the pad query's half
+    np.testing.assert_allclose(chunked_attention(x, x, 2, "kvpress")[0, 0], [1.0, 1.0, padded], atol=1e-6)
+    # Leverage: the diagonal of X (X^T X + 0.01 I)^-1 X^T of the centred, sketched keys, written out.
+    keys = torch.randn(1, 1, 6, 4, generator=torch.Generator().manual_seed(1))
+    phi = sketch(0, 0, 1, 4, 3)
+    centred = ((keys - keys.mean(-2, keepdim=True)) @ phi)[0, 0].double().numpy()
+    hat = centred @ np.linalg.inv(centred.T @ centred + 0.01 * np.eye(3)) @ centred.T
+    np.testing.assert_allclose(leverage(keys, phi)[0, 0].numpy(), np.clip(np.diag(hat), 0, None), rtol=1e-4)
+    # The layers draw in turn from one generator seeded once, as one seeded prefill of kvpress's does.
+    draws = torch.Generator().manual_seed(7)
+    first, second = (torch.randn((1, 2, 4, 3), generator=draws) / 3 ** 0.5 for _ in range(2))
+    assert torch.equal(sketch(7, 0, 2, 4, 3), first) and torch.equal(sketch(7, 1, 2, 4, 3), second)

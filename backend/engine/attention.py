@@ -28,6 +28,7 @@ token keeps its own RoPE position (gaps, no shifts).
 from __future__ import annotations
 
 import copy
+from collections import deque
 from collections.abc import Callable, Sequence, Iterator
 from contextlib import contextmanager
 
@@ -152,7 +153,8 @@ class RowLayerState:
         self.slots = np.zeros((n_kv_heads, 0), np.int64)
         self.alive = np.zeros((n_kv_heads, 0), bool)  # compression: by position, for its CacheView
         self.evicted_at = np.zeros((n_kv_heads, 0), np.int32)
-        self.window_rows: list[tuple] = []  # compression: (positions, attention row, query [H, G, d], t, rows [H, G, c])
+        # Compression: the latest ``window_queries`` (positions, attention row, query [H, G, d], t, rows [H, G, c]).
+        self.window_rows: deque[tuple] = deque(maxlen=max(1, getattr(policy, "window_queries", 0)))
         self.spans = SpanRecorder(n_kv_heads) if policy.kind == "selection" else None
         self.top = TopRecorder(record_top_k) if record_top_k else None
         self.stat_rows: dict[str, list[np.ndarray]] = {}  # attending policies: per-step numbers
@@ -418,14 +420,16 @@ class RowLayerState:
         """
         policy = self.policy
         if policy.window_queries:
-            self.window_rows = [*self.window_rows, (columns, attn, query, t, by_head)][-policy.window_queries:]
+            self.window_rows.append((columns, attn, query, t, by_head))
         if not policy.compresses_after(t, n_prompt):
             return
-        window = np.zeros((self.n_kv_heads, len(self.window_rows), t + 1))
+        # The window's attention rows; none for a policy that reads its queries but no attention (Compactor).
+        rows_read = self.window_rows if policy.uses_attention else ()
+        window = np.zeros((self.n_kv_heads, len(rows_read), t + 1))
         window_heads = None
         if policy.window_by_query_head:
-            window_heads = np.zeros((self.n_kv_heads, query.shape[1], len(self.window_rows), t + 1))
-        for j, (where, row, _, _, rows) in enumerate(self.window_rows):
+            window_heads = np.zeros((self.n_kv_heads, query.shape[1], len(rows_read), t + 1))
+        for j, (where, row, _, _, rows) in enumerate(rows_read):
             heads, cols = np.nonzero(where >= 0)  # -1 pads a head that holds fewer tokens: it has no position
             window[heads, j, where[heads, cols]] = row[heads, cols]
             if window_heads is not None and rows is not None:
@@ -466,7 +470,7 @@ class RowLayerState:
         twin.state = copy.deepcopy(self.state)
         twin.slots, twin.alive, twin.evicted_at = self.slots.copy(), self.alive.copy(), self.evicted_at.copy()
         twin.forms = None if self.forms is None else self.forms.fork()
-        twin.window_rows = list(self.window_rows)
+        twin.window_rows = copy.copy(self.window_rows)
         twin.spans = _NoSpans() if self.spans is not None else None
         twin.top, twin.stat_rows = None, {}
         return twin

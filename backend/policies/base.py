@@ -268,13 +268,13 @@ class CacheView:
     """What a compression policy may read when it acts after query ``t`` (one layer, one batch row).
 
     attn_window: [H, w, t+1] attention rows of the last w queries (mean of each KV head's query heads;
-    zero where a query did not read), oldest first. keys, values: [H, t+1, d] float64, the cached keys
+    zero where a query did not read), oldest first; none (w = 0) for a policy that reads no attention. keys, values: [H, t+1, d] float64, the cached keys
     (after RoPE; RoPE keeps their norms) and values, converted from the engine's tensors the first time a
     policy reads them; kept: [H, t+1] what is cached now.
     n_prompt: the prompt's length in generate mode, None in prompt mode (no prompt/continuation split).
     state: the policy's own state (``init_state``), which it may update in place; a fork copies it.
-    queries: [H, G, w, d] float64, the same w queries as ``attn_window`` (after RoPE; query head h*G + g
-    uses KV head h), at positions ``query_positions`` [w]; converted on first read like keys.
+    queries: [H, G, w, d] float64, the last ``window_queries`` queries (after RoPE; query head h*G + g uses KV head
+    h), at positions ``query_positions`` [w], those of ``attn_window`` when it has rows; converted on first read.
     rope(x [H, L, d] tensor, positions [L] tensor): the model's RoPE (None in bare unit tests); RoPE is a
     rotation, so ``rope(x, -p)`` undoes it at position p.
     attn_window_heads: [H, G, w, t+1] the same rows per query head (head h*G + g), each its own softmax; given
