@@ -478,8 +478,10 @@ def on_needle_cell(table, model, evt: gr.SelectData, request: gr.Request = None,
 
 
 def leaderboard_models(folder: Path | None = None) -> dict[str, Path]:
-    """The shipped task leaderboards (assets/leaderboards/<model>.csv) by model: each file's stem."""
-    return {path.stem: path for path in shipped.leaderboard_files(folder)}
+    """The shipped task leaderboards (assets/leaderboards/<model>.csv) by model, each file's stem: the default
+    model's first (the one the tab opens on), then by name."""
+    paths = sorted(shipped.leaderboard_files(folder), key=lambda path: path.stem != api.DEFAULT_MODEL)
+    return {path.stem: path for path in paths}
 
 
 def _read_leaderboard(model, folder: Path | None = None) -> pd.DataFrame:
@@ -531,9 +533,9 @@ def leaderboard_samples(model, task, setting, folder: Path | None = None) -> pd.
     return rows[SAMPLE_TABLE_COLUMNS].reset_index(drop=True)
 
 
-def on_board_sample(table, setting, evt: gr.SelectData):
+def on_board_sample(table, setting, board, evt: gr.SelectData):
     """A click on a shipped sample's row sets the sample controls to it (its task, sample, setting, policy at its
-    ratio), so the next step runs it with its evidence marked."""
+    ratio) and the model to the leaderboard's, so the next step runs it with its evidence marked."""
     try:
         row = pd.DataFrame(table).iloc[int(evt.index[0])]
         sample, ratio = int(row["sample"]), float(row["ratio"])
@@ -542,7 +544,8 @@ def on_board_sample(table, setting, evt: gr.SelectData):
     policy = str(row["policy"])
     names = [policy] if policy in POLICY_CHOICES and policy != "full" else TASK_DEFAULT_POLICIES
     ratio = ratio if TASK_RATIOS[0] <= ratio <= TASK_RATIOS[1] else TASK_DEFAULT_RATIO
-    return str(row["task"]), sample, setting, names, ratio
+    model = board if board in LIMITS.models else gr.skip()  # a shipped board of a model this server does not serve
+    return str(row["task"]), sample, setting, names, ratio, model
 
 
 def leaderboard_view(model, folder: Path | None = None):
@@ -963,8 +966,9 @@ def build() -> gr.Blocks:
         sampled.then(render_run, run_id, run_views, **views_).then(render_views, selectors + zoom_controls, views,
                                                                    **views_)
         # A shipped sample's row: the controls take it, then it runs as the button's sample does.
-        picked = board_samples.select(on_board_sample, [board_samples, board_setting],
-                                      [task_name, task_sample, task_setting, task_names, task_ratio], queue=False)
+        picked = board_samples.select(on_board_sample, [board_samples, board_setting, board],
+                                      [task_name, task_sample, task_setting, task_names, task_ratio, model],
+                                      queue=False)
         picked.then(on_task_sample, task_inputs, [run_id, status, task_status, task_table, step, layer, head],
                     concurrency_id="model").then(render_run, run_id, run_views, **views_).then(
             render_views, selectors + zoom_controls, views, **views_)

@@ -37,6 +37,11 @@ def boards(tmp_path, monkeypatch):
 
 def test_a_leaderboard_offers_the_average_first_then_its_tasks_and_settings(boards):
     assert list(app.leaderboard_models()) == ["m"]
+    (boards / "a-model.csv").write_text((boards / "m.csv").read_text())
+    (boards / f"{app.api.DEFAULT_MODEL}.csv").write_text((boards / "m.csv").read_text())
+    assert list(app.leaderboard_models()) == [app.api.DEFAULT_MODEL, "a-model", "m"]  # the default model's first
+    (boards / "a-model.csv").unlink()
+    (boards / f"{app.api.DEFAULT_MODEL}.csv").unlink()
     tasks, settings, figure, table, note = app.leaderboard_view("m")
     assert tasks == ["average", "niah_single_1", "ruler_vt"] and settings == ["agnostic", "aware"]
     assert note == "" and "mean over the tasks Full solves" in figure.layout.title.text
@@ -209,10 +214,13 @@ def test_the_answers_behind_a_leaderboard_are_listed_and_a_click_picks_one(board
     class Click:
         index = (1, 2)
 
-    assert app.on_board_sample(rows, "agnostic", Click()) == ("niah_single_1", 1, "agnostic", ["tova"], 0.75)
+    assert app.on_board_sample(rows, "agnostic", "m", Click())[:5] == ("niah_single_1", 1, "agnostic", ["tova"], 0.75)
+    # The run takes the leaderboard's model where this server serves it, and keeps the model control otherwise.
+    assert app.on_board_sample(rows, "agnostic", "gemma3-270m", Click())[5] == "gemma3-270m"
+    assert app.on_board_sample(rows, "agnostic", "m", Click())[5] == gr.skip()
     Click.index = (0, 0)  # Full's row: the default policies at the default ratio
-    assert app.on_board_sample(rows, "agnostic", Click()) == ("niah_single_1", 1, "agnostic",
-                                                             app.TASK_DEFAULT_POLICIES, app.TASK_DEFAULT_RATIO)
+    assert app.on_board_sample(rows, "agnostic", "m", Click())[:5] == ("niah_single_1", 1, "agnostic",
+                                                                      app.TASK_DEFAULT_POLICIES, app.TASK_DEFAULT_RATIO)
     Click.index = (9, 0)
     with pytest.raises(gr.Error, match="Pick a row"):
-        app.on_board_sample(rows, "agnostic", Click())
+        app.on_board_sample(rows, "agnostic", "m", Click())
