@@ -16,7 +16,7 @@ from backend.engine import models
 from backend.engine.attention import HeldForms
 from backend.engine.runner import compute_traces, score_text
 from backend.policies import KIVI, POLICIES, CaM, CacheView, Reform, ThinK, load_plugins, parse_spec
-from backend.policies.cam import merge_share
+from backend.policies.cam import merge_shares
 from backend.policies.kivi import quantise, quantise_keys, quantise_values
 from backend.policies.think import channel_scores, logit_error
 from backend.traces.trace import Trace
@@ -248,7 +248,7 @@ def test_cam_merges_each_evicted_value_into_the_held_tokens_after_it_by_its_atte
     drawn = dataclasses.replace(policy, sample="bernoulli").reform(view, keep)
     assert set(drawn.merge_weight[0, [1, 2]]) <= {0.0, 0.5}
     np.testing.assert_array_equal(drawn.values, dataclasses.replace(policy, sample="bernoulli").reform(view, keep).values)
-    assert merge_share(0.0, np.zeros(2)) == 0.0 and merge_share(0.1, np.zeros(2)) == 1.0
+    np.testing.assert_array_equal(merge_shares(np.array([0.0, 0.1, 0.2]), np.array([0.0, 0.0, 0.4])), [0.0, 1.0, 0.5])
     assert policy.whole().reform(view, keep) is None
 
 

@@ -314,8 +314,7 @@ def held_forms(run, step: int, head: str) -> go.Figure:
     reforms what it holds (ThinK's pruned channels, KIVI's bits), per layer; the channels each head keeps."""
     panels = {}
     for trace in run.traces:
-        policy = policy_of(trace.meta)
-        if trace.forms and policy is not None and policy.reforms:
+        if trace.forms:  # only a policy that reforms what it holds records them
             at = min(step, len(trace.tokens) - 1)
             panels[trace.spec] = forms.held_forms(trace, at, None if head == "all" else int(head))
     texts = max((t.meta["token_texts"] for t in run.traces), key=len)

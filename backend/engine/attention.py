@@ -154,7 +154,8 @@ class RowLayerState:
         self.alive = np.zeros((n_kv_heads, 0), bool)  # compression: by position, for its CacheView
         self.evicted_at = np.zeros((n_kv_heads, 0), np.int32)
         # Compression: the latest ``window_queries`` (positions, attention row, query [H, G, d], t, rows [H, G, c]).
-        self.window_rows: deque[tuple] = deque(maxlen=max(1, getattr(policy, "window_queries", 0)))
+        self.window_rows: deque[tuple] = deque(maxlen=max(1, policy.window_queries) if policy.kind == "compression"
+                                               else 1)
         self.spans = SpanRecorder(n_kv_heads) if policy.kind == "selection" else None
         self.top = TopRecorder(record_top_k) if record_top_k else None
         self.stat_rows: dict[str, list[np.ndarray]] = {}  # attending policies: per-step numbers

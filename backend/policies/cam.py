@@ -11,13 +11,12 @@ from .snapkv import SnapKV
 SAMPLES = ("bernoulli", "expected")
 
 
-def merge_share(evicted: float, targets: np.ndarray) -> float:
-    """How much of an evicted token's value is merged: its attention over its targets' mean, clamped to 0..1 (CaM's
+def merge_shares(evicted: np.ndarray, mean: np.ndarray) -> np.ndarray:
+    """How much of each evicted token's value is merged: its attention over its targets' mean, clamped to 0..1 (CaM's
     merge probability; as kvpress, 0/0 gives 0 and x/0 gives 1)."""
-    mean = float(targets.mean())
-    if mean == 0.0:
-        return 0.0 if evicted == 0.0 else 1.0
-    return min(1.0, max(0.0, evicted / mean))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        share = np.clip(evicted / mean, 0.0, 1.0)
+    return np.where(mean == 0.0, (evicted != 0.0).astype(float), share)
 
 
 @register
@@ -72,20 +71,25 @@ class CaM(SnapKV):
         into = np.full(keep.shape, -1, np.int64)
         weight = np.zeros(keep.shape)
         changed = np.zeros(keep.shape, bool)
+        offsets = np.arange(self.merge)
         for h in range(keep.shape[0]):
-            held = np.flatnonzero(keep[h])
-            draws = np.random.default_rng([self.seed, view.layer, view.t, h])
-            for i in np.flatnonzero(dropped[h]):
-                start = np.searchsorted(held, i, side="right")
-                targets = held[start:start + self.merge]
-                if not len(targets):
-                    continue
-                share = merge_share(attention[h, i], attention[h, targets])
-                if self.sample == "bernoulli":
-                    share = float(draws.random() < share)
-                if share == 0.0:
-                    continue
-                values[h, targets] += share * given[h, i] / len(targets)
-                into[h, i], weight[h, i] = targets[0], share / len(targets)
-                changed[h, targets] = True
+            held, gone = np.flatnonzero(keep[h]), np.flatnonzero(dropped[h])
+            if not len(held):
+                continue
+            # Each evicted token's targets: the ``merge`` held tokens after it ([gone, merge], ``valid`` where one is).
+            slots = np.searchsorted(held, gone, side="right")[:, None] + offsets
+            valid = slots < len(held)
+            targets = held[np.minimum(slots, len(held) - 1)]
+            count = valid.sum(1)
+            mean = np.where(count > 0, (attention[h, targets] * valid).sum(1) / np.maximum(count, 1), 0.0)
+            share = merge_shares(attention[h, gone], mean)
+            if self.sample == "bernoulli":
+                draws = np.random.default_rng([self.seed, view.layer, view.t, h]).random(len(gone))
+                share = (draws < share).astype(float)
+            share = np.where(count > 0, share, 0.0)
+            part = (share / np.maximum(count, 1))[:, None] * valid  # [gone, merge]: each target's share
+            np.add.at(values[h], targets[valid], (part[..., None] * given[h, gone][:, None, :])[valid])
+            merged = share > 0
+            into[h, gone[merged]], weight[h, gone[merged]] = targets[merged, 0], part[merged, 0]
+            changed[h, targets[valid & (part > 0)]] = True
         return Reform(positions=changed, values=values, merged_into=into, merge_weight=weight)

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .base import CacheView, CompressionPolicy, keep_top
+from .base import CacheView, CompressionPolicy, keep_top, latest
 from .registry import register
 
 MAX_QUERIES = 1 << 16  # the queries a compression may read: a prompt's (it scores from all of them)
@@ -127,11 +127,10 @@ class Compactor(CompressionPolicy):
         heads, dim = keys.shape[0], keys.shape[-1]
         out = np.zeros(view.kept.shape)
         # The tokens scored: held, past the sinks, before the recent ones, with their own query in the view.
-        order = np.cumsum(view.kept, 1)
-        latest = np.cumsum(view.kept[:, ::-1], 1)[:, ::-1]
         asked = np.zeros(view.kept.shape[1], bool)
         asked[view.query_positions] = True
-        inner = view.kept & (order > self.sinks) & (latest > self.recent_tokens) & asked
+        edges = (np.cumsum(view.kept, 1) <= self.sinks) | latest(view.kept, self.recent_tokens)
+        inner = view.kept & ~edges & asked
         if not inner.any():
             return np.where(view.kept, np.inf, 0.0)
         removed = 1.0 - self.budget / max(1, int(view.kept.sum(1).max()))

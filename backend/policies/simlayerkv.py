@@ -3,7 +3,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import CacheView, CompressionPolicy
+from .base import CacheView, CompressionPolicy, latest
 from .registry import register
 
 
@@ -66,6 +66,5 @@ class SimLayerKV(CompressionPolicy):
     def keep(self, view: CacheView) -> np.ndarray:
         if not self.lazy(view):
             return view.kept.copy()
-        order = np.cumsum(view.kept, axis=1)
-        latest = np.cumsum(view.kept[:, ::-1], axis=1)[:, ::-1]
-        return view.kept & ((order <= self.sinks) | (latest <= self.budget - self.sinks))
+        first = view.kept & (np.cumsum(view.kept, axis=1) <= self.sinks)
+        return first | latest(view.kept, self.budget - self.sinks)
