@@ -2,8 +2,8 @@
 # Every GPU check of KV Lens in one run of about 8 minutes, each step under its own time limit and in order of
 # importance, every figure written to OUT (default ./gpu-out); or only the steps named after OUT:
 #   tests      the CUDA tests (tests/test_engine_cuda.py in float32 and bfloat16 on two model shapes, the kernels');
-#   walk       the eviction walk alone at each launch's warps (benchmarks/walk.py), on Gemma 3 270M's and
-#              Llama 3.2 1B's attention shapes;
+#   walk       the eviction walk alone (benchmarks/walk.py) for 1 and 4 rows in one launch, at the kernel's own
+#              warps and at 4, and its launches alone, on Gemma 3 270M's and Llama 3.2 1B's attention shapes;
 #   scaling    benchmarks/scaling.py at 8k, 16k and 32k tokens on Gemma 3 270M's shape, and at 32k on Llama 3.2
 #              1B's: four eviction policies and Full at budget 1024, bfloat16, random weights
 #              (benchmarks/random_model.py);
@@ -20,7 +20,7 @@
 set -u
 OUT=${1:-${OUT:-gpu-out}}
 shift || true
-STEPS=${*:-tests walk scaling task kernels selection}
+STEPS=${*:-tests scaling walk task selection}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -51,22 +51,22 @@ SCALE="-m benchmarks.scaling --policies sinks,h2o,tova,a2sf --budget 1024 --pair
 
 for name in $STEPS; do
   case $name in
-    tests) step tests 100 $PY -m pytest -q -rs -p no:cacheprovider -n 4 tests/test_engine_cuda.py \
+    tests) step tests 120 $PY -m pytest -q -rfEs -p no:cacheprovider -n 8 tests/test_engine_cuda.py \
              tests/test_kernels_sparq.py tests/test_kernels_reattention.py ;;
-    walk) step walk 45 bash -c "for shape in 1,4,256 8,4,64; do $PY -m benchmarks.walk --device cuda --shape \$shape \
-            --budget 1024 --tokens 4096 --chunk 256 --policies tova --warps 1,2,4,8 --repeat 2; done" ;;
+    walk) step walk 40 bash -c "for shape in 1,4,256 8,4,64; do $PY -m benchmarks.walk --device cuda --shape \$shape \
+            --budget 1024 --tokens 4096 --chunk 256 --policies h2o,tova --warps auto,4 --rows 1,4 --repeat 1; done" ;;
     scaling) models gemma3-270m llama-3.2-1b
-             step scaling_gemma 120 $PY $SCALE --model "$MODELS/gemma3-270m" --lengths 8192,16384,32768
-             step scaling_llama 70 $PY $SCALE --model "$MODELS/llama-3.2-1b" --lengths 32768 ;;
+             step scaling_gemma 150 $PY $SCALE --model "$MODELS/gemma3-270m" --lengths 8192,16384,32768
+             step scaling_llama 65 $PY $SCALE --model "$MODELS/llama-3.2-1b" --lengths 32768 ;;
     llama8k) models llama-3.2-1b
              step scaling_llama8k 70 $PY $SCALE --model "$MODELS/llama-3.2-1b" --lengths 8192 ;;
     task) models smollm2-135m
-          step task_4k 70 $PY -m benchmarks.task_cost --request .gpu/niah_4096_32.json \
+          step task_4k 60 $PY -m benchmarks.task_cost --request .gpu/niah_4096_32.json \
             --model "$MODELS/smollm2-135m" --device cuda --dtype bfloat16 --policies "${TASK_POLICIES:-tova,snapkv}" \
             --seconds 1 --json "$OUT/task.jsonl" ;;
     kernels) step kernels 45 $PY -m benchmarks.kernels_bench --quick ;;
     selection) models gemma3-270m
-               step scaling_selection 40 $PY $SCALE --model "$MODELS/gemma3-270m" --lengths 8192 \
+               step scaling_selection 35 $PY $SCALE --model "$MODELS/gemma3-270m" --lengths 8192 \
                  --policies sparq,reattention ;;
     *) echo "unknown step $name" | tee -a "$LOG" ;;
   esac

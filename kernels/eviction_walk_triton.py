@@ -1,17 +1,21 @@
-"""The eviction walk as one Triton program per block, so that a GPU keeps the decisions on the device.
+"""The eviction walk in Triton, so that a GPU keeps the decisions on the device.
 
 The same walk as ``kernels/eviction_walk.py`` (numba, on the CPU) for the running-score policies (Window,
 sinks, H2O, TOVA, A2SF), step for step: what each query reads, its attention row, the running score, and
 the column each head (or the layer) drops once it holds ``budget`` tokens. On a GPU the numpy walk would
-copy every step's decision to the host; here one launch walks a whole block of queries of one (layer,
-batch row) with the state in registers, and the engine reads the outcome once per block
-(``RowLayerState._walk_device``). Its reference is the numba walk, and through it the numpy walk:
-tests/test_eviction_walk.py runs this kernel under ``TRITON_INTERPRET=1`` against them.
+copy every step's decision to the host; here one launch walks a whole block of queries of one layer for
+every batch row that walks this way, with the state in registers, and the engine reads the outcome once per
+block and layer (``walk_rows`` in backend/engine/attention.py). Its reference is the numba walk, and through
+it the numpy walk: tests/test_eviction_walk.py runs this kernel under ``TRITON_INTERPRET=1`` against them.
 
-One program holds the row's [heads, columns] tiles (columns: the tokens held at the block's start plus
-the block's own, ``budget + chunk`` at most), so the layer-wise policies can combine the heads' scores
-at each step without a second launch. Ties drop the earliest column, as ``argmin`` does; a head whose
-columns are all protected drops column 0, as the numba walk does.
+The walk is sequential in the queries (each query's choice depends on what the previous ones left), so its
+speed comes from running the independent walks side by side: one program per (batch row, KV head). A row
+whose heads must decide together (scored as a layer, or one where every held token may be protected, so that
+a head's count of held tokens can differ from another's) walks all its heads in one program, with the
+[heads, columns] tiles in registers. Each row has its own budget, decay, sinks, recent window and flags;
+rows whose tokens held differ in number are padded at the front of the columns (``start``: a row's first
+real column). Ties drop the earliest column, as ``argmin`` does; a head whose columns are all protected
+drops its first real column, as the numba walk drops column 0.
 """
 from __future__ import annotations
 
@@ -26,80 +30,112 @@ except ImportError:  # the engine keeps its other walks
     triton = None
 
 
-NUM_WARPS = 4  # warps of the one program that walks a block (benchmarks/walk.py --warps times others)
+# Warps of each program that walks a block; None: by its tile, 8 for a head's 2,048 columns, 16 at most (fewer
+# spill the tiles out of registers). benchmarks/walk.py --warps times others.
+NUM_WARPS: int | None = None
+# Each row's parameters, in this order, as one float64 array [R, 7] (one copy to the device): start is the
+# row's first real column, by_position and layer are 0 or 1, decay is the running score's.
+PARAMS = ("budget", "sinks", "recent", "by_position", "layer", "start", "decay")
 
 
-def usable(scores: torch.Tensor) -> bool:
-    """Triton can walk these scores: on a GPU, or anywhere under TRITON_INTERPRET=1 (the tests)."""
-    return triton is not None and (scores.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+def usable(device: torch.device) -> bool:
+    """Triton can walk on this device: a GPU, or anywhere under TRITON_INTERPRET=1 (the tests)."""
+    return triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 if triton is not None:
 
     @triton.jit
-    def _walk_kernel(w_ptr, alive_ptr, pos_ptr, state_ptr, probs_ptr, dropped_ptr, attn_ptr,
-                     decay_ptr, n, C, first, held, budget, sinks, recent,
+    def _walk_kernel(w_ptr, alive_ptr, pos_ptr, state_ptr, probs_ptr, dropped_ptr, attn_ptr, params_ptr,
+                     n, C, first, held, r0,
                      H: tl.constexpr, G: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
-                     BY_POSITION: tl.constexpr, LAYER: tl.constexpr, RECORD: tl.constexpr):
-        h = tl.arange(0, BLOCK_H)[:, None]
+                     RECORD: tl.constexpr):
+        r = r0 + tl.program_id(0)  # the batch row
+        budget = tl.load(params_ptr + r * 7).to(tl.int32)
+        sinks = tl.load(params_ptr + r * 7 + 1).to(tl.int32)
+        recent = tl.load(params_ptr + r * 7 + 2).to(tl.int32)
+        by_position = tl.load(params_ptr + r * 7 + 3) != 0
+        layer = tl.load(params_ptr + r * 7 + 4) != 0
+        start = tl.load(params_ptr + r * 7 + 5).to(tl.int32)
+        decay = tl.load(params_ptr + r * 7 + 6)  # float64: a Python float argument would arrive as float32
+        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]  # this program's KV heads
         col = tl.arange(0, BLOCK_C)[None, :]
-        real = (h < H) & (col < C)
-        at = h * C + col
+        head = h < H
+        real = head & (col < C)
+        at = (r * H + h) * C + col
+        # 32-bit positions and steps in registers: the tiles stay in registers (64-bit ones spill).
         alive = (tl.load(alive_ptr + at, mask=real, other=0) != 0) & real
-        pos = tl.load(pos_ptr + at, mask=real, other=0)
+        pos = tl.load(pos_ptr + at, mask=real, other=0).to(tl.int32)
         state = tl.load(state_ptr + at, mask=real, other=0.0).to(tl.float64)
-        dropped = tl.load(dropped_ptr + at, mask=real, other=-1)
-        decay = tl.load(decay_ptr)  # float64: a Python float argument would arrive as float32
+        dropped = tl.load(dropped_ptr + at, mask=real, other=-1).to(tl.int32)
         for i in range(n):
             t = first + i
             c = held + i + 1  # columns 0..c-1 exist for query t
-            alive = alive | ((col == c - 1) & (h < H))
+            alive = alive | ((col == c - 1) & head)
+            seen = alive & (col < c)
             a = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float64)
             for g in tl.static_range(G):
-                row = ((h * G + g) * n + i) * C + col
+                row = (((r * H + h) * G + g) * n + i) * C + col
                 w = tl.load(w_ptr + row, mask=real, other=0.0).to(tl.float64)
-                w = tl.where(alive & (col < c), w, 0.0)
+                w = tl.where(seen, w, 0.0)
                 total = tl.sum(w, axis=1)[:, None]
-                total = tl.where(h < H, total, 1.0)  # padding heads: no division by zero
-                tl.store(probs_ptr + row, (w / total).to(probs_ptr.dtype.element_ty), mask=real)
+                total = tl.where(head, total, 1.0)  # padding heads: no division by zero
+                tl.store(probs_ptr + row, (w * (1.0 / total)).to(probs_ptr.dtype.element_ty), mask=real)
                 a += (1.0 / (G * total)) * w  # the mean over the group of each head's softmax row
             state = tl.where(col < c, decay * state + a, state)
             if RECORD:
-                tl.store(attn_ptr + (h * n + i) * C + col, a, mask=real & (col < c))
-            count = tl.max(tl.sum((alive & (col < c)).to(tl.int32), axis=1), axis=0)
+                tl.store(attn_ptr + ((r * H + h) * n + i) * C + col, a, mask=real & (col < c))
+            count = tl.max(tl.sum(seen.to(tl.int32), axis=1), axis=0)
             if (c >= budget) & (count >= budget):
-                if BY_POSITION:
-                    key = pos.to(tl.float64)
-                else:
-                    key = state
-                if LAYER:
-                    key = tl.broadcast_to(tl.sum(tl.where(h < H, key, 0.0), axis=0)[None, :] / H, [BLOCK_H, BLOCK_C])
-                protected = (~alive) | (pos < sinks) | (pos >= t + 1 - recent) | (col >= c) | (h >= H)
+                key = tl.where(by_position, pos.to(tl.float64), state)
+                combined = tl.broadcast_to(tl.sum(tl.where(head, key, 0.0), axis=0)[None, :] / H, [BLOCK_H, BLOCK_C])
+                key = tl.where(layer, combined, key)
+                protected = (~alive) | (pos < sinks) | (pos >= t + 1 - recent) | (col >= c) | ~head
                 score = tl.where(protected, float("inf"), key)
                 lowest = tl.min(score, axis=1)[:, None]
-                victim = tl.min(tl.where(score == lowest, col, BLOCK_C), axis=1)[:, None]  # the earliest lowest
-                if LAYER:  # head 0's choice, for every head
-                    victim = tl.broadcast_to(tl.sum(tl.where(h == 0, victim, 0), axis=0)[None, :], [BLOCK_H, 1])
-                drop = (col == victim) & (h < H)
+                # The earliest lowest (the first real column when every column is protected).
+                victim = tl.min(tl.where((score == lowest) & (col >= start), col, BLOCK_C), axis=1)[:, None]
+                first_head = tl.broadcast_to(tl.sum(tl.where(h == 0, victim, 0), axis=0)[None, :], [BLOCK_H, 1])
+                victim = tl.where(layer, first_head, victim)  # scored as a layer: head 0's choice, for every head
+                drop = (col == victim) & head
                 alive = alive & ~drop
                 dropped = tl.where(drop, i, dropped)
         tl.store(alive_ptr + at, alive.to(tl.int8), mask=real)
         tl.store(state_ptr + at, state, mask=real)
-        tl.store(dropped_ptr + at, dropped, mask=real)
+        tl.store(dropped_ptr + at, dropped.to(tl.int64), mask=real)
 
 
-def walk(weights, alive, positions, state, first, held, budget, decay, by_position, sinks, recent, layer,
-         probs, dropped_at, attn_rows):
-    """The numba walk's signature on torch tensors of one device: weights float64 [H, G, n, C]; alive bool
-    [H, C], state float64 [H, C] and dropped_at int64 [H, C] updated in place; positions int64 [H, C]; probs
-    [H, G, n, C] out; attn_rows float64 [H, n, C] out when it has n rows (recording), else empty."""
-    heads, group, n, width = weights.shape
+def together(params) -> "numpy.ndarray":
+    """Which rows (params [R, 7]) walk their heads in one program: those scored as a layer, and those that can
+    protect every token they hold (sinks + recent >= budget: a head may then drop a column that is already gone,
+    and its count of held tokens differ from another head's)."""
+    budget, sinks, recent, layer = (params[:, PARAMS.index(name)] for name in ("budget", "sinks", "recent", "layer"))
+    return (layer != 0) | (sinks + recent >= budget)
+
+
+def walk_rows(weights, alive, positions, state, first, held, params, probs, dropped_at, attn_rows):
+    """Walk a block of n queries for R batch rows of one layer, on torch tensors of one device: weights float64
+    [R, H, G, n, C]; alive bool [R, H, C], state float64 [R, H, C] and dropped_at int64 [R, H, C] updated in
+    place; positions int64 [R, H, C]; params a float64 numpy array [R, 7] on the host (``PARAMS``); probs
+    [R, H, G, n, C] out; attn_rows float64 [R, H, n, C] out when it has n rows (recording), else empty.
+
+    One launch per run of rows alike: the rows whose heads walk apart (one program per row and KV head), then
+    the rows whose heads walk ``together`` (one program per row); the engine orders them so."""
+    rows, heads, group, n, width = weights.shape
     flags = alive.to(torch.int8).contiguous()
-    _walk_kernel[(1,)](weights.contiguous(), flags, positions.contiguous(), state, probs, dropped_at,
-                       attn_rows if attn_rows.shape[1] == n else probs,
-                       torch.tensor([float(decay)], dtype=torch.float64, device=weights.device),
-                       n, width, first, held, budget, sinks, recent,
-                       H=heads, G=group, BLOCK_H=triton.next_power_of_2(heads),
-                       BLOCK_C=triton.next_power_of_2(width), BY_POSITION=bool(by_position), LAYER=bool(layer),
-                       RECORD=attn_rows.shape[1] == n, num_warps=NUM_WARPS)
+    record = attn_rows.shape[2] == n
+    args = (weights.contiguous(), flags, positions.contiguous(), state, probs, dropped_at,
+            attn_rows if record else probs, torch.from_numpy(params).to(weights.device), n, width, first, held)
+    block_c = triton.next_power_of_2(width)
+    joint = together(params)
+    for r0 in range(rows):
+        if r0 and joint[r0] == joint[r0 - 1]:
+            continue
+        r1 = r0 + 1
+        while r1 < rows and joint[r1] == joint[r0]:
+            r1 += 1
+        block_h = triton.next_power_of_2(heads) if joint[r0] else 1
+        warps = NUM_WARPS or max(4, min(16, block_h * block_c // 256))
+        _walk_kernel[(r1 - r0, triton.cdiv(heads, block_h))](*args, r0, H=heads, G=group, BLOCK_H=block_h,
+                                                             BLOCK_C=block_c, RECORD=record, num_warps=warps)
     alive.copy_(flags != 0)

@@ -112,7 +112,10 @@ def test_the_prompt_path_equals_the_token_loop(lm, name):
         return
     assert agree >= (0.99 if lm.model.dtype == torch.float32 else 0.9), (name, agree)
 
-POLICIES_ON_BOTH = [TOVA(budget=8), H2O(budget=8), Oracle(budget=8), SparQ(budget=8, r=4),
+# The running-score rows walk in one launch per layer on the GPU (two: TOVA scores the layer, the others walk
+# their heads apart), each with its own budget; numba walks each alone on the CPU.
+POLICIES_ON_BOTH = [TOVA(budget=8), H2O(budget=12), POLICIES["sinks"](budget=10, sinks=2),
+                    POLICIES["a2sf"](budget=9, alpha=0.5, window=3), Oracle(budget=8), SparQ(budget=8, r=4),
                     ReAttention(budget=20, global_size=2, span=3, topk=2, chunk=4)]
 
 

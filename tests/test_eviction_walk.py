@@ -8,9 +8,11 @@ import torch
 
 from backend.engine import attention as engine
 from backend.engine.attention import RowLayerState, compiled_running_score
+from backend.engine.runner import compute_traces
 from backend.policies import POLICIES, H2O, TOVA, load_plugins
 from backend.policies.base import RunningScore
 from kernels import eviction_walk_triton
+from tests.conftest import make_tiny
 
 load_plugins()
 RUNNING = [name for name, cls in POLICIES.items()
@@ -95,7 +97,7 @@ def test_a_subclass_that_changes_the_score_is_walked_in_numpy():
     assert compiled_running_score(Reversed(budget=8)) is None
 
 
-needs_triton = pytest.mark.skipif(not eviction_walk_triton.usable(torch.empty(0)),
+needs_triton = pytest.mark.skipif(not eviction_walk_triton.usable(torch.device("cpu")),
                                   reason="needs TRITON_INTERPRET=1 (or a GPU)")
 
 
@@ -134,3 +136,35 @@ def test_the_triton_walk_decides_on_bfloat16_scores_as_the_numpy_walk(name, monk
 def test_the_triton_walk_catches_a_misdeclared_policy(monkeypatch):
     with pytest.raises(AssertionError):
         assert_same_walk(MisdeclaredH2O(budget=24), monkeypatch, 7, device_walk=True)
+
+
+def traces_of(policies, monkeypatch, device_walk: bool, chunk: int):
+    monkeypatch.setattr(engine, "DEVICE_WALK", device_walk)
+    ids = torch.randint(3, 101, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    traces, _ = compute_traces(make_tiny(dtype=torch.float32), [p.spec() for p in policies], policies, ids,
+                               mode="generate", max_new_tokens=3, chunk=chunk, record_layers=(1,))
+    return traces
+
+
+@needs_triton
+@pytest.mark.parametrize("heads_apart", [True, False], ids=["heads-apart", "a-layer-row"])
+def test_every_row_of_a_layer_walks_in_one_launch_as_each_walks_alone(heads_apart, monkeypatch):
+    """One launch walks every running-score row of a layer, each with its own budget (the rows that hold fewer
+    tokens padded at the front), decay, sinks and recent window; one program per KV head, or the heads of every
+    row together once a row scores the layer. Each row's walk is numba's: the same drops at the same steps, the
+    same tokens and log-probs, the same recorded attention; Full's and Quest's rows, beside them, are untouched."""
+    policies = [TOVA(budget=14), H2O(budget=9, recent=3), POLICIES["full"](), POLICIES["sinks"](budget=11, sinks=2),
+                POLICIES["a2sf"](budget=12, alpha=0.5, window=4, heads="head" if heads_apart else "layer"),
+                POLICIES["quest"].for_budget(16), TOVA(budget=64)]
+    for chunk in (16, 1):
+        reference = traces_of(policies, monkeypatch, False, chunk)
+        together = traces_of(policies, monkeypatch, True, chunk)
+        for a, b in zip(reference, together):
+            if a.evicted_at is not None:
+                np.testing.assert_array_equal(b.evicted_at, a.evicted_at, err_msg=a.meta["spec"])
+            np.testing.assert_array_equal(b.tokens, a.tokens, err_msg=a.meta["spec"])
+            np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-5, err_msg=a.meta["spec"])
+            np.testing.assert_array_equal(b.attention.pos, a.attention.pos, err_msg=a.meta["spec"])
+            np.testing.assert_allclose(b.attention.val.astype(float), a.attention.val.astype(float), rtol=1e-3,
+                                       err_msg=a.meta["spec"])
+    assert all((reference[r].evicted_at >= 0).any() for r in (0, 1, 3, 4))  # the budgets were reached

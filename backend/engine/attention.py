@@ -105,31 +105,83 @@ def compiled_running_score(policy: Policy) -> RunningScore | None:
 
 
 def _block_weights(scores: torch.Tensor, alive: np.ndarray | torch.Tensor, held: int) -> torch.Tensor:
-    """exp(score - row max) once for a block, float64 [H, G, n, C] on the scores' device, as policies decide in
-    float64; zero where a query cannot see a column (later in the block, or held at the block's start but not
-    alive: a -1 pad)."""
-    n = scores.shape[2]
+    """exp(score - row max) once for a block, float64 [..., H, G, n, C] on the scores' device, as policies decide
+    in float64; zero where a query cannot see a column (later in the block, or held at the block's start but
+    not alive: a -1 pad). ``alive`` [..., H, C]."""
+    n = scores.shape[-2]
     s = scores.to(torch.float64, copy=True)  # a copy even when the model runs in float64: s is changed in place
     s[..., held:].masked_fill_(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    unseen = ~torch.as_tensor(alive[:, :held]).to(s.device)  # one host-to-device copy of the held columns' state
+    unseen = ~torch.as_tensor(alive[..., :held]).to(s.device)  # one host-to-device copy of the held columns' state
     if held:
-        s[..., :held].masked_fill_(unseen[:, None, None], float("-inf"))
+        s[..., :held].masked_fill_(unseen[..., None, None, :], float("-inf"))
     s -= s.amax(-1, keepdim=True)
     return s.exp_()
 
 
 def _block_start(columns: np.ndarray | torch.Tensor, n: int) -> tuple[int, np.ndarray | torch.Tensor,
                                                                      np.ndarray | torch.Tensor]:
-    """What a walk starts a block of n queries from, as numpy or torch like ``columns`` [H, C] (the held
+    """What a walk starts a block of n queries from, as numpy or torch like ``columns`` [..., H, C] (the held
     columns, -1 pads, then the block's): held = C - n; alive: the held columns that hold a token (a block's
     column comes alive with its query); dropped_at: n (not dropped) for those and the block's, -1 for pads."""
     where = torch.where if isinstance(columns, torch.Tensor) else np.where
-    held = columns.shape[1] - n
+    held = columns.shape[-1] - n
     alive = columns >= 0
-    alive[:, held:] = False
+    alive[..., held:] = False
     dropped_at = where(alive, n, -1)
-    dropped_at[:, held:] = n
+    dropped_at[..., held:] = n
     return held, alive, dropped_at
+
+
+def walk_rows(rows: list["RowLayerState"], scores: list[torch.Tensor], columns: list[np.ndarray], first: int):
+    """The walks of several batch rows of one layer (running-score policies, kernels/eviction_walk_triton.py) in
+    one Triton launch on the scores' device (two when some rows walk their heads together and others apart): no
+    copy to the host between steps; the block's outcome (who was
+    dropped when, the running scores) comes back once for all rows, for their bookkeeping. ``scores[r]`` [H, G,
+    n, C_r] and ``columns[r]`` [H, C_r] are row r's; rows that hold fewer columns are padded at the front.
+    Returns each row's softmax over what each query head read [H, G, n, C_r] and, when it records, its
+    attention rows [H, n, C_r] (None otherwise)."""
+    n_heads, group, n, _ = scores[0].shape
+    device, dtype = scores[0].device, scores[0].dtype
+    params = np.array([(row.policy.budget, row.running.sinks, row.running.recent, row.running.by_position,
+                        row.running.layer, 0, row.running.decay) for row in rows], np.float64)
+    # The rows whose heads walk apart first, then those that walk them together: one launch for each run.
+    order = np.argsort(eviction_walk_triton.together(params), kind="stable")
+    if (order != np.arange(len(rows))).any():
+        walked = walk_rows([rows[r] for r in order], [scores[r] for r in order], [columns[r] for r in order], first)
+        return [walked[i] for i in np.argsort(order)]
+    width = max(c.shape[1] for c in columns)
+    starts = [width - c.shape[1] for c in columns]
+    padded = np.full((len(rows), n_heads, width), -1, np.int64)
+    held_score = np.zeros((len(rows), n_heads, width))
+    stacked = torch.full((len(rows), n_heads, group, n, width), float("-inf"), dtype=dtype, device=device)
+    for r, (row, start) in enumerate(zip(rows, starts)):
+        padded[r, :, start:] = columns[r]
+        stacked[r, ..., start:] = scores[r]
+        running = row.running
+        if running.state is not None:
+            held_score[r, :, start:width - n] = row.state[running.state]
+        params[r, eviction_walk_triton.PARAMS.index("start")] = start
+    where = torch.from_numpy(padded).to(device)
+    held, alive, dropped_at = _block_start(where, n)
+    score = torch.from_numpy(held_score).to(device)
+    # float32 for a half-precision model: the softmax is cast once after the walk (Triton's interpreter, which
+    # the CPU tests run, cannot store bfloat16).
+    wide = dtype if dtype in (torch.float32, torch.float64) else torch.float32
+    probs = torch.empty(stacked.shape, dtype=wide, device=device)
+    record = any(row.top is not None for row in rows)
+    attn_rows = torch.zeros((len(rows), n_heads, n if record else 0, width if record else 0), dtype=torch.float64,
+                            device=device)
+    eviction_walk_triton.walk_rows(_block_weights(stacked, alive, held), alive, where, score, first, held, params,
+                                   probs, dropped_at, attn_rows)
+    alive, dropped_at, score = alive.cpu().numpy(), dropped_at.cpu().numpy(), score.cpu().numpy()
+    attn = attn_rows.cpu().numpy() if record else None
+    results = []
+    for r, (row, start) in enumerate(zip(rows, starts)):
+        if row.running.state is not None:
+            row.state = {**row.state, row.running.state: score[r, :, start:]}
+        row._end_block(columns[r], alive[r, :, start:], dropped_at[r, :, start:], first, n)
+        results.append((probs[r, ..., start:].to(dtype), attn[r, :, :, start:] if row.top is not None else None))
+    return results
 
 
 def _causal(first: int, n: int, total: int, device) -> torch.Tensor:
@@ -184,8 +236,7 @@ class RowLayerState:
         ``softcap`` and ``window`` are the layer's (Gemma's): logits are soft-capped, and on a sliding-window
         layer a query reads only the latest ``window`` keys, whatever its policy holds (the model's own
         eviction; docs/policies.md)."""
-        self._extend(key.shape[1])
-        self.softcap, self.window = softcap, window
+        self.begin(key.shape[1], softcap, window)
         kind = self.policy.kind
         if kind == "full":
             return self._attend_full(q, key, value, first, scaling)
@@ -194,6 +245,11 @@ class RowLayerState:
         if self.forms is not None:
             return self._attend_in_segments(q, key, value, first, scaling, n_prompt)
         return self._attend_cached(q, key, value, first, scaling, n_prompt)
+
+    def begin(self, total: int, softcap: float | None, window: int | None) -> None:
+        """A block over ``total`` keys begins, under the layer's soft-cap and window."""
+        self._extend(total)
+        self.softcap, self.window = softcap, window
 
     def _attend_in_segments(self, q, key, value, first, scaling, n_prompt):
         """A policy that reforms what it holds: the block's queries after a compression read the new forms, so
@@ -249,9 +305,16 @@ class RowLayerState:
         return probs @ value[:, None]
 
     def _attend_cached(self, q, key, value, first, scaling, n_prompt):
+        columns, values, scores = self.gather(q, key, value, first, scaling)
+        probs, attn_rows = self._walk(scores, columns, first, key, value, n_prompt, q)
+        return self.read(probs, attn_rows, columns, values)
+
+    def gather(self, q, key, value, first, scaling):
+        """The block's columns [H, C] (held at its start, then the block's own), their values [H, C, d] and the
+        queries' logits over them [H, G, n, C]: -inf where the layer's window has passed a held key."""
         n_heads, _, n, _ = q.shape
         block = np.broadcast_to(np.arange(first, first + n), (n_heads, n))
-        columns = np.concatenate([self.slots, block], 1)  # [H, C]: held at the block's start, then the block
+        columns = np.concatenate([self.slots, block], 1)
         at = torch.from_numpy(np.maximum(columns, 0)).to(key.device)
         heads = torch.arange(n_heads, device=key.device)[:, None]
         keys, values = key[heads, at], value[heads, at]  # [H, C, d]
@@ -262,22 +325,32 @@ class RowLayerState:
             steps = torch.arange(first, first + n, device=scores.device)
             passed = torch.from_numpy(columns).to(scores.device)[:, None, :] <= steps[None, :, None] - self.window
             scores.masked_fill_(passed[:, None], float("-inf"))
-        probs, attn_rows = self._walk(scores, columns, first, key, value, n_prompt, q)
+        return columns, values, scores
+
+    def read(self, probs, attn_rows, columns, values):
+        """The block's output from each query head's softmax over the columns it read; recorded when asked."""
         if self.top is not None:
             self.top.add(torch.from_numpy(attn_rows), torch.from_numpy(columns))
         return probs @ values[:, None]
+
+    def walks_on_device(self, device: torch.device) -> bool:
+        """Does this row walk in Triton (kernels/eviction_walk_triton.py), batched with the layer's other such
+        rows (``walk_rows``)?"""
+        return (self.running is not None and self.forms is None
+                and (device.type == "cuda" or DEVICE_WALK) and eviction_walk_triton.usable(device))
 
     def _walk(self, scores: torch.Tensor, columns: np.ndarray, first: int, key, value, n_prompt, q):
         """Decide query by query what the block's queries read; return each query head's softmax over what it
         read [H, G, n, C] and, when recording, the policy's attention rows [H, n, C] (None otherwise).
 
         Running-score policies (Window, sinks, H2O, TOVA, A2SF) walk compiled: with numba on the CPU, in one
-        Triton launch per block on a GPU; the numpy walk is their reference and every other policy's walk."""
+        Triton launch per block and layer on a GPU (every row of the layer that walks so at once: ``walk_rows``,
+        which ``PolicyCache.attend`` calls); the numpy walk is their reference and every other policy's walk."""
         if self.running is not None:
             # The walk decides in float64 from the block's scores in any precision: on the device for every
             # dtype (bfloat16 too), with numba for float32 and float64.
-            if (scores.is_cuda or DEVICE_WALK) and eviction_walk_triton.usable(scores):
-                return self._walk_device(scores, columns, first)
+            if self.walks_on_device(scores.device):
+                return walk_rows([self], [scores], [columns], first)[0]
             if (scores.device.type == "cpu" and scores.dtype in (torch.float32, torch.float64)
                     and eviction_walk.walk is not None):
                 return self._walk_compiled(scores, columns, first)
@@ -304,32 +377,6 @@ class RowLayerState:
             self.state = {**self.state, running.state: score}
         self._end_block(columns, alive, dropped_at, first, n)
         return torch.from_numpy(probs), attn_rows if self.top is not None else None
-
-    def _walk_device(self, scores: torch.Tensor, columns: np.ndarray, first: int):
-        """The same walk as one Triton launch on the scores' device (kernels/eviction_walk_triton.py): no copy
-        to the host between steps; the block's outcome (who was dropped when, the running score) comes back
-        once, for the row's bookkeeping."""
-        n_heads, _, n, width = scores.shape
-        running, device = self.running, scores.device
-        where = torch.from_numpy(columns).to(device)
-        held, alive, dropped_at = _block_start(where, n)
-        score = torch.zeros((n_heads, width), dtype=torch.float64, device=device)
-        if running.state is not None:
-            score[:, :held] = torch.from_numpy(self.state[running.state]).to(device)
-        # float32 for a half-precision model: the softmax is cast once after the walk (Triton's interpreter, which
-        # the CPU tests run, cannot store bfloat16).
-        wide = scores.dtype if scores.dtype in (torch.float32, torch.float64) else torch.float32
-        probs = torch.empty(scores.shape, dtype=wide, device=device)
-        record = self.top is not None
-        attn_rows = torch.zeros((n_heads, n if record else 0, width if record else 0), dtype=torch.float64,
-                                device=device)
-        eviction_walk_triton.walk(_block_weights(scores, alive, held), alive, where, score, first, held,
-                                  self.policy.budget, float(running.decay), running.by_position, running.sinks,
-                                  running.recent, running.layer, probs, dropped_at, attn_rows)
-        if running.state is not None:
-            self.state = {**self.state, running.state: score.cpu().numpy()}
-        self._end_block(columns, alive.cpu().numpy(), dropped_at.cpu().numpy(), first, n)
-        return probs.to(scores.dtype), attn_rows.cpu().numpy() if record else None
 
     def _walk_numpy(self, scores: torch.Tensor, columns: np.ndarray, first: int, key, value, n_prompt, q):
         """Decide query by query what the block's queries read; return reads bool [H, n, C] and, when
@@ -632,8 +679,24 @@ class PolicyCache(DynamicCache):
         n_kv_heads, total = key.shape[1], key.shape[2]
         group = n_q_heads // n_kv_heads
         first = total - n
+        # The rows that walk on the device walk together, in one launch for the layer (``walk_rows``).
+        walking = [b for b, state in enumerate(self.rows[layer]) if state.walks_on_device(query.device)]
+        together = {}
+        if walking:
+            rows = [self.rows[layer][b] for b in walking]
+            gathered = []
+            for b, state in zip(walking, rows):
+                state.begin(total, softcap, window)
+                gathered.append(state.gather(query[b].view(n_kv_heads, group, n, dim), key[b], value[b], first,
+                                             scaling))
+            walked = walk_rows(rows, [g[2] for g in gathered], [g[0] for g in gathered], first)
+            for b, state, (columns, values, _), (probs, attn_rows) in zip(walking, rows, gathered, walked):
+                together[b] = state.read(probs, attn_rows, columns, values)
         outputs = []
         for b, state in enumerate(self.rows[layer]):
+            if b in together:
+                outputs.append(together[b].reshape(n_q_heads, n, dim).transpose(0, 1))
+                continue
             if state.policy.attends:
                 block = Block(q=query[b], k=key[b], v=value[b], first=first, scaling=scaling, rope=self.ropes[layer],
                               softcap=softcap, window=window,
