@@ -51,8 +51,9 @@ SCALE="-m benchmarks.scaling --policies sinks,h2o,tova,a2sf --budget 1024 --pair
 
 for name in $STEPS; do
   case $name in
-    tests) step tests 120 $PY -m pytest -q -rfEs -p no:cacheprovider -n 8 tests/test_engine_cuda.py \
-             tests/test_kernels_sparq.py tests/test_kernels_reattention.py ;;
+    tests) # -v names each failure as it happens (a step cut by its limit prints no summary); passes are dropped
+           step tests 150 bash -c "$PY -m pytest -v -rfEs --tb=short -p no:cacheprovider -n 14 tests/test_engine_cuda.py \
+             tests/test_kernels_sparq.py tests/test_kernels_reattention.py | grep -v -e ' PASSED ' -e Benchmark" ;;
     walk) step walk 40 bash -c "for shape in 1,4,256 8,4,64; do $PY -m benchmarks.walk --device cuda --shape \$shape \
             --budget 1024 --tokens 4096 --chunk 256 --policies h2o,tova --warps auto,4 --rows 1,4 --repeat 1; done" ;;
     scaling) models gemma3-270m llama-3.2-1b

@@ -48,9 +48,9 @@ def per_token(spec: str, tokens: int, chunk: int, shape=(3, 3, 64), device: str 
     cuda = device == "cuda"
     clock = time.perf_counter if cuda else time.process_time
     best, best_launch = float("inf"), None
-    for timed in range(repeat + cuda):  # on a GPU one more, untimed, then the launches alone
+    for run in range(repeat + 2 * cuda):  # on a GPU: one untimed, the timed ones, then the launches alone
         states = [RowLayerState(parse_spec(spec), heads) for _ in range(rows)]
-        timer = LaunchTimer() if cuda and timed == repeat else None
+        timer = LaunchTimer() if cuda and run == repeat + 1 else None
         if timer is not None:
             eviction_walk_triton.walk_rows = timer
         start = clock()
@@ -75,7 +75,7 @@ def per_token(spec: str, tokens: int, chunk: int, shape=(3, 3, 64), device: str 
                 eviction_walk_triton.walk_rows = timer.inner
         if timer is not None:
             best_launch = timer.seconds / tokens
-        elif timed or not cuda:
+        elif run or not cuda:
             best = min(best, clock() - start)
     return best / tokens, best_launch
 
