@@ -114,6 +114,15 @@ def test_kivi_holds_every_token_and_rounds_whole_groups_once_past_the_residual(t
     assert (trace.forms["key_error"][..., :32] > 0).mean() > 0.9 and (trace.forms["key_error"][..., 32:] == 0).all()
     assert (trace.forms["value_error"][..., :32] > 0).mean() > 0.9 and (trace.forms["value_error"][..., 32:] == 0).all()
     assert not np.allclose(trace.logprobs, full.logprobs)
+    # What the rounding did to each query's attention: nothing before the first rounding (after query 11); every
+    # later query reads rounded tokens, its softmax shifted (a total variation, within 0-1) and its output off.
+    shift, error = trace.forms["attention_shift"], trace.forms["output_error"]
+    assert shift.shape == error.shape == (tiny.n_layers, tiny.n_kv_heads, n)
+    assert (shift[..., :12] == 0).all() and (shift[..., 12:] > 0).all() and (shift <= 1).all()
+    assert (error[..., :12] == 0).all() and (error[..., 12:] > 0).all()
+    # And to each channel: keys are rounded per channel over 4 tokens, values per token over 4 channels.
+    channels = trace.forms["key_channel_error"]
+    assert channels.shape == (tiny.n_layers, tiny.n_kv_heads, tiny.model.config.head_dim) and (channels > 0).all()
     assert parse_spec("kivi:ratio=0.875").bits == 2 and parse_spec("kivi:ratio=0.75").bits == 4
     assert parse_spec("kivi:ratio=0.5").bits == 8 and parse_spec("kivi:ratio=0").bits == 16
     assert KIVI.for_budget(8) == KIVI(residual=8, group=2, interval=2, every=2) and parse_spec("kivi").spec() == "kivi"
@@ -136,6 +145,31 @@ def test_held_forms_read_the_reformed_tokens_and_the_model_s_own_after_them():
     np.testing.assert_array_equal(values[0].numpy(), -key[0][[0, 1, 2, 5]].numpy())
     np.testing.assert_array_equal(forms.reformed_at[0], [4, -1, 4, -1, -1, -1])
     np.testing.assert_allclose(forms.key_error[0], [1, 0, 1, 0, 0, 0])  # |0 - k| / |k| = 1 where zeroed
+    # Per channel over the 4 tokens held at the reform: channel 0 lost |0| + |4| of 0 + 2 + 4 + 6, channel 1
+    # |1| + |5| of 1 + 3 + 5 + 7; the values are whole.
+    np.testing.assert_allclose(forms.key_channel_error, [[4 / 12, 6 / 16]])
+    np.testing.assert_array_equal(forms.value_channel_error, [[0, 0]])
+
+
+def test_held_forms_measure_what_reading_them_did_to_a_query_s_attention_by_hand():
+    forms = HeldForms(1)
+    forms.extend(4)
+    # Query 2 reads two tokens: as computed, keys e0 and e1 give logits 0 and ln 3 (softmax 1/4, 3/4); as held,
+    # the second key zeroed, 0 and 0 (1/2, 1/2). Total variation 0.25; the outputs (values e0, e1) (1/2, 1/2)
+    # against (1/4, 3/4): |(1/4, -1/4)| / |(1/4, 3/4)| = 1 / sqrt(5).
+    q = torch.tensor([[[[0.0, float(np.log(3))]]]])
+    keys, values = torch.eye(2)[None], torch.eye(2)[None]
+    held = torch.zeros(1, 1, 1, 2)
+    probs = torch.softmax(held, -1)
+    forms.measure(2, q, probs, probs @ values[:, None], held, keys, values, 1.0, None)
+    assert forms.attention_shift[0, 2] == pytest.approx(0.25)
+    assert forms.output_error[0, 2] == pytest.approx(1 / np.sqrt(5))
+    assert (forms.attention_shift[0, [0, 1, 3]] == 0).all()
+    # A token the query does not read (-inf in its scores) is left out of both rows: nothing changed.
+    unread = torch.tensor([[[[0.0, float("-inf")]]]])
+    probs = torch.softmax(unread, -1)
+    forms.measure(3, q, probs, probs @ values[:, None], unread, keys, values, 1.0, None)
+    assert forms.attention_shift[0, 3] == 0 and forms.output_error[0, 3] == 0
 
 
 @pytest.mark.parametrize("spec", ["think:budget=12,window=2,kernel=1,channels=0.5,interval=8,every=3",
@@ -211,12 +245,19 @@ def test_the_held_forms_view_draws_each_reforming_policy_and_says_when_none_refo
     run = types.SimpleNamespace(traces=[full, *traces])
     figure = panels.held_forms(run, len(text_ids) - 1, "all")
     names = [panel.name for panel in figure.data]
-    # ThinK: keys and channels; KIVI: keys and values; TOVA and Full hold tokens as computed.
-    assert names == [specs[0], specs[0], specs[1], specs[1]]
-    kivi_keys = figure.data[2]
+    # ThinK: keys, channels kept, what that did to the attention; KIVI: keys, values, the attention, and each key
+    # and value channel's error; TOVA and Full hold tokens as computed.
+    assert names == [specs[0]] * 3 + [specs[1]] * 5
+    kivi_keys, kivi_attention, kivi_key_channels = figure.data[3], figure.data[5], figure.data[6]
     # 40 tokens, one column each: query 39 reads tokens 0-27 rounded; 28-31 are rounded after it, 32-39 never.
     z = np.asarray(kivi_keys.z, float)
     assert z.shape == (tiny.n_layers, len(text_ids)) and (z[:, :28] > 0).mean() > 0.9 and (z[:, 28:] == 0).all()
+    # Queries 0-11 read every token whole, each later one some rounded tokens.
+    moved = np.asarray(kivi_attention.z, float)
+    assert moved.shape == (tiny.n_layers, len(text_ids)) and (moved[:, :12] == 0).all() and (moved[:, 12:] > 0).all()
+    per_channel = np.asarray(kivi_key_channels.z, float)
+    assert per_channel.shape == (tiny.n_layers * tiny.n_kv_heads, tiny.model.config.head_dim)
+    assert list(kivi_key_channels.y)[:2] == ["L0 H0", "L0 H1"] and (per_channel > 0).all()
     nothing = panels.held_forms(types.SimpleNamespace(traces=[full, traces[2]]), 10, "all")
     assert NOTHING in nothing.layout.annotations[0].text.replace("&#x27;", "'")
 
@@ -267,9 +308,14 @@ def test_cam_s_trace_and_view_say_where_evicted_values_went(tiny, text_ids):
     assert (held_to[into >= 0] == -1).all()
     assert (trace.forms["key_error"] == 0).all() and (trace.forms["value_error"] > 0).any()
     figure = panels.held_forms(types.SimpleNamespace(traces=[full, trace]), 31, "all")
-    assert [panel.name for panel in figure.data] == [spec, spec]  # the values' error, and what was merged
+    # The values' error, what was merged, what that did to the outputs (the keys and so the softmax unchanged),
+    # and each value channel's error.
+    assert [panel.name for panel in figure.data] == [spec] * 4
     merged = np.asarray(figure.data[1].z, float)
     assert np.nanmax(merged) > 0 and np.isnan(merged[:, 28:]).all()  # the window's latest were never evicted
+    assert (trace.forms["attention_shift"] == 0).all()
+    outputs = np.asarray(figure.data[2].z, float)
+    assert (outputs[:, :30] == 0).all() and (outputs[:, 30:] > 0).any()  # read merged from the compression on
 
 
 # --- FINCH --------------------------------------------------------------------------------------------------------

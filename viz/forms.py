@@ -4,7 +4,10 @@
 (rows = layers, columns = bins of positions 0..step; white = held whole, grey = nothing held there); for a
 channel-pruning policy, which key channels each (layer, KV head) keeps (rows = 'L12 H1', columns = channels) with
 what the pruning cost the logits in the hover; for a merging policy, the share of each column's evicted tokens whose
-value went into held ones (the values' error shows where). Inputs are ``backend.analysis.forms.HeldForms``: a few hundred
+value went into held ones (the values' error shows where); how far each query's attention moved, reading the held
+forms instead of the same tokens as computed (rows = layers, columns = bins of queries; the output's error in the
+hover); and, where no channel is pruned, each key and value channel's error (rows = 'L12 H1', columns = channels:
+KIVI rounds keys per channel, values per token). Inputs are ``backend.analysis.forms.HeldForms``: a few hundred
 columns, whatever the length.
 """
 from __future__ import annotations
@@ -50,6 +53,14 @@ def forms_figure(panels: Mapping[str, object], token_texts: Sequence[str], head_
             own.append((spec, "channels", forms))
         if forms.merged is not None:
             own.append((spec, "merged", forms))
+        if forms.attention_shift is not None and np.nan_to_num(forms.attention_shift).any():
+            own.append((spec, "attention", forms))
+        elif forms.output_error is not None and np.nan_to_num(forms.output_error).any():  # values alone changed
+            own.append((spec, "output", forms))
+        if forms.channels is None:  # a pruned channel's error is its whole key: the kept channels say it
+            own += [(spec, what, forms) for what, error in (("key channels", forms.key_channels),
+                                                            ("value channels", forms.value_channels))
+                    if error is not None and error.any()]
         rows += own or [(spec, "key", forms)]
     titles = []
     for spec, what, forms in rows:
@@ -58,6 +69,16 @@ def forms_figure(panels: Mapping[str, object], token_texts: Sequence[str], head_
         elif what == "merged":
             titles.append(f"{spec}: of the tokens evicted by step {forms.step}, the share whose value was merged "
                           "into held ones (the values' error above shows where it went)")
+        elif what == "attention":
+            titles.append(f"{spec}: how far each query's attention moved reading the held forms (total variation "
+                          f"against the same tokens as computed; {head_label})")
+        elif what == "output":
+            titles.append(f"{spec}: how far each query's output moved reading the held values (|o' - o| / |o| "
+                          f"against the same tokens as computed; {head_label})")
+        elif what.endswith("channels"):
+            letter = what[0]
+            titles.append(f"{spec}: each {what[:-1]}'s relative error over the held tokens "
+                          f"(sum |{letter}' - {letter}| / sum |{letter}|)")
         else:
             titles.append(f"{spec}: the {what}s' relative error |{what[0]}' - {what[0]}| / |{what[0]}| "
                           f"as query {forms.step} reads them ({head_label})")
@@ -85,6 +106,30 @@ def forms_figure(panels: Mapping[str, object], token_texts: Sequence[str], head_
                                "%{customdata:.1f} positions on<extra>%{fullData.name}</extra>")), row=i, col=1)
             fig.update_xaxes(showticklabels=False, title_text="position (binned)" if forms.size > 1 else "position",
                              row=i, col=1)
+            fig.update_yaxes(autorange="reversed", row=i, col=1)
+            continue
+        if what in ("attention", "output"):
+            columns = token_labels(token_texts, forms.step + 1, forms.size, count=forms.attention_shift.shape[1])
+            z, other = ((forms.attention_shift, forms.output_error) if what == "attention"
+                        else (forms.output_error, forms.attention_shift))
+            fig.add_trace(go.Heatmap(
+                z=z, x=columns, y=forms.layers, customdata=other, coloraxis=ERROR_AXIS, hoverongaps=False, name=spec,
+                hovertemplate=("%{y}, queries %{x}<br>" + ("attention moved: %{z:.1%} (total variation)<br>output's "
+                                                            "relative error: %{customdata:.1%}" if what == "attention"
+                                                            else "output's relative error: %{z:.1%}<br>attention "
+                                                            "moved: %{customdata:.1%}")
+                               + "<extra>%{fullData.name}</extra>")), row=i, col=1)
+            fig.update_xaxes(showticklabels=False, title_text="query (binned)" if forms.size > 1 else "query",
+                             row=i, col=1)
+            fig.update_yaxes(autorange="reversed", row=i, col=1)
+            continue
+        if what.endswith("channels"):
+            error = forms.key_channels if what == "key channels" else forms.value_channels
+            fig.add_trace(go.Heatmap(
+                z=error, y=forms.head_labels, x=list(range(error.shape[1])), coloraxis=ERROR_AXIS, name=spec,
+                hovertemplate=(f"%{{y}}, {what[:-1]} %{{x}}: %{{z:.1%}} relative error"
+                               "<extra>%{fullData.name}</extra>")), row=i, col=1)
+            fig.update_xaxes(title_text=what[:-1], row=i, col=1)
             fig.update_yaxes(autorange="reversed", row=i, col=1)
             continue
         error = forms.key_error if what == "key" else forms.value_error

@@ -4,8 +4,10 @@ A token a reforming policy holds is read in its own form from the step it was re
 pruned (ThinK), its value with evicted values merged in (CaM), both rounded to fewer bits (KIVI). It is held, not
 evicted: the masks, the reach and the kept tokens show it read. What changed is drawn here: per layer and column of
 positions, the relative error of the keys and values the query at a step reads against the model's own (Full's
-cache), and for channel pruning which channels each head keeps and what that cost the logits it was chosen for.
-Work and output are O(layers x heads x T) and at most ``MAX_COLUMNS`` columns, whatever the length.
+cache), and for channel pruning which channels each head keeps and what that cost the logits it was chosen for;
+what reading the held forms did to each query's attention (how far its softmax moved, and its output, against the
+same tokens read as computed), and each key and value channel's error. Work and output are O(layers x heads x
+(T + d)) and at most ``MAX_COLUMNS`` columns, whatever the length.
 """
 from __future__ import annotations
 
@@ -33,6 +35,11 @@ class HeldForms:
     merged, merge_distance: float32 [rows, columns] for a merging policy, of the column's tokens evicted by ``step``
     the share whose value went into held tokens, and how many positions later the first of those lay on average
     (NaN where none was evicted, or none merged).
+    attention_shift, output_error: float32 [rows, columns] over the queries 0..step (not the keys), the mean total
+    variation between each query's softmax over what it read as held and as computed, and the relative error of
+    its output (None for a trace without them). key_channels, value_channels: float32 [layers x heads, d] (the
+    chosen head's rows only, when one is), sum |k' - k| / sum |k| per channel over the tokens held at the latest
+    reform before the end of the run.
     """
 
     step: int
@@ -47,6 +54,11 @@ class HeldForms:
     channel_error: np.ndarray | None = None
     merged: np.ndarray | None = None
     merge_distance: np.ndarray | None = None
+    attention_shift: np.ndarray | None = None
+    output_error: np.ndarray | None = None
+    head_labels: list[str] | None = None
+    key_channels: np.ndarray | None = None
+    value_channels: np.ndarray | None = None
 
 
 def held_forms(trace: Trace, step: int, head: int | None = None, max_columns: int = MAX_COLUMNS) -> HeldForms:
@@ -59,7 +71,13 @@ def held_forms(trace: Trace, step: int, head: int | None = None, max_columns: in
     heads = list(range(n_heads)) if head is None else [head]
     key_rows, value_rows, reformed_rows, merged_rows, distance_rows = [], [], [], [], []
     merging = "merged_into" in forms
+    measured = "attention_shift" in forms
+    shift_rows, output_rows = [], []
+    everyone = np.ones((len(heads), count), bool)
     for layer in range(n_layers):
+        if measured:  # over the queries up to the step
+            shift_rows.append(_binned_share(forms["attention_shift"][layer][heads, :count], everyone, columns, size))
+            output_rows.append(_binned_share(forms["output_error"][layer][heads, :count], everyone, columns, size))
         read = trace.reads_at(layer, step)[heads, :count]  # [h, count]
         at = forms["reformed_at"][layer][heads, :count]
         reformed = read & (at >= 0) & (at <= step)
@@ -85,12 +103,20 @@ def held_forms(trace: Trace, step: int, head: int | None = None, max_columns: in
             channels = forms["channels"][last].reshape(n_layers * n_heads, -1).astype(bool)
             channel_error = forms["channel_error"][last].reshape(-1).astype(np.float32)
             channel_step = int(forms["channel_steps"][last]) + 1
+    chosen = [f"L{layer} H{h}" for layer in range(n_layers) for h in heads]
+
+    def per_channel(name):
+        return forms[name][:, heads].reshape(n_layers * len(heads), -1).astype(np.float32) if name in forms else None
+
     return HeldForms(step=step, size=size, layers=[f"L{layer}" for layer in range(n_layers)],
                      key_error=np.stack(key_rows), value_error=np.stack(value_rows),
                      reformed=np.stack(reformed_rows), channel_labels=labels, channels=channels,
                      channel_step=channel_step, channel_error=channel_error,
                      merged=np.stack(merged_rows) if merging else None,
-                     merge_distance=np.stack(distance_rows) if merging else None)
+                     merge_distance=np.stack(distance_rows) if merging else None,
+                     attention_shift=np.stack(shift_rows) if measured else None,
+                     output_error=np.stack(output_rows) if measured else None, head_labels=chosen,
+                     key_channels=per_channel("key_channel_error"), value_channels=per_channel("value_channel_error"))
 
 
 def _binned_share(values: np.ndarray, among: np.ndarray, columns: int, size: int) -> np.ndarray:

@@ -307,7 +307,12 @@ class RowLayerState:
     def _attend_cached(self, q, key, value, first, scaling, n_prompt):
         columns, values, scores = self.gather(q, key, value, first, scaling)
         probs, attn_rows = self._walk(scores, columns, first, key, value, n_prompt, q)
-        return self.read(probs, attn_rows, columns, values)
+        out = self.read(probs, attn_rows, columns, values)
+        if self.forms is not None and self.forms.keys is not None:  # it reads held forms: what did they change?
+            at = torch.from_numpy(np.maximum(columns, 0)).to(key.device)
+            heads = torch.arange(len(columns), device=key.device)[:, None]
+            self.forms.measure(first, q, probs, out, scores, key[heads, at], value[heads, at], scaling, self.softcap)
+        return out
 
     def gather(self, q, key, value, first, scaling):
         """The block's columns [H, C] (held at its start, then the block's own), their values [H, C, d] and the
@@ -355,7 +360,8 @@ class RowLayerState:
                     and eviction_walk.walk is not None):
                 return self._walk_compiled(scores, columns, first)
         reads, attn_rows = self._walk_numpy(scores, columns, first, key, value, n_prompt, q)
-        # -inf where a query does not read (adding a bias is several times faster than a broadcast masked_fill).
+        # -inf where a query does not read (adding a bias is several times faster than a broadcast masked_fill); the
+        # scores keep it, so that they say what was read (HeldForms.measure).
         unread = torch.from_numpy(np.where(reads, np.float32(0), np.float32(-np.inf))).to(scores.device, scores.dtype)
         return torch.softmax(scores.add_(unread[:, None]), dim=-1), attn_rows
 
@@ -558,6 +564,13 @@ class HeldForms:
         self.merged_into = np.zeros((n_kv_heads, 0), np.int32)  # where a dropped token's value went, -1 nowhere
         self.merge_weight = np.zeros((n_kv_heads, 0), np.float32)
         self.channels: list[tuple] = []  # (step, kept bool [H, d], logit error [H]) at each channel pruning
+        # Per channel [H, d]: sum |k' - k| / sum |k| over the held tokens at the latest reform (and for values).
+        self.key_channel_error: np.ndarray | None = None
+        self.value_channel_error: np.ndarray | None = None
+        # Per query [H, T]: what reading the held forms did to its attention, against the same tokens read whole:
+        # the total variation between the two softmax rows, and |o' - o| / |o| of the outputs (query heads' mean).
+        self.attention_shift = np.zeros((n_kv_heads, 0), np.float32)
+        self.output_error = np.zeros((n_kv_heads, 0), np.float32)
 
     def extend(self, total: int) -> None:
         new = total - self.reformed_at.shape[1]
@@ -571,6 +584,7 @@ class HeldForms:
         self.reformed_at, self.merged_into = grown(self.reformed_at, -1), grown(self.merged_into, -1)
         self.key_error, self.value_error = grown(self.key_error, 0), grown(self.value_error, 0)
         self.merge_weight = grown(self.merge_weight, 0)
+        self.attention_shift, self.output_error = grown(self.attention_shift, 0), grown(self.output_error, 0)
 
     def read(self, keys: torch.Tensor, values: torch.Tensor, heads: torch.Tensor, at: torch.Tensor):
         """The keys and values [H, C, d] gathered at positions ``at`` [H, C], in the form this row holds them."""
@@ -580,6 +594,22 @@ class HeldForms:
         inside = (at < covered)[..., None]
         at = at.clamp(max=covered - 1)
         return torch.where(inside, self.keys[heads, at], keys), torch.where(inside, self.values[heads, at], values)
+
+    def measure(self, first: int, q: torch.Tensor, probs: torch.Tensor, out: torch.Tensor, scores: torch.Tensor,
+                keys: torch.Tensor, values: torch.Tensor, scaling: float, softcap: float | None) -> None:
+        """What the held forms did to the block's queries: the same query [H, G, n, d] over the same columns, read
+        as the model computed them (``keys``, ``values`` [H, C, d]), against ``probs`` and ``out`` as read; the
+        block's ``scores`` carry -inf where a query did not read."""
+        whole = attention_logits(q, keys[:, None], scaling, softcap).masked_fill_(torch.isneginf(scores),
+                                                                                  float("-inf"))
+        exact = torch.softmax(whole, -1)
+        shift = 0.5 * (probs.float() - exact.float()).abs().sum(-1)  # [H, G, n]
+        exact_out = (exact @ values[:, None]).float()
+        error = torch.linalg.vector_norm(out.float() - exact_out, dim=-1) / \
+            torch.linalg.vector_norm(exact_out, dim=-1).clamp_min(1e-12)
+        n = q.shape[2]
+        self.attention_shift[:, first:first + n] = shift.mean(1).cpu().numpy()
+        self.output_error[:, first:first + n] = error.mean(1).cpu().numpy()
 
     def held(self, key: torch.Tensor, value: torch.Tensor, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions 0..upto-1 [H, upto, d] as held: the row's own forms, then the model's keys and values."""
@@ -604,6 +634,8 @@ class HeldForms:
         self.reformed_at[:, : t + 1][first] = t + 1
         self.key_error[:, : t + 1] = _relative_error(keys, key[:, : t + 1])
         self.value_error[:, : t + 1] = _relative_error(values, value[:, : t + 1])
+        self.key_channel_error = _channel_error(keys, key[:, : t + 1])
+        self.value_channel_error = _channel_error(values, value[:, : t + 1])
         if reform.channels is not None:
             error = np.full(len(reform.channels), np.nan) if reform.channel_error is None else reform.channel_error
             self.channels.append((t, np.asarray(reform.channels, bool), np.asarray(error, np.float32)))
@@ -614,7 +646,8 @@ class HeldForms:
 
     def fork(self) -> "HeldForms":
         twin = copy.copy(self)  # the tensors are replaced, never changed in place
-        for name in ("reformed_at", "key_error", "value_error", "merged_into", "merge_weight"):
+        for name in ("reformed_at", "key_error", "value_error", "merged_into", "merge_weight", "attention_shift",
+                     "output_error"):
             setattr(twin, name, getattr(self, name).copy())
         twin.channels = list(self.channels)
         return twin
@@ -623,7 +656,13 @@ class HeldForms:
         """This (layer, row)'s part of the trace's ``form_*`` arrays over ``length`` tokens (docs/trace-format.md)."""
         out = {"reformed_at": np.where(self.reformed_at[:, :length] > length, -1, self.reformed_at[:, :length]),
                "key_error": self.key_error[:, :length].astype(np.float16),
-               "value_error": self.value_error[:, :length].astype(np.float16)}
+               "value_error": self.value_error[:, :length].astype(np.float16),
+               "attention_shift": self.attention_shift[:, :length].astype(np.float16),
+               "output_error": self.output_error[:, :length].astype(np.float16)}
+        dim = 0 if self.keys is None else self.keys.shape[-1]
+        for name in ("key_channel_error", "value_channel_error"):
+            error = getattr(self, name)
+            out[name] = (np.zeros((len(self.reformed_at), dim)) if error is None else error).astype(np.float16)
         if reforms == "merge":
             out.update(merged_into=self.merged_into[:, :length], merge_weight=self.merge_weight[:, :length])
         if reforms == "channels":
@@ -633,6 +672,13 @@ class HeldForms:
                        channels=np.stack([m for _, m, _ in done]) if done else np.zeros((0, heads, dim), bool),
                        channel_error=np.stack([e for _, _, e in done]) if done else np.zeros((0, heads), np.float32))
         return out
+
+
+def _channel_error(held: torch.Tensor, computed: torch.Tensor) -> np.ndarray:
+    """sum_t |held - computed| / sum_t |computed| per channel [H, d] (float32)."""
+    computed = computed.float()
+    error = (held.float() - computed).abs().sum(1)
+    return (error / computed.abs().sum(1).clamp_min(1e-12)).cpu().numpy()
 
 
 def _relative_error(held: torch.Tensor, computed: torch.Tensor) -> np.ndarray:
