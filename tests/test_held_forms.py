@@ -15,7 +15,8 @@ import torch
 from backend.engine import models
 from backend.engine.attention import HeldForms
 from backend.engine.runner import compute_traces, score_text
-from backend.policies import KIVI, POLICIES, CaM, CacheView, Reform, ThinK, load_plugins, parse_spec
+from backend.policies import GEAR, KIVI, POLICIES, CaM, CacheView, Reform, ThinK, load_plugins, parse_spec
+from backend.policies.gear import low_rank, outliers
 from backend.policies.cam import merge_shares
 from backend.policies.kivi import quantise, quantise_keys, quantise_values
 from backend.policies.think import channel_scores, logit_error
@@ -128,6 +129,57 @@ def test_kivi_holds_every_token_and_rounds_whole_groups_once_past_the_residual(t
     assert KIVI.for_budget(8) == KIVI(residual=8, group=2, interval=2, every=2) and parse_spec("kivi").spec() == "kivi"
     with pytest.raises(ValueError, match="takes no budget"):
         KIVI(budget=64)
+
+
+# --- GEAR ---------------------------------------------------------------------------------------------------------
+
+def test_gear_holds_outliers_exact_and_approximates_the_rounding_error_at_low_rank_by_hand():
+    # Filter_s: of 8 entries at a share of 0.5, the 2 largest (9, 5) and the 2 smallest (-7, -3).
+    np.testing.assert_array_equal(outliers(np.array([5, -3, 0, 1, 9, -7, 2, 4.0]), 0.5, 0),
+                                  [True, True, False, False, True, True, False, False])
+    assert not outliers(np.arange(8.0), 0.1, 0).any()  # round(0.05 x 8) = 0: none
+    # The low-rank part: a rank-1 matrix comes back whole at rank 1; at rank r the error is the other singular
+    # values (Eckart-Young).
+    u, v = np.array([1.0, 2, 3]), np.array([2.0, -1])
+    np.testing.assert_allclose(low_rank(np.outer(u, v)[None], 1)[0], np.outer(u, v))
+    m = np.random.default_rng(1).normal(size=(2, 6, 4))
+    tail = np.linalg.svd(m, compute_uv=False)[:, 2:]
+    np.testing.assert_allclose(np.linalg.norm(m - low_rank(m, 2), axis=(1, 2)), np.linalg.norm(tail, axis=1))
+    assert not low_rank(m, 0).any()
+    # A key channel over a group of 8 tokens with one outlier: KIVI's 2 bits step by 1000 / 3, so 0-6 all round
+    # to 0; GEAR holds 1000 and 0 exact and rounds 1-6 in steps of 2 (the rest a group of zeros).
+    keys = np.zeros((1, 8, 2))
+    keys[0, :, 0] = [0, 1, 2, 3, 4, 5, 6, 1000]
+    values = np.zeros((1, 8, 2))
+    kivi = KIVI(bits=2, group=8)
+    gear = GEAR(bits=2, group=8, rank=0, outliers=0.25)
+    np.testing.assert_allclose(kivi.rounded(keys, values)[0][0, :, 0], [0, 0, 0, 0, 0, 0, 0, 1000])
+    np.testing.assert_allclose(gear.rounded(keys, values)[0][0, :, 0], [0, 0, 2, 4, 4, 4, 6, 1000])
+    # With neither part it is KIVI; with the low-rank part each head's and group's error can only shrink.
+    rng = np.random.default_rng(2)
+    keys, values = rng.normal(size=(2, 16, 8)), rng.normal(size=(2, 16, 8))
+    plain = KIVI(bits=2, group=8)
+    for got, want in zip(GEAR(bits=2, group=8, rank=0).rounded(keys, values), plain.rounded(keys, values)):
+        np.testing.assert_array_equal(got, want)
+    for x, gear_x, kivi_x in zip((keys, values), GEAR(bits=2, group=8, rank=2).rounded(keys, values),
+                                 plain.rounded(keys, values)):
+        grouped = (2, 2, 8, 8)
+        gear_error = np.linalg.norm((x - gear_x).reshape(grouped), axis=(2, 3))
+        kivi_error = np.linalg.norm((x - kivi_x).reshape(grouped), axis=(2, 3))
+        assert (gear_error < kivi_error).all()
+    assert parse_spec("gear:ratio=0.75").bits == 4 and parse_spec("gear").rank == 4
+    with pytest.raises(ValueError, match="rank"):
+        GEAR(rank=-1)
+
+
+def test_gear_s_held_keys_are_nearer_the_model_s_than_kivi_s(tiny, text_ids):
+    specs = ["kivi:bits=2,group=4,residual=8,interval=4,every=4", "gear:bits=2,group=4,residual=8,interval=4,every=4,rank=2"]
+    (kivi, gear), full = compute_traces(tiny, specs, [parse_spec(s) for s in specs], text_ids, record_layers=())
+    np.testing.assert_array_equal(gear.forms["reformed_at"], kivi.forms["reformed_at"])  # the same schedule
+    rounded = kivi.forms["reformed_at"] >= 0
+    for name in ("key_error", "value_error"):
+        assert gear.forms[name][rounded].astype(float).mean() < 0.8 * kivi.forms[name][rounded].astype(float).mean()
+    assert gear.forms["attention_shift"].astype(float).mean() < kivi.forms["attention_shift"].astype(float).mean()
 
 
 # --- the engine -------------------------------------------------------------------------------------------------

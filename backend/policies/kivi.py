@@ -96,6 +96,11 @@ class KIVI(CompressionPolicy):
     def schedule(self, mode: str | None = None) -> str:
         return f"quantises every {self.group} tokens past the latest {self.residual}"
 
+    def rounded(self, keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The held forms of whole groups of tokens' keys and values [H, n, d] (n a multiple of ``group``)."""
+        return (quantise_keys(keys, self.bits, self.group),
+                quantise_values(values, self.bits, min(self.group, values.shape[-1])))
+
     def init_state(self, n_heads: int):
         return {"quantised": np.zeros(1, np.int64)}  # positions 0..quantised-1 are held quantised
 
@@ -109,8 +114,7 @@ class KIVI(CompressionPolicy):
             return None
         end = done + count
         keys, values = np.array(view.keys), np.array(view.values)
-        keys[:, done:end] = quantise_keys(keys[:, done:end], self.bits, self.group)
-        values[:, done:end] = quantise_values(values[:, done:end], self.bits, min(self.group, values.shape[-1]))
+        keys[:, done:end], values[:, done:end] = self.rounded(keys[:, done:end], values[:, done:end])
         positions = np.zeros(keep.shape, bool)
         positions[:, done:end] = True
         view.state["quantised"][0] = end
