@@ -253,7 +253,8 @@ def test_think_s_trace_says_which_channels_each_head_kept_and_what_the_keys_lost
 # --- plugins of each kind, the app and the CLI ------------------------------------------------------------------
 
 @pytest.mark.parametrize("module, spec", [("channels_plugin", "quiet_channels:budget=12"),
-                                          ("precision_plugin", "per_token_int:residual=8")])
+                                          ("precision_plugin", "per_token_int:residual=8"),
+                                          ("merge_plugin", "nearest_merge:budget=12")])
 def test_a_plugin_of_each_new_kind_runs_through_the_app_and_the_cli(module, spec, tiny, tmp_path, monkeypatch):
     import app
     from backend import api
@@ -269,7 +270,11 @@ def test_a_plugin_of_each_new_kind_runs_through_the_app_and_the_cli(module, spec
         run = api.run(api.RunRequest(prompt="the cat sat on the mat and the dog sat on the log " * 3, specs=[spec],
                                      max_new_tokens=4), app.STORE)
         trace = next(t for t in run.traces if t.spec == spec)
-        assert trace.forms and (trace.forms["key_error"] > 0).any()
+        assert trace.forms and ((trace.forms["key_error"] > 0).any() or (trace.forms["value_error"] > 0).any())
+        if "merged_into" in trace.forms:  # only an evicted token gives its value, to a token still held
+            into = trace.forms["merged_into"]
+            assert (into >= 0).any() and ((into >= 0) <= (trace.evicted_at >= 0)).all()
+            assert (np.take_along_axis(trace.evicted_at, np.maximum(into, 0), -1)[into >= 0] == -1).all()
         forms_figure = app.render_views(run.run_id, "all", "all", 30, 0.3)[-1]
         assert any(spec in (panel.name or "") for panel in forms_figure.data)
     finally:
