@@ -4,10 +4,10 @@
 #   tests      the CUDA tests (tests/test_engine_cuda.py in float32 and bfloat16 on two model shapes, the kernels');
 #   walk       the eviction walk alone (benchmarks/walk.py) for 1 and 4 rows in one launch, at the kernel's own
 #              warps and at 4, and its launches alone, on Gemma 3 270M's and Llama 3.2 1B's attention shapes;
-#   scaling    benchmarks/scaling.py at 8k, 16k and 32k tokens on Gemma 3 270M's shape, and at 32k on Llama 3.2
-#              1B's: four eviction policies and Full at budget 1024, bfloat16, random weights
-#              (benchmarks/random_model.py);
-#   llama8k    the same at 8k on Llama 3.2 1B's shape;
+#   scaling    benchmarks/scaling.py at 8k, 16k and 32k tokens on Gemma 3 270M's shape: four eviction policies and
+#              Full at budget 1024, bfloat16, random weights (benchmarks/random_model.py);
+#   profile    the same at 8k, then one more run under cProfile (where the host's time goes);
+#   llama      the same at 32k on Llama 3.2 1B's shape; llama8k at 8k;
 #   task       one RULER sample at 4k (niah_single_1, saved by `task_cost --save-request`, 32 new tokens) under
 #              TASK_POLICIES (default tova,snapkv) at the shipped ratios, on SmolLM2's shape;
 #   kernels    the kernels' table (benchmarks/kernels_bench.py --quick);
@@ -20,7 +20,7 @@
 set -u
 OUT=${1:-${OUT:-gpu-out}}
 shift || true
-STEPS=${*:-tests scaling walk task selection}
+STEPS=${*:-tests profile llama task selection walk}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -56,9 +56,12 @@ for name in $STEPS; do
              tests/test_kernels_sparq.py tests/test_kernels_reattention.py | grep -v -e ' PASSED ' -e Benchmark" ;;
     walk) step walk 40 bash -c "for shape in 1,4,256 8,4,64; do $PY -m benchmarks.walk --device cuda --shape \$shape \
             --budget 1024 --tokens 4096 --chunk 256 --policies h2o,tova --warps auto,4 --rows 1,4 --repeat 1; done" ;;
-    scaling) models gemma3-270m llama-3.2-1b
-             step scaling_gemma 150 $PY $SCALE --model "$MODELS/gemma3-270m" --lengths 8192,16384,32768
-             step scaling_llama 65 $PY $SCALE --model "$MODELS/llama-3.2-1b" --lengths 32768 ;;
+    scaling) models gemma3-270m
+             step scaling_gemma 150 $PY $SCALE --model "$MODELS/gemma3-270m" --lengths 8192,16384,32768 ;;
+    profile) models gemma3-270m
+             step profile 60 $PY $SCALE --model "$MODELS/gemma3-270m" --lengths 8192 --profile ;;
+    llama) models llama-3.2-1b
+           step scaling_llama 65 $PY $SCALE --model "$MODELS/llama-3.2-1b" --lengths 32768 ;;
     llama8k) models llama-3.2-1b
              step scaling_llama8k 70 $PY $SCALE --model "$MODELS/llama-3.2-1b" --lengths 8192 ;;
     task) models smollm2-135m

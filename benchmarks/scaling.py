@@ -27,7 +27,10 @@ from __future__ import annotations
 import argparse
 import copy
 import collections
+import cProfile
+import io
 import json
+import pstats
 import resource
 import subprocess
 import sys
@@ -89,12 +92,14 @@ def host_syncs(fn) -> tuple[int, list[tuple[str, int]]]:
 
 
 def measure(length: int, policies: list[str], budget: int, record: bool, chunk: int, name: str,
-            plain_head: str = "all", pairs: int = DEFAULT_PAIRS, device: str = "cpu", dtype: str = "float32") -> dict:
+            plain_head: str = "all", pairs: int = DEFAULT_PAIRS, device: str = "cpu", dtype: str = "float32",
+            profile: bool = False) -> dict:
     """One length, in this process: ``pairs`` pairs of (plain forward, instrumented run), A B A B ...
 
     The plain forward computes the logits of every position at once (`plain_head="all"`), or 64 positions at a
     time ("chunked": the same work, for a vocabulary whose logits at every position would not fit in memory),
-    or of the last position only ("last", as generate()'s prefill does)."""
+    or of the last position only ("last", as generate()'s prefill does). ``profile``: one more run under cProfile, its
+    25 costliest functions (own time) in the result's "profile"."""
     lm = model(name, device, dtype)
     ids = lm.tokenizer(long_text()).input_ids[:length]
     if len(ids) < length:
@@ -109,7 +114,8 @@ def measure(length: int, policies: list[str], budget: int, record: bool, chunk: 
     def warmup():  # imports, the compiled walk, first allocations: not the measure
         with torch.inference_mode():
             plain_forward(lm.model, ids[:64], plain_head)
-        run(ids[:2 * chunk])
+        # Past the budget, so that a GPU compiles the walk for every width of held columns it will meet.
+        run(ids[:budget + 2 * chunk])
 
     def plain():
         with torch.inference_mode():
@@ -138,6 +144,12 @@ def measure(length: int, policies: list[str], budget: int, record: bool, chunk: 
         syncs, where = host_syncs(lambda: run(prefix))
         gpu = {"plain_peak_gb": peaks["plain"] / 2**30, "run_peak_gb": peaks["run"] / 2**30, "syncs": syncs,
                "sync_blocks": -(-len(prefix) // chunk), "sync_tokens": len(prefix), "sync_sites": where}
+    if profile:  # where one more run spends its time, the host's view (a GPU's work is waited for at syncs)
+        profiler = cProfile.Profile()
+        profiler.runcall(timed(run, "run"))
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+        gpu["profile"] = text.getvalue()
     trace_bytes = {t.spec: len(t.to_bytes()) for t in [*traces, full]}
     bare = max(_bare_bytes(t) for t in traces)
     config = lm.model.config
@@ -161,13 +173,15 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--json", help="also append each length's raw figures to this file (JSON lines)")
+    parser.add_argument("--profile", action="store_true",
+                        help="after each length, one more run under cProfile: its 25 costliest functions")
     add_pairs_argument(parser)
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # the child: measure one length, print JSON
     args = parser.parse_args()
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if args.one:
         print(json.dumps(measure(args.one, policies, args.budget, args.record, args.chunk, args.model,
-                                 args.plain_head, args.pairs, args.device, args.dtype)))
+                                 args.plain_head, args.pairs, args.device, args.dtype, args.profile)))
         return
     print(f"{args.model}: {', '.join(policies)} + Full at budget {args.budget}, prompt mode, plain forward with "
           f"{args.plain_head} logits"
@@ -187,7 +201,7 @@ def main() -> None:
                  "--budget", str(args.budget), "--chunk", str(args.chunk), "--model", args.model,
                  "--plain-head", args.plain_head, "--pairs", str(args.pairs), "--device", args.device,
                  "--dtype", args.dtype] + \
-            (["--record"] if args.record else [])
+            (["--record"] if args.record else []) + (["--profile"] if args.profile else [])
         result = subprocess.run(child, capture_output=True, text=True)
         if result.returncode != 0:
             print(f"| {length} | failed: {result.stderr.strip().splitlines()[-1] if result.stderr else result.returncode} |")
@@ -197,6 +211,8 @@ def main() -> None:
             with open(args.json, "a") as out:
                 out.write(json.dumps({"model": args.model, "policies": policies, "budget": args.budget,
                                       "device": args.device, "dtype": args.dtype, **r}) + "\n")
+        if "profile" in r:
+            print(r.pop("profile"), file=sys.stderr)
         ratio = r["ratio"]  # the median of the per-pair ratios
         timing = (f"| {r['tokens']} | {r['run_s']:.1f} s | {r['plain_s']:.2f} s | {ratio:.1f}x "
                   f"| {r['ratio_min']:.1f}-{r['ratio_max']:.1f}x | {ratio / r['rows']:.2f}x ")
