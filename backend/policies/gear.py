@@ -48,7 +48,8 @@ class GEAR(KIVI):
 
     bits, group, residual, interval, every: KIVI's (Sec. 4 of KIVI; GEAR's streaming buffer is KIVI's residual).
     rank: the rank of each head's error approximation per group of tokens (0: KIVI's rounding alone).
-    outliers: the share of each key channel's and value token's entries held exact (0-1).
+    outliers: the share of each key channel's and value token's entries held exact (0-1): round(share / 2 x length)
+    at each end, so over a key group of 32 tokens a share under 1/32 holds none.
     """
 
     name = "gear"
