@@ -12,8 +12,8 @@ how far the continuation's queries' attention moved reading the held forms (``fo
 variation over layers, heads and those queries) with their outputs' mean relative error (``form_output_error``).
 The run's seconds are printed beside one plain forward of the prompt in the same process.
 
-``--shot`` instead draws the app's Held forms view of ThinK, CaM, KIVI and FINCH on the text (at the prompt's last
-query) and saves it as a PNG through Chromium (Playwright).
+``--shot`` instead draws the app's Held forms view of ThinK, CaM, KIVI and FINCH on the text (at the last of 16
+generated queries) and saves it as a PNG through Chromium (Playwright).
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ SHOT_SPECS = ("think:budget=96,channels=0.5", "cam:budget=96", "kivi:residual=64
 
 
 def shot(lm, ids: list[int], path: Path) -> None:
-    """The Held forms figure of SHOT_SPECS on ``ids`` at the prompt's last query, saved as a PNG."""
+    """The Held forms figure of SHOT_SPECS on ``ids`` at the last query generated, saved as a PNG."""
     import tempfile
     import types
 
@@ -46,8 +46,9 @@ def shot(lm, ids: list[int], path: Path) -> None:
     from viz import panels
 
     traces, full = compute_traces(lm, list(SHOT_SPECS), [parse_spec(s) for s in SHOT_SPECS], ids, mode="generate",
-                                  max_new_tokens=8, record_layers=())
-    figure = panels.held_forms(types.SimpleNamespace(traces=[full, *traces]), len(ids), "all")
+                                  max_new_tokens=16, record_layers=())
+    # At the last query generated: the queries after the prompt read the held forms.
+    figure = panels.held_forms(types.SimpleNamespace(traces=[full, *traces]), len(full.tokens) - 2, "all")
     with tempfile.TemporaryDirectory() as folder:
         page_path = Path(folder) / "forms.html"
         figure.write_html(page_path, include_plotlyjs=True)

@@ -70,11 +70,9 @@ def forms_figure(panels: Mapping[str, object], token_texts: Sequence[str], head_
             titles.append(f"{spec}: of the tokens evicted by step {forms.step}, the share whose value was merged "
                           "into held ones (the values' error above shows where it went)")
         elif what == "attention":
-            titles.append(f"{spec}: how far each query's attention moved reading the held forms (total variation "
-                          f"against the same tokens as computed; {head_label})")
+            titles.append(f"{spec}: each query's attention moved by the held forms (total variation; {head_label})")
         elif what == "output":
-            titles.append(f"{spec}: how far each query's output moved reading the held values (|o' - o| / |o| "
-                          f"against the same tokens as computed; {head_label})")
+            titles.append(f"{spec}: each query's output moved by the held values (|o' - o| / |o|; {head_label})")
         elif what.endswith("channels"):
             letter = what[0]
             titles.append(f"{spec}: each {what[:-1]}'s relative error over the held tokens "
@@ -109,7 +107,8 @@ def forms_figure(panels: Mapping[str, object], token_texts: Sequence[str], head_
             fig.update_yaxes(autorange="reversed", row=i, col=1)
             continue
         if what in ("attention", "output"):
-            columns = token_labels(token_texts, forms.step + 1, forms.size, count=forms.attention_shift.shape[1])
+            columns = token_labels(token_texts, forms.step + 1, forms.query_size, start=forms.query_start,
+                                   count=forms.attention_shift.shape[1])
             z, other = ((forms.attention_shift, forms.output_error) if what == "attention"
                         else (forms.output_error, forms.attention_shift))
             fig.add_trace(go.Heatmap(
@@ -119,8 +118,9 @@ def forms_figure(panels: Mapping[str, object], token_texts: Sequence[str], head_
                                                             else "output's relative error: %{z:.1%}<br>attention "
                                                             "moved: %{customdata:.1%}")
                                + "<extra>%{fullData.name}</extra>")), row=i, col=1)
-            fig.update_xaxes(showticklabels=False, title_text="query (binned)" if forms.size > 1 else "query",
-                             row=i, col=1)
+            fig.update_xaxes(showticklabels=False, row=i, col=1, title_text=(
+                f"query {forms.query_start}-{forms.step}" + (" (binned)" if forms.query_size > 1 else "")
+                + ": from the first that reads a reformed token"))
             fig.update_yaxes(autorange="reversed", row=i, col=1)
             continue
         if what.endswith("channels"):

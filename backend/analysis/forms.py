@@ -35,7 +35,8 @@ class HeldForms:
     merged, merge_distance: float32 [rows, columns] for a merging policy, of the column's tokens evicted by ``step``
     the share whose value went into held tokens, and how many positions later the first of those lay on average
     (NaN where none was evicted, or none merged).
-    attention_shift, output_error: float32 [rows, columns] over the queries 0..step (not the keys), the mean total
+    attention_shift, output_error: float32 [rows, query columns] over the queries ``query_start``..step (not the
+    keys; from the first that can read a reformed token, in columns of ``query_size`` queries), the mean total
     variation between each query's softmax over what it read as held and as computed, and the relative error of
     its output (None for a trace without them). key_channels, value_channels: float32 [layers x heads, d] (the
     chosen head's rows only, when one is), sum |k' - k| / sum |k| per channel over the tokens held at the latest
@@ -56,6 +57,8 @@ class HeldForms:
     merge_distance: np.ndarray | None = None
     attention_shift: np.ndarray | None = None
     output_error: np.ndarray | None = None
+    query_start: int = 0
+    query_size: int = 1
     head_labels: list[str] | None = None
     key_channels: np.ndarray | None = None
     value_channels: np.ndarray | None = None
@@ -73,11 +76,19 @@ def held_forms(trace: Trace, step: int, head: int | None = None, max_columns: in
     merging = "merged_into" in forms
     measured = "attention_shift" in forms
     shift_rows, output_rows = [], []
-    everyone = np.ones((len(heads), count), bool)
+    # The queries from the first that can read a reformed token (the step from which one is read) to the step: a
+    # policy that reforms once the prompt is read changes nothing before.
+    first_read = forms["reformed_at"][forms["reformed_at"] >= 0]
+    query_start = min(int(first_read.min()), step) if measured and first_read.size else step
+    queries = step + 1 - query_start
+    query_size = column_size(queries - 1, max_columns)
+    query_columns = math.ceil(queries / query_size)
+    everyone = np.ones((len(heads), queries), bool)
     for layer in range(n_layers):
-        if measured:  # over the queries up to the step
-            shift_rows.append(_binned_share(forms["attention_shift"][layer][heads, :count], everyone, columns, size))
-            output_rows.append(_binned_share(forms["output_error"][layer][heads, :count], everyone, columns, size))
+        if measured:
+            for rows, name in ((shift_rows, "attention_shift"), (output_rows, "output_error")):
+                values = forms[name][layer][heads, query_start:step + 1].astype(np.float64)
+                rows.append(_binned_share(values, everyone, query_columns, query_size))
         read = trace.reads_at(layer, step)[heads, :count]  # [h, count]
         at = forms["reformed_at"][layer][heads, :count]
         reformed = read & (at >= 0) & (at <= step)
@@ -115,7 +126,8 @@ def held_forms(trace: Trace, step: int, head: int | None = None, max_columns: in
                      merged=np.stack(merged_rows) if merging else None,
                      merge_distance=np.stack(distance_rows) if merging else None,
                      attention_shift=np.stack(shift_rows) if measured else None,
-                     output_error=np.stack(output_rows) if measured else None, head_labels=chosen,
+                     output_error=np.stack(output_rows) if measured else None, query_start=query_start,
+                     query_size=query_size, head_labels=chosen,
                      key_channels=per_channel("key_channel_error"), value_channels=per_channel("value_channel_error"))
 
 
