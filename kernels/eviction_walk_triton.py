@@ -113,11 +113,12 @@ def together(params) -> "numpy.ndarray":
     return (layer != 0) | (sinks + recent >= budget)
 
 
-def walk_rows(weights, alive, positions, state, first, held, params, probs, dropped_at, attn_rows):
+def walk_rows(weights, alive, positions, state, first, held, params, params_on_device, probs, dropped_at, attn_rows):
     """Walk a block of n queries for R batch rows of one layer, on torch tensors of one device: weights float64
     [R, H, G, n, C]; alive bool [R, H, C], state float64 [R, H, C] and dropped_at int64 [R, H, C] updated in
-    place; positions int64 [R, H, C]; params a float64 numpy array [R, 7] on the host (``PARAMS``); probs
-    [R, H, G, n, C] out; attn_rows float64 [R, H, n, C] out when it has n rows (recording), else empty.
+    place; positions int64 [R, H, C]; params a float64 numpy array [R, 7] (``PARAMS``), and the same on the
+    device; probs [R, H, G, n, C] out; attn_rows float64 [R, H, n, C] out when it has n rows (recording), else
+    empty.
 
     One launch per run of rows alike: the rows whose heads walk apart (one program per row and KV head), then
     the rows whose heads walk ``together`` (one program per row); the engine orders them so."""
@@ -125,7 +126,7 @@ def walk_rows(weights, alive, positions, state, first, held, params, probs, drop
     flags = alive.to(torch.int8).contiguous()
     record = attn_rows.shape[2] == n
     args = (weights.contiguous(), flags, positions.contiguous(), state, probs, dropped_at,
-            attn_rows if record else probs, torch.from_numpy(params).to(weights.device), n, width, first, held)
+            attn_rows if record else probs, params_on_device.contiguous(), n, width, first, held)
     block_c = triton.next_power_of_2(width)
     joint = together(params)
     for r0 in range(rows):

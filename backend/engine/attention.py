@@ -133,55 +133,73 @@ def _block_start(columns: np.ndarray | torch.Tensor, n: int) -> tuple[int, np.nd
 
 
 def walk_rows(rows: list["RowLayerState"], scores: list[torch.Tensor], columns: list[np.ndarray], first: int):
-    """The walks of several batch rows of one layer (running-score policies, kernels/eviction_walk_triton.py) in
-    one Triton launch on the scores' device (two when some rows walk their heads together and others apart): no
-    copy to the host between steps; the block's outcome (who was
-    dropped when, the running scores) comes back once for all rows, for their bookkeeping. ``scores[r]`` [H, G,
-    n, C_r] and ``columns[r]`` [H, C_r] are row r's; rows that hold fewer columns are padded at the front.
-    Returns each row's softmax over what each query head read [H, G, n, C_r] and, when it records, its
-    attention rows [H, n, C_r] (None otherwise)."""
-    n_heads, group, n, _ = scores[0].shape
-    device, dtype = scores[0].device, scores[0].dtype
-    params = np.array([(row.policy.budget, row.running.sinks, row.running.recent, row.running.by_position,
-                        row.running.layer, 0, row.running.decay) for row in rows], np.float64)
-    # The rows whose heads walk apart first, then those that walk them together: one launch for each run.
-    order = np.argsort(eviction_walk_triton.together(params), kind="stable")
-    if (order != np.arange(len(rows))).any():
-        walked = walk_rows([rows[r] for r in order], [scores[r] for r in order], [columns[r] for r in order], first)
-        return [walked[i] for i in np.argsort(order)]
-    width = max(c.shape[1] for c in columns)
-    starts = [width - c.shape[1] for c in columns]
-    padded = np.full((len(rows), n_heads, width), -1, np.int64)
-    held_score = np.zeros((len(rows), n_heads, width))
-    stacked = torch.full((len(rows), n_heads, group, n, width), float("-inf"), dtype=dtype, device=device)
-    for r, (row, start) in enumerate(zip(rows, starts)):
-        padded[r, :, start:] = columns[r]
+    """The walks of several batch rows of one layer (running-score policies, kernels/eviction_walk_triton.py) on the
+    scores' device: ``scores[r]`` [H, G, n, C_r] and ``columns[r]`` [H, C_r] are row r's. Returns each row's softmax
+    over what each query head read [H, G, n, C_r] and, when it records, its attention rows [H, n, C_r] (None
+    otherwise). ``PolicyCache.attend`` walks its rows through ``DeviceWalk`` directly."""
+    walk = DeviceWalk(rows, columns, first, scores[0].device)
+    stacked = torch.full((len(rows), *scores[0].shape[:3], walk.width), float("-inf"), dtype=scores[0].dtype,
+                         device=walk.device)
+    for r, start in enumerate(walk.starts):
         stacked[r, ..., start:] = scores[r]
-        running = row.running
-        if running.state is not None:
-            held_score[r, :, start:width - n] = row.state[running.state]
-        params[r, eviction_walk_triton.PARAMS.index("start")] = start
-    where = torch.from_numpy(padded).to(device)
-    held, alive, dropped_at = _block_start(where, n)
-    score = torch.from_numpy(held_score).to(device)
-    # float32 for a half-precision model: the softmax is cast once after the walk (Triton's interpreter, which
-    # the CPU tests run, cannot store bfloat16).
-    wide = dtype if dtype in (torch.float32, torch.float64) else torch.float32
-    probs = torch.empty(stacked.shape, dtype=wide, device=device)
-    record = any(row.top is not None for row in rows)
-    attn_rows = torch.zeros((len(rows), n_heads, n if record else 0, width if record else 0), dtype=torch.float64,
-                            device=device)
-    eviction_walk_triton.walk_rows(_block_weights(stacked, alive, held), alive, where, score, first, held, params,
-                                   probs, dropped_at, attn_rows)
-    alive, dropped_at, score = alive.cpu().numpy(), dropped_at.cpu().numpy(), score.cpu().numpy()
-    attn = attn_rows.cpu().numpy() if record else None
-    results = []
-    for r, (row, start) in enumerate(zip(rows, starts)):
-        if row.running.state is not None:
-            row.state = {**row.state, row.running.state: score[r, :, start:]}
-        row._end_block(columns[r], alive[r, :, start:], dropped_at[r, :, start:], first, n)
-        results.append((probs[r, ..., start:].to(dtype), attn[r, :, :, start:] if row.top is not None else None))
-    return results
+    probs, attn = walk.run(stacked)
+    return [(probs[r, ..., start:], None if attn is None else attn[r, :, :, start:])
+            for r, start in enumerate(walk.starts)]
+
+
+class DeviceWalk:
+    """One block's walk for the running-score rows of one layer on a device, in one Triton launch (two when some
+    rows walk their heads together and others apart; kernels/eviction_walk_triton.py): no copy to the host between
+    steps. What it needs goes to the device in one copy (the rows' columns, padded at the front to the widest, their
+    running scores and parameters) and its outcome (who was dropped when, the running scores) comes back in one,
+    for the rows' bookkeeping."""
+
+    def __init__(self, rows: list["RowLayerState"], columns: list[np.ndarray], first: int, device: torch.device):
+        self.rows, self.columns, self.first, self.device = rows, columns, first, device
+        self.width = max(c.shape[1] for c in columns)
+        self.starts = [self.width - c.shape[1] for c in columns]
+        n_heads = columns[0].shape[0]
+        shape = (len(rows), n_heads, self.width)
+        padded = np.full(shape, -1.0)
+        held_score = np.zeros(shape)
+        self.params = np.array([row.walk_params(start) for row, start in zip(rows, self.starts)], np.float64)
+        self.n = columns[0].shape[1] - rows[0].slots.shape[1]
+        for r, (row, start) in enumerate(zip(rows, self.starts)):
+            padded[r, :, start:] = columns[r]
+            if row.running.state is not None:
+                held_score[r, :, start:self.width - self.n] = row.state[row.running.state]
+        # One host-to-device copy of everything the walk starts from (positions are exact in float64).
+        sent = torch.from_numpy(np.concatenate([padded.ravel(), held_score.ravel(), self.params.ravel()])).to(device)
+        size = padded.size
+        self.where = sent[:size].view(shape).long()
+        self.score = sent[size:2 * size].view(shape)
+        self.params_on_device = sent[2 * size:].view(self.params.shape)
+
+    def run(self, scores: torch.Tensor) -> tuple[torch.Tensor, np.ndarray | None]:
+        """Walk ``scores`` [R, H, G, n, C] (-inf in a row's front pads; the model's dtype); each row's bookkeeping
+        done. Returns the softmax over what each query head read [R, H, G, n, C] in the scores' dtype and, when a
+        row records, the attention rows [R, H, n, C] on the host (None otherwise)."""
+        n, first = scores.shape[3], self.first
+        held, alive, dropped_at = _block_start(self.where, n)
+        # float32 for a half-precision model: the softmax is cast once after the walk (Triton's interpreter, which
+        # the CPU tests run, cannot store bfloat16).
+        wide = scores.dtype if scores.dtype in (torch.float32, torch.float64) else torch.float32
+        probs = torch.empty(scores.shape, dtype=wide, device=self.device)
+        record = any(row.top is not None for row in self.rows)
+        rows, heads, _, _, width = scores.shape
+        attn_rows = torch.zeros((rows, heads, n if record else 0, width if record else 0), dtype=torch.float64,
+                                device=self.device)
+        eviction_walk_triton.walk_rows(_block_weights(scores, alive, held), alive, self.where, self.score, first,
+                                       held, self.params, self.params_on_device, probs, dropped_at, attn_rows)
+        # One device-to-host copy of the outcome.
+        outcome = torch.stack([alive.to(torch.float64), dropped_at.to(torch.float64), self.score]).cpu().numpy()
+        alive, dropped_at, score = outcome[0] > 0, outcome[1].astype(np.int64), outcome[2]
+        attn = attn_rows.cpu().numpy() if record else None
+        for r, (row, start) in enumerate(zip(self.rows, self.starts)):
+            if row.running.state is not None:
+                row.state = {**row.state, row.running.state: score[r, :, start:]}
+            row._end_block(self.columns[r], alive[r, :, start:], dropped_at[r, :, start:], first, n)
+        return probs.to(scores.dtype), attn
 
 
 def _causal(first: int, n: int, total: int, device) -> torch.Tensor:
@@ -337,6 +355,12 @@ class RowLayerState:
         if self.top is not None:
             self.top.add(torch.from_numpy(attn_rows), torch.from_numpy(columns))
         return probs @ values[:, None]
+
+    def walk_params(self, start: int = 0) -> tuple:
+        """This row's parameters of the device walk (``eviction_walk_triton.PARAMS``), its columns from ``start``."""
+        running = self.running
+        return (self.policy.budget, running.sinks, running.recent, running.by_position, running.layer, start,
+                running.decay)
 
     def walks_on_device(self, device: torch.device) -> bool:
         """Does this row walk in Triton (kernels/eviction_walk_triton.py), batched with the layer's other such
@@ -725,23 +749,13 @@ class PolicyCache(DynamicCache):
         n_kv_heads, total = key.shape[1], key.shape[2]
         group = n_q_heads // n_kv_heads
         first = total - n
-        # The rows that walk on the device walk together, in one launch for the layer (``walk_rows``).
-        walking = [b for b, state in enumerate(self.rows[layer]) if state.walks_on_device(query.device)]
-        together = {}
-        if walking:
-            rows = [self.rows[layer][b] for b in walking]
-            gathered = []
-            for b, state in zip(walking, rows):
-                state.begin(total, softcap, window)
-                gathered.append(state.gather(query[b].view(n_kv_heads, group, n, dim), key[b], value[b], first,
-                                             scaling))
-            walked = walk_rows(rows, [g[2] for g in gathered], [g[0] for g in gathered], first)
-            for b, state, (columns, values, _), (probs, attn_rows) in zip(walking, rows, gathered, walked):
-                together[b] = state.read(probs, attn_rows, columns, values)
+        # The rows that walk on the device walk together, in one launch for the layer (``DeviceWalk``).
+        together = self._walk_on_device(layer, query, key, value, scaling, softcap, window) if any(
+            state.walks_on_device(query.device) for state in self.rows[layer]) else {}
         outputs = []
         for b, state in enumerate(self.rows[layer]):
             if b in together:
-                outputs.append(together[b].reshape(n_q_heads, n, dim).transpose(0, 1))
+                outputs.append(together[b])
                 continue
             if state.policy.attends:
                 block = Block(q=query[b], k=key[b], v=value[b], first=first, scaling=scaling, rope=self.ropes[layer],
@@ -756,6 +770,40 @@ class PolicyCache(DynamicCache):
             out = state.attend(q, key[b], value[b], first, scaling, self.n_prompt, softcap, window)
             outputs.append(out.reshape(n_q_heads, n, dim).transpose(0, 1))
         return torch.stack(outputs).contiguous()
+
+    def _walk_on_device(self, layer, query, key, value, scaling, softcap, window) -> dict[int, torch.Tensor]:
+        """The block's output [n, H, d] of each row of ``layer`` that walks on the device, all at once: their
+        held keys gathered, scored and walked together (``DeviceWalk``), with one copy to the device and one back."""
+        batch, n_q_heads, n, dim = query.shape
+        n_kv_heads, total = key.shape[1], key.shape[2]
+        first = total - n
+        walking = [b for b, state in enumerate(self.rows[layer]) if state.walks_on_device(query.device)]
+        # The rows whose heads walk apart first, then those that walk them together: one launch for each run.
+        joint = eviction_walk_triton.together(np.array([self.rows[layer][b].walk_params() for b in walking]))
+        walking = [walking[i] for i in np.argsort(joint, kind="stable")]
+        rows = [self.rows[layer][b] for b in walking]
+        block = np.broadcast_to(np.arange(first, first + n), (n_kv_heads, n))
+        for row in rows:
+            row.begin(total, softcap, window)
+        columns = [np.concatenate([row.slots, block], 1) for row in rows]
+        walk = DeviceWalk(rows, columns, first, query.device)
+        at = walk.where.clamp(min=0)  # [R, H, C]; a front pad reads position 0, at no weight
+        heads = torch.arange(n_kv_heads, device=query.device)[:, None]
+        # Row by row from views of the batch (a list of rows as an index would be one more copy to the device).
+        keys = torch.stack([key[b][heads, at[r]] for r, b in enumerate(walking)])  # [R, H, C, d]
+        values = torch.stack([value[b][heads, at[r]] for r, b in enumerate(walking)])
+        q = torch.stack([query[b] for b in walking]).view(len(walking), n_kv_heads, n_q_heads // n_kv_heads, n, dim)
+        scores = attention_logits(q, keys[:, :, None], scaling, softcap)  # [R, H, G, n, C]
+        hidden = (walk.where < 0)[:, :, None, None, :]  # the pads
+        if window is not None and window < total:  # and held keys the layer's window has passed
+            steps = torch.arange(first, first + n, device=query.device)
+            hidden = hidden | (walk.where[:, :, None, None, :] <= steps[None, None, None, :, None] - window)
+        probs, attn = walk.run(scores.masked_fill_(hidden, float("-inf")))
+        out = probs @ values[:, :, None]  # [R, H, G, n, d]
+        for r, (row, start) in enumerate(zip(rows, walk.starts)):
+            if row.top is not None:
+                row.top.add(torch.from_numpy(attn[r, :, :, start:]), torch.from_numpy(columns[r]))
+        return {b: out[r].reshape(n_q_heads, n, dim).transpose(0, 1) for r, b in enumerate(walking)}
 
     def fork(self) -> "PolicyCache":
         """A copy that can read other tokens from here on (the runner scores Full's continuation this way).
