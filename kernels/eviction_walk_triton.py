@@ -3,24 +3,26 @@
 The same walk as ``kernels/eviction_walk.py`` (numba, on the CPU) for the running-score policies (Window,
 sinks, H2O, TOVA, A2SF), step for step: what each query reads, its attention row, the running score, and
 the column each head (or the layer) drops once it holds ``budget`` tokens. On a GPU the numpy walk would
-copy every step's decision to the host; here one launch walks a whole block of queries of one layer for
-every batch row that walks this way, with the state in registers, and the engine reads the outcome once per
-block and layer (``walk_rows`` in backend/engine/attention.py). Its reference is the numba walk, and through
-it the numpy walk: tests/test_eviction_walk.py runs this kernel under ``TRITON_INTERPRET=1`` against them.
+copy every step's decision to the host; here a launch walks a whole block of queries of one layer for every
+batch row that walks this way, and the engine reads the outcome once per block and layer (``DeviceWalk`` in
+backend/engine/attention.py). Its reference is the numba walk, and through it the numpy walk:
+tests/test_eviction_walk.py runs these kernels under ``TRITON_INTERPRET=1`` against them.
 
 The walk is sequential in the queries (each query's choice depends on what the previous ones left), so its
-speed comes from running the independent walks side by side: one program per (batch row, KV head). A row
-whose heads must decide together (scored as a layer, or one where every held token may be protected, so that
-a head's count of held tokens can differ from another's) walks all its heads in one program, with the
-[heads, columns] tiles in registers. Each row has its own budget, decay, sinks, recent window and flags;
-rows whose tokens held differ in number are padded at the front of the columns (``start``: a row's first
-real column). Ties drop the earliest column, as ``argmin`` does; a head whose columns are all protected
-drops its first real column, as the numba walk drops column 0.
+speed comes from running the independent walks side by side, in one of three ways per row (``ways``): one
+program per (row, KV head) with its [columns] state in registers; for a row scored as a layer, one program that
+walks the heads in turn over the one set of columns they all hold, their running scores in memory; and for a row
+that can protect every token it holds (so that a head's count of held tokens can differ from another's), one
+program with all heads' [heads, columns] tiles. Each row has its own budget, decay, sinks, recent window and
+flags; rows whose tokens held differ in number are padded at the front of the columns (``start``: a row's first
+real column). Ties drop the earliest column, as ``argmin`` does; a head whose columns are all protected drops
+its first real column, as the numba walk drops column 0.
 """
 from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 try:
@@ -105,12 +107,71 @@ if triton is not None:
         tl.store(dropped_ptr + at, dropped.to(tl.int64), mask=real)
 
 
-def together(params) -> "numpy.ndarray":
-    """Which rows (params [R, 7]) walk their heads in one program: those scored as a layer, and those that can
-    protect every token they hold (sinks + recent >= budget: a head may then drop a column that is already gone,
-    and its count of held tokens differ from another head's)."""
+    @triton.jit
+    def _walk_layer_kernel(w_ptr, alive_ptr, pos_ptr, state_ptr, probs_ptr, dropped_ptr, attn_ptr, params_ptr,
+                           n, C, first, held, r0,
+                           H: tl.constexpr, G: tl.constexpr, BLOCK_C: tl.constexpr, RECORD: tl.constexpr):
+        """A row scored as a layer: every head holds the same columns (each step drops the same one from all), so
+        one [columns] row of flags, positions and steps serves them all, and the heads go one after the other; each
+        head's running score stays in memory (with all heads' [heads, columns] tiles in registers, they spill)."""
+        r = r0 + tl.program_id(0)
+        budget = tl.load(params_ptr + r * 7).to(tl.int32)
+        sinks = tl.load(params_ptr + r * 7 + 1).to(tl.int32)
+        recent = tl.load(params_ptr + r * 7 + 2).to(tl.int32)
+        by_position = tl.load(params_ptr + r * 7 + 3) != 0
+        start = tl.load(params_ptr + r * 7 + 5).to(tl.int32)
+        decay = tl.load(params_ptr + r * 7 + 6)
+        col = tl.arange(0, BLOCK_C)
+        real = col < C
+        alive = (tl.load(alive_ptr + r * H * C + col, mask=real, other=0) != 0) & real  # head 0's: every head's
+        pos = tl.load(pos_ptr + r * H * C + col, mask=real, other=0).to(tl.int32)
+        dropped = tl.load(dropped_ptr + r * H * C + col, mask=real, other=-1).to(tl.int32)
+        for i in range(n):
+            t = first + i
+            c = held + i + 1
+            alive = alive | (col == c - 1)
+            seen = alive & (col < c)
+            combined = tl.zeros([BLOCK_C], dtype=tl.float64)  # the heads' scores summed in order, as numba does
+            for h in range(H):
+                a = tl.zeros([BLOCK_C], dtype=tl.float64)
+                for g in tl.static_range(G):
+                    row = (((r * H + h) * G + g) * n + i) * C + col
+                    w = tl.load(w_ptr + row, mask=real, other=0.0).to(tl.float64)
+                    w = tl.where(seen, w, 0.0)
+                    total = tl.sum(w, axis=0)
+                    tl.store(probs_ptr + row, (w * (1.0 / total)).to(probs_ptr.dtype.element_ty), mask=real)
+                    a += (1.0 / (G * total)) * w
+                at = (r * H + h) * C + col
+                state = tl.load(state_ptr + at, mask=real, other=0.0).to(tl.float64)
+                state = tl.where(col < c, decay * state + a, state)
+                tl.store(state_ptr + at, state, mask=real)
+                if RECORD:
+                    tl.store(attn_ptr + ((r * H + h) * n + i) * C + col, a, mask=real & (col < c))
+                combined += tl.where(by_position, pos.to(tl.float64), state)
+            count = tl.sum(seen.to(tl.int32), axis=0)
+            if (c >= budget) & (count >= budget):
+                protected = (~alive) | (pos < sinks) | (pos >= t + 1 - recent) | (col >= c)
+                score = tl.where(protected, float("inf"), combined / H)
+                lowest = tl.min(score, axis=0)
+                victim = tl.min(tl.where((score == lowest) & (col >= start), col, BLOCK_C), axis=0)
+                drop = col == victim
+                alive = alive & ~drop
+                dropped = tl.where(drop, i, dropped)
+        for h in range(H):
+            tl.store(alive_ptr + (r * H + h) * C + col, alive.to(tl.int8), mask=real)
+            tl.store(dropped_ptr + (r * H + h) * C + col, dropped.to(tl.int64), mask=real)
+
+
+APART, LAYER, JOINT = 0, 1, 2  # how a row's heads walk: a program each, one after the other, or all in one tile
+
+
+def ways(params) -> "numpy.ndarray":
+    """How each row (params [R, 7]) walks its heads: LAYER, one program walking the heads in turn, for a row
+    scored as a layer (its heads hold the same columns); JOINT, all heads in one program's tiles, for a row that
+    can protect every token it holds (sinks + recent >= budget: a head may then drop a column that is already gone,
+    and its count of held tokens differ from another head's); APART, a program per head, for the others."""
     budget, sinks, recent, layer = (params[:, PARAMS.index(name)] for name in ("budget", "sinks", "recent", "layer"))
-    return (layer != 0) | (sinks + recent >= budget)
+    return np.where(layer != 0, LAYER, np.where(sinks + recent >= budget, JOINT, APART))
 
 
 def walk_rows(weights, alive, positions, state, first, held, params, params_on_device, probs, dropped_at, attn_rows):
@@ -120,22 +181,26 @@ def walk_rows(weights, alive, positions, state, first, held, params, params_on_d
     device; probs [R, H, G, n, C] out; attn_rows float64 [R, H, n, C] out when it has n rows (recording), else
     empty.
 
-    One launch per run of rows alike: the rows whose heads walk apart (one program per row and KV head), then
-    the rows whose heads walk ``together`` (one program per row); the engine orders them so."""
+    One launch per run of rows that walk their heads alike (``ways``); the engine orders them so."""
     rows, heads, group, n, width = weights.shape
     flags = alive.to(torch.int8).contiguous()
     record = attn_rows.shape[2] == n
     args = (weights.contiguous(), flags, positions.contiguous(), state, probs, dropped_at,
             attn_rows if record else probs, params_on_device.contiguous(), n, width, first, held)
     block_c = triton.next_power_of_2(width)
-    joint = together(params)
+    way = ways(params)
     for r0 in range(rows):
-        if r0 and joint[r0] == joint[r0 - 1]:
+        if r0 and way[r0] == way[r0 - 1]:
             continue
         r1 = r0 + 1
-        while r1 < rows and joint[r1] == joint[r0]:
+        while r1 < rows and way[r1] == way[r0]:
             r1 += 1
-        block_h = triton.next_power_of_2(heads) if joint[r0] else 1
+        if way[r0] == LAYER:
+            warps = NUM_WARPS or max(4, min(16, block_c // 256))
+            _walk_layer_kernel[(r1 - r0,)](*args, r0, H=heads, G=group, BLOCK_C=block_c, RECORD=record,
+                                           num_warps=warps)
+            continue
+        block_h = triton.next_power_of_2(heads) if way[r0] == JOINT else 1
         warps = NUM_WARPS or max(4, min(16, block_h * block_c // 256))
         _walk_kernel[(r1 - r0, triton.cdiv(heads, block_h))](*args, r0, H=heads, G=group, BLOCK_H=block_h,
                                                              BLOCK_C=block_c, RECORD=record, num_warps=warps)

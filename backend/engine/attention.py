@@ -148,9 +148,8 @@ def walk_rows(rows: list["RowLayerState"], scores: list[torch.Tensor], columns: 
 
 
 class DeviceWalk:
-    """One block's walk for the running-score rows of one layer on a device, in one Triton launch (two when some
-    rows walk their heads together and others apart; kernels/eviction_walk_triton.py): no copy to the host between
-    steps. What it needs goes to the device in one copy (the rows' columns, padded at the front to the widest, their
+    """One block's walk for the running-score rows of one layer on a device, in one Triton launch for each way
+    its rows walk their heads (``eviction_walk_triton.ways``): no copy to the host between steps. What it needs goes to the device in one copy (the rows' columns, padded at the front to the widest, their
     running scores and parameters) and its outcome (who was dropped when, the running scores) comes back in one,
     for the rows' bookkeeping."""
 
@@ -778,9 +777,9 @@ class PolicyCache(DynamicCache):
         n_kv_heads, total = key.shape[1], key.shape[2]
         first = total - n
         walking = [b for b, state in enumerate(self.rows[layer]) if state.walks_on_device(query.device)]
-        # The rows whose heads walk apart first, then those that walk them together: one launch for each run.
-        joint = eviction_walk_triton.together(np.array([self.rows[layer][b].walk_params() for b in walking]))
-        walking = [walking[i] for i in np.argsort(joint, kind="stable")]
+        # The rows that walk their heads alike side by side: one launch for each way (``eviction_walk_triton.ways``).
+        way = eviction_walk_triton.ways(np.array([self.rows[layer][b].walk_params() for b in walking]))
+        walking = [walking[i] for i in np.argsort(way, kind="stable")]
         rows = [self.rows[layer][b] for b in walking]
         block = np.broadcast_to(np.arange(first, first + n), (n_kv_heads, n))
         for row in rows:
