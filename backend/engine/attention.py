@@ -424,6 +424,7 @@ class RowLayerState:
             weights = _block_weights(scores, alive, held).cpu().numpy()
             alive_f = alive.astype(np.float64)
         attn_rows = np.zeros((n_heads, n, width)) if self.top is not None else None
+        needed = self._rows_read(first, n, n_prompt) if compression and self.top is None else None
         heads = np.arange(n_heads)
         for i in range(n):
             t, c = first + i, held + i + 1  # query t; columns 0..c-1 exist for it
@@ -431,8 +432,9 @@ class RowLayerState:
             kept = alive[:, :c]
             attn = None
             if weights is not None:
-                # Mean over the group's query heads of each head's softmax over the kept columns.
                 alive_f[:, c - 1] = 1.0
+            if weights is not None and (needed is None or needed[i]):
+                # Mean over the group's query heads of each head's softmax over the kept columns.
                 w = weights[:, :, i, :c]  # [H, G, c]
                 share = 1.0 / (group * (w @ alive_f[:, :c, None]))  # [H, G, 1]
                 attn = (share.transpose(0, 2, 1) @ w)[:, 0] * alive_f[:, :c]
@@ -443,7 +445,7 @@ class RowLayerState:
                 before = kept.copy() if acts else None
                 # Each query head's own softmax row [H, G, c], for a scorer that pools before the group's mean.
                 by_head = (w * (group * share) * alive_f[:, None, :c]
-                           if weights is not None and policy.window_by_query_head else None)
+                           if attn is not None and policy.window_by_query_head else None)
                 self._compress(attn, t, columns[:, :c], kept, key, value, n_prompt, q[:, :, i], by_head)
                 gone = before & ~kept if acts else None
                 if acts and gone.any():
@@ -462,6 +464,15 @@ class RowLayerState:
         reads = (np.arange(width)[None, None, :] < held + 1 + steps) & (steps <= dropped_at[:, None, :])
         self._end_block(columns, alive, dropped_at, first, n)
         return reads, attn_rows
+
+    def _rows_read(self, first: int, n: int, n_prompt: int | None) -> np.ndarray:
+        """bool [n]: which of a block's queries a compression policy reads the attention row of: those among the
+        ``window_queries`` latest at a compression (its window). The others' rows are never read, so a prefill
+        compression over a long context costs the window's rows, not one per context token."""
+        reach = max(1, self.policy.window_queries)
+        acts = np.array([self.policy.compresses_after(t, n_prompt) for t in range(first, first + n + reach - 1)])
+        before = np.concatenate([[0], np.cumsum(acts)])
+        return before[reach:reach + n] > before[:n]
 
     def _end_block(self, columns: np.ndarray, alive: np.ndarray, dropped_at: np.ndarray, first: int, n: int) -> None:
         """After a block of n queries: note when each column dropped in it left (dropped_at: the step after
