@@ -77,6 +77,22 @@ def test_a_task_that_needs_the_hub_is_one_line_offline(default_lm):
     assert "niah_single_1" in line and "Traceback" not in result.stderr
 
 
+def test_a_task_makes_the_same_samples_whatever_a_process_loaded_before(default_lm):
+    """RULER's generators draw from Python's global generator, and the first task a process loads imports NLTK,
+    whose import draws too: each sample must still be the same, loaded first or after another task. These are the
+    shipped leaderboards' samples (their references, by hand from assets/leaderboards/samples)."""
+    code = ("import sys\nfrom backend.experiments.tasks import samples\n"
+            "for name in sys.argv[1:]:\n    print(name, [s['outputs'] for s in samples(name, 1024, %r, limit=1)])\n"
+            ) % tokenizer_source(default_lm)
+    outputs = {}
+    for order in (["ruler_fwe"], ["ruler_cwe", "ruler_fwe"]):
+        result = subprocess.run([sys.executable, "-c", code, *order], cwd=ROOT, capture_output=True, text=True,
+                                timeout=300)
+        assert result.returncode == 0, result.stderr
+        outputs[tuple(order)] = [line for line in result.stdout.splitlines() if line.startswith("ruler_fwe ")]
+    assert outputs[("ruler_fwe",)] == outputs[("ruler_cwe", "ruler_fwe")] == ["ruler_fwe [['gplemk', 'qcszkr', 'fjtvxe']]"]
+
+
 def test_an_unknown_task_is_one_line(default_lm):
     with pytest.raises(TaskUnavailable, match=r"^lm-eval has no task 'niah_nowhere'; RULER's offline tasks are"):
         load_task("niah_nowhere", SHORT, tokenizer_source(default_lm))

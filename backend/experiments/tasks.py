@@ -50,11 +50,20 @@ def _manager(tokenizer: str, length: int):
 @contextmanager
 def lm_eval_seeds():
     """Python's and numpy's global generators seeded as ``lm_eval.simple_evaluate`` seeds them by default before it
-    loads its tasks (RULER's generators draw from them), then put back: the same samples as lm-eval's, in any
-    process, whatever ran before."""
+    loads its tasks (RULER's generators draw from them), then put back: the same samples in any process, whatever
+    ran before. They are lm-eval's for a task it loads after its first (its first draws after NLTK's import; the
+    needle tasks' samples are the same either way)."""
     import numpy as np
     from lm_eval.defaults import DEFAULT_OTHER_SEED, DEFAULT_RANDOM_SEED
 
+    # Loading a RULER task the first time imports NLTK (through RULER's needle module, which also tries to fetch
+    # NLTK's data), and that import draws from Python's generator: after the seeding, it would give the first task a
+    # process loads other samples than the same task loaded later. Imported before the seeding, it leaves every
+    # load's draws to the seed alone, in any order, online or not.
+    try:
+        import lm_eval.tasks.ruler.prepare_niah  # noqa: F401
+    except ImportError:  # lm-eval without its RULER extras: its tasks say so when they load
+        pass
     python_state, numpy_state = random.getstate(), np.random.get_state()
     random.seed(DEFAULT_RANDOM_SEED)
     np.random.seed(DEFAULT_OTHER_SEED)
