@@ -173,7 +173,8 @@ def test_gear_holds_outliers_exact_and_approximates_the_rounding_error_at_low_ra
 
 
 def test_gear_s_held_keys_are_nearer_the_model_s_than_kivi_s(tiny, text_ids):
-    specs = ["kivi:bits=2,group=4,residual=8,interval=4,every=4", "gear:bits=2,group=4,residual=8,interval=4,every=4,rank=2"]
+    specs = ["kivi:bits=2,group=4,residual=8,interval=4,every=4",
+             "gear:bits=2,group=4,residual=8,interval=4,every=4,rank=2"]
     (kivi, gear), full = compute_traces(tiny, specs, [parse_spec(s) for s in specs], text_ids, record_layers=())
     np.testing.assert_array_equal(gear.forms["reformed_at"], kivi.forms["reformed_at"])  # the same schedule
     rounded = kivi.forms["reformed_at"] >= 0

@@ -149,9 +149,10 @@ def walk_rows(rows: list["RowLayerState"], scores: list[torch.Tensor], columns: 
 
 class DeviceWalk:
     """One block's walk for the running-score rows of one layer on a device, in one Triton launch for each way
-    its rows walk their heads (``eviction_walk_triton.ways``): no copy to the host between steps. What it needs goes to the device in one copy (the rows' columns, padded at the front to the widest, their
-    running scores and parameters) and its outcome (who was dropped when, the running scores) comes back in one,
-    for the rows' bookkeeping."""
+    its rows walk their heads (``eviction_walk_triton.ways``): no copy to the host between steps. What it needs
+    goes to the device in one copy (the rows' columns, padded at the front to the widest, their running scores
+    and parameters) and its outcome (who was dropped when, the running scores) comes back in one, for the rows'
+    bookkeeping."""
 
     def __init__(self, rows: list["RowLayerState"], columns: list[np.ndarray], first: int, device: torch.device):
         self.rows, self.columns, self.first, self.device = rows, columns, first, device
@@ -162,11 +163,11 @@ class DeviceWalk:
         padded = np.full(shape, -1.0)
         held_score = np.zeros(shape)
         self.params = np.array([row.walk_params(start) for row, start in zip(rows, self.starts)], np.float64)
-        self.n = columns[0].shape[1] - rows[0].slots.shape[1]
+        n = columns[0].shape[1] - rows[0].slots.shape[1]  # the block's queries
         for r, (row, start) in enumerate(zip(rows, self.starts)):
             padded[r, :, start:] = columns[r]
             if row.running.state is not None:
-                held_score[r, :, start:self.width - self.n] = row.state[row.running.state]
+                held_score[r, :, start:self.width - n] = row.state[row.running.state]
         # One host-to-device copy of everything the walk starts from (positions are exact in float64).
         sent = torch.from_numpy(np.concatenate([padded.ravel(), held_score.ravel(), self.params.ravel()])).to(device)
         size = padded.size
@@ -363,7 +364,7 @@ class RowLayerState:
 
     def walks_on_device(self, device: torch.device) -> bool:
         """Does this row walk in Triton (kernels/eviction_walk_triton.py), batched with the layer's other such
-        rows (``walk_rows``)?"""
+        rows (``DeviceWalk``)?"""
         return (self.running is not None and self.forms is None
                 and (device.type == "cuda" or DEVICE_WALK) and eviction_walk_triton.usable(device))
 
@@ -371,9 +372,9 @@ class RowLayerState:
         """Decide query by query what the block's queries read; return each query head's softmax over what it
         read [H, G, n, C] and, when recording, the policy's attention rows [H, n, C] (None otherwise).
 
-        Running-score policies (Window, sinks, H2O, TOVA, A2SF) walk compiled: with numba on the CPU, in one
-        Triton launch per block and layer on a GPU (every row of the layer that walks so at once: ``walk_rows``,
-        which ``PolicyCache.attend`` calls); the numpy walk is their reference and every other policy's walk."""
+        Running-score policies (Window, sinks, H2O, TOVA, A2SF) walk compiled: with numba on the CPU, in Triton
+        on a GPU (where ``PolicyCache.attend`` walks every such row of the layer at once, ``DeviceWalk``; this is
+        the walk of a row alone); the numpy walk is their reference and every other policy's walk."""
         if self.running is not None:
             # The walk decides in float64 from the block's scores in any precision: on the device for every
             # dtype (bfloat16 too), with numba for float32 and float64.
@@ -424,7 +425,8 @@ class RowLayerState:
             weights = _block_weights(scores, alive, held).cpu().numpy()
             alive_f = alive.astype(np.float64)
         attn_rows = np.zeros((n_heads, n, width)) if self.top is not None else None
-        needed = self._rows_read(first, n, n_prompt) if compression and self.top is None else None
+        needed = self._rows_read(first, n, n_prompt) if compression and policy.uses_attention and self.top is None \
+            else None
         heads = np.arange(n_heads)
         for i in range(n):
             t, c = first + i, held + i + 1  # query t; columns 0..c-1 exist for it

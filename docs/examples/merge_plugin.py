@@ -17,7 +17,7 @@ class NearestMerge(Knorm):
     """
 
     name = "nearest_merge"
-    summary = "Knorm's tokens, each evicted value averaged into the held token of the nearest key (a merge plugin example)"
+    summary = "Knorm's tokens, each evicted value averaged into the held token of the nearest key (a merge plugin)"
     reforms = "merge"
 
     def reform(self, view: CacheView, keep: np.ndarray) -> Reform | None:
