@@ -165,7 +165,7 @@ if triton is not None:
 APART, LAYER, JOINT = 0, 1, 2  # how a row's heads walk: a program each, one after the other, or all in one tile
 
 
-def ways(params) -> "numpy.ndarray":
+def ways(params: np.ndarray) -> np.ndarray:
     """How each row (params [R, 7]) walks its heads: LAYER, one program walking the heads in turn, for a row
     scored as a layer (its heads hold the same columns); JOINT, all heads in one program's tiles, for a row that
     can protect every token it holds (sinks + recent >= budget: a head may then drop a column that is already gone,
