@@ -1,6 +1,6 @@
 """What a prefill compression's attention rows cost: a run of SnapKV and Expected Attention at budget 256 (and Full)
 over the shipped inaugural addresses, generate mode, one new token, with the engine computing the attention row of
-only the queries a compression reads (its window) and, as before, of every query.
+only the queries a compression reads (its window), and of every query.
 
     python -m benchmarks.prefill_rows [TOKENS]      # default 2048; process CPU time, one torch thread
 """

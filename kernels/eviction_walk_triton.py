@@ -57,7 +57,6 @@ if triton is not None:
         sinks = tl.load(params_ptr + r * 7 + 1).to(tl.int32)
         recent = tl.load(params_ptr + r * 7 + 2).to(tl.int32)
         by_position = tl.load(params_ptr + r * 7 + 3) != 0
-        layer = tl.load(params_ptr + r * 7 + 4) != 0
         start = tl.load(params_ptr + r * 7 + 5).to(tl.int32)
         decay = tl.load(params_ptr + r * 7 + 6)  # float64: a Python float argument would arrive as float32
         h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]  # this program's KV heads
@@ -90,15 +89,11 @@ if triton is not None:
             count = tl.max(tl.sum(seen.to(tl.int32), axis=1), axis=0)
             if (c >= budget) & (count >= budget):
                 key = tl.where(by_position, pos.to(tl.float64), state)
-                combined = tl.broadcast_to(tl.sum(tl.where(head, key, 0.0), axis=0)[None, :] / H, [BLOCK_H, BLOCK_C])
-                key = tl.where(layer, combined, key)
                 protected = (~alive) | (pos < sinks) | (pos >= t + 1 - recent) | (col >= c) | ~head
                 score = tl.where(protected, float("inf"), key)
                 lowest = tl.min(score, axis=1)[:, None]
                 # The earliest lowest (the first real column when every column is protected).
                 victim = tl.min(tl.where((score == lowest) & (col >= start), col, BLOCK_C), axis=1)[:, None]
-                first_head = tl.broadcast_to(tl.sum(tl.where(h == 0, victim, 0), axis=0)[None, :], [BLOCK_H, 1])
-                victim = tl.where(layer, first_head, victim)  # scored as a layer: head 0's choice, for every head
                 drop = (col == victim) & head
                 alive = alive & ~drop
                 dropped = tl.where(drop, i, dropped)

@@ -336,8 +336,7 @@ class RowLayerState:
         """The block's columns [H, C] (held at its start, then the block's own), their values [H, C, d] and the
         queries' logits over them [H, G, n, C]: -inf where the layer's window has passed a held key."""
         n_heads, _, n, _ = q.shape
-        block = np.broadcast_to(np.arange(first, first + n), (n_heads, n))
-        columns = np.concatenate([self.slots, block], 1)
+        columns = self.block_columns(first, n)
         at = torch.from_numpy(np.maximum(columns, 0)).to(key.device)
         heads = torch.arange(n_heads, device=key.device)[:, None]
         keys, values = key[heads, at], value[heads, at]  # [H, C, d]
@@ -349,6 +348,11 @@ class RowLayerState:
             passed = torch.from_numpy(columns).to(scores.device)[:, None, :] <= steps[None, :, None] - self.window
             scores.masked_fill_(passed[:, None], float("-inf"))
         return columns, values, scores
+
+    def block_columns(self, first: int, n: int) -> np.ndarray:
+        """The columns [H, C] a block of n queries from ``first`` reads over: those held at its start, then its own."""
+        block = np.broadcast_to(np.arange(first, first + n), (self.n_kv_heads, n))
+        return np.concatenate([self.slots, block], 1)
 
     def read(self, probs, attn_rows, columns, values):
         """The block's output from each query head's softmax over the columns it read; recorded when asked."""
@@ -794,10 +798,9 @@ class PolicyCache(DynamicCache):
         way = eviction_walk_triton.ways(np.array([self.rows[layer][b].walk_params() for b in walking]))
         walking = [walking[i] for i in np.argsort(way, kind="stable")]
         rows = [self.rows[layer][b] for b in walking]
-        block = np.broadcast_to(np.arange(first, first + n), (n_kv_heads, n))
         for row in rows:
             row.begin(total, softcap, window)
-        columns = [np.concatenate([row.slots, block], 1) for row in rows]
+        columns = [row.block_columns(first, n) for row in rows]
         walk = DeviceWalk(rows, columns, first, query.device)
         at = walk.where.clamp(min=0)  # [R, H, C]; a front pad reads position 0, at no weight
         heads = torch.arange(n_kv_heads, device=query.device)[:, None]
