@@ -15,7 +15,8 @@ import torch
 from backend.engine import models
 from backend.engine.attention import HeldForms
 from backend.engine.runner import compute_traces, score_text
-from backend.policies import GEAR, KIVI, POLICIES, CaM, CacheView, Reform, ThinK, load_plugins, parse_spec
+from backend.policies import (GEAR, KIVI, POLICIES, CaM, CacheView, Merging, Reform, ThinK, load_plugins,
+                              parse_spec)
 from backend.policies.gear import low_rank, outliers
 from backend.policies.cam import merge_shares
 from backend.policies.kivi import quantise, quantise_keys, quantise_values
@@ -226,7 +227,9 @@ def test_held_forms_measure_what_reading_them_did_to_a_query_s_attention_by_hand
 
 
 @pytest.mark.parametrize("spec", ["think:budget=12,window=2,kernel=1,channels=0.5,interval=8,every=3",
-                                  "kivi:group=4,residual=8,interval=4,every=4"])
+                                  "kivi:group=4,residual=8,interval=4,every=4",
+                                  "cam:budget=10,window=0,scorer=knorm,preset=kvpress,sample=expected,interval=4",
+                                  "merging:budget=10,scorer=knorm,interval=4"])
 def test_the_prompt_path_reads_the_forms_a_token_loop_reads(tiny, text_ids, spec):
     policy = parse_spec(spec)
     for chunk in (len(text_ids), 5):
@@ -350,6 +353,65 @@ def test_cam_merges_each_evicted_value_into_the_held_tokens_after_it_by_its_atte
     np.testing.assert_array_equal(drawn.values, dataclasses.replace(policy, sample="bernoulli").reform(view, keep).values)
     np.testing.assert_array_equal(merge_shares(np.array([0.0, 0.1, 0.2]), np.array([0.0, 0.0, 0.4])), [0.0, 1.0, 0.5])
     assert policy.whole().reform(view, keep) is None
+
+
+def test_cam_with_kvpress_settings_merges_the_best_scored_of_what_arrived_by_the_decoded_queries_attention():
+    # Two heads, 6 tokens, the prompt 4 (queries 4 and 5 were decoded), Knorm's scores, budget 3, no window. The heads'
+    # mean key norm, 1 4 4 3 2.75 1, keeps 0, 4 and 5 in both heads (head 0 alone would keep 2). Two tokens were read
+    # since the prompt, so two of the evicted 1, 2, 3 merge, the best-scored: 3, then 2 (of equal scores the later).
+    # Their targets are 4 and 5 (m = 2); the attention is the decoded queries' sum (query 3 is the prompt's).
+    norms = np.array([[1, 5, 2, 4, 3, 1], [1, 3, 6, 2, 2.5, 1]], float)
+    keys = norms[..., None] * np.array([1.0, 0.0])
+    rows = np.array([[[0.5, 0.5, 0, 0, 0, 0], [0.1, 0.2, 0.3, 0.1, 0.3, 0], [0.1, 0.1, 0.2, 0.2, 0.2, 0.2]],
+                     [[0.5, 0.5, 0, 0, 0, 0], [0.2, 0.2, 0.2, 0.2, 0.2, 0], [0.1, 0.1, 0.1, 0.1, 0.1, 0.5]]])
+    values = np.arange(24.0).reshape(2, 6, 2)
+    view = CacheView(t=5, n_prompt=4, layer=0, n_layers=1, attn_window=rows, keys=keys, values=values,
+                     kept=np.ones((2, 6), bool), query_positions=np.array([3, 4, 5]))
+    policy = parse_spec("cam:budget=3,window=0,scorer=knorm,merge=2,preset=kvpress,sample=expected")
+    assert (policy.heads, policy.merged, policy.votes, policy.prefill, policy.every) == ("layer", "arrived", "running",
+                                                                                        False, 1)
+    keep = policy.keep(view)
+    np.testing.assert_array_equal(keep, [[True, False, False, False, True, True]] * 2)
+    np.testing.assert_array_equal(dataclasses.replace(policy, heads="head").keep(view)[0],
+                                  [True, False, True, False, False, True])
+    reform = policy.reform(view, keep)
+    # Running attention: head 0 .2 .3 .5 .3 .5 .2, head 1 .3 .3 .3 .3 .3 .5. Shares: head 0 token 2 .5 / .35 -> 1,
+    # token 3 .3 / .35; head 1 .3 / .4 each.
+    shares = np.array([[1.0, 0.3 / 0.35], [0.75, 0.75]])
+    for h in range(2):
+        merged = (shares[h, 0] * values[h, 2] + shares[h, 1] * values[h, 3]) / 2
+        np.testing.assert_allclose(reform.values[h, [4, 5]], values[h, [4, 5]] + merged)
+        np.testing.assert_allclose(reform.values[h, :4], values[h, :4])  # token 1 was evicted, not merged
+    np.testing.assert_array_equal(reform.merged_into, [[-1, -1, 4, 4, -1, -1]] * 2)
+    np.testing.assert_allclose(reform.merge_weight[:, 2:4], shares / 2)
+    # It decodes before it compresses: not after the prompt's last query, after each decoded one.
+    assert not policy.compresses_after(3, 4) and policy.compresses_after(4, 4) and policy.compresses_after(5, 4)
+    with pytest.raises(ValueError, match="every >= 1"):
+        dataclasses.replace(policy, every=0)
+
+
+def test_merging_folds_each_evicted_value_into_the_held_token_of_the_nearest_key():
+    # One head; Knorm keeps tokens 0 and 1 (the smallest keys) of 4. Token 2's key points as token 0's (cosine 1),
+    # token 3's nearest is token 1's (cosine 3 / sqrt(10)). Each weighs its likeness times its value's norm over
+    # both norms: w2 = 1 x 3 / (3 + 1), w3 = 0.949 x 4 / (4 + 2); a target holds (v + w v_e) / (1 + w).
+    keys = np.array([[[1.0, 0.0], [0.0, 1.0], [3.0, 0.0], [1.0, 3.0]]])
+    values = np.array([[[1.0, 0.0], [0.0, 2.0], [0.0, 3.0], [4.0, 0.0]]])
+    view = CacheView(t=3, n_prompt=4, layer=0, n_layers=1, attn_window=np.zeros((1, 0, 4)), keys=keys,
+                     values=values, kept=np.ones((1, 4), bool))
+    policy = Merging(budget=2, scorer="knorm")
+    keep = policy.keep(view)
+    np.testing.assert_array_equal(keep, [[True, True, False, False]])
+    reform = policy.reform(view, keep)
+    cos3 = 3 / np.sqrt(10)
+    w2, w3 = 0.75, cos3 * 4 / 6
+    np.testing.assert_allclose(reform.values[0, 0], (values[0, 0] + w2 * values[0, 2]) / (1 + w2), rtol=1e-5)
+    np.testing.assert_allclose(reform.values[0, 1], (values[0, 1] + w3 * values[0, 3]) / (1 + w3), rtol=1e-5)
+    np.testing.assert_array_equal(reform.merged_into, [[-1, -1, 0, 1]])
+    np.testing.assert_allclose(reform.merge_weight, [[0, 0, w2 / (1 + w2), w3 / (1 + w3)]], rtol=1e-5)
+    assert reform.keys is None
+    # A threshold above token 3's likeness, or the most similar half, merges token 2 alone.
+    for stricter in (dataclasses.replace(policy, similarity=0.95), dataclasses.replace(policy, fraction=0.5)):
+        np.testing.assert_array_equal(stricter.reform(view, keep).merged_into, [[-1, -1, 0, -1]])
 
 
 def test_cam_s_trace_and_view_say_where_evicted_values_went(tiny, text_ids):

@@ -104,3 +104,45 @@ def test_finch_keeps_kvpress_tokens_and_answers_alike_with_rerotated_keys(defaul
     theirs = finch["budgets"][budget]
     assert kept_sets(trace, len(special["input_ids"])) == theirs["kept"]
     assert trace.generated_ids.tolist() == theirs["answer_ids"]
+
+
+@pytest.mark.parametrize("budget", ["40", "96"])
+def test_cam_with_kvpress_settings_holds_and_merges_as_kvpress(default_lm, special, budget):
+    """kvpress's CAMPress over Knorm's scores, merging once per decoded token (compression_interval=1), its draws
+    replaced by their expectation in both: after the answer, every layer holds kvpress's positions in every KV head,
+    each held value carries kvpress's merges (its error against the model's own value, recorded in float16), and the
+    answer is kvpress's. At budget 40 layer 0 merges other tokens where Knorm's scores tie (its keys depend on the
+    token alone, and the two sides round the tied norms apart); its values then move every later layer's queries a
+    little, and so the merges' shares, by up to 1%. At 96 every layer's values agree to the fixture's rounding."""
+    import numpy as np
+
+    theirs = special["cam"]["budgets"][budget]
+    n, read = len(special["input_ids"]), len(theirs["answer_ids"]) - 1  # kvpress's last token is never read
+    spec = f"cam:budget={budget},window=0,scorer=knorm,merge={special['cam']['merge_budget']},preset=kvpress,sample=expected"
+    (trace,) = run(default_lm, [spec], special["input_ids"], max_new_tokens=read)
+    assert trace.generated_ids.tolist() == theirs["answer_ids"][:read]
+    for layer, record in enumerate(theirs["layers"]):
+        held = trace.evicted_at[layer][:, : n + read] == -1
+        assert all(np.flatnonzero(head).tolist() == record["held"] for head in held), layer
+        ours = trace.forms["value_error"][layer][:, record["held"]].astype(float)
+        if budget == "96":
+            np.testing.assert_allclose(ours, record["value_error"], rtol=2e-3, atol=2e-6, err_msg=str(layer))
+        elif layer:
+            np.testing.assert_allclose(ours, record["value_error"], rtol=1e-2, atol=2e-6, err_msg=str(layer))
+
+
+@pytest.mark.parametrize("budget", ["40", "96"])
+def test_merging_with_knorm_keeps_kvpress_tokens_and_values_and_answers_alike(default_lm, special, budget):
+    """kvpress's MergingPress(KnormPress()): the same kept tokens in every layer and KV head, each kept value moved
+    as kvpress moved it (its error against the model's own value, recorded in float16), the same answer."""
+    import numpy as np
+
+    theirs = special["merging"]["budgets"][budget]
+    (trace,) = run(default_lm, [f"merging:budget={budget},scorer=knorm"], special["input_ids"],
+                   max_new_tokens=special["max_new_tokens"])
+    n = len(special["input_ids"])
+    assert kept_sets(trace, n) == theirs["kept"]
+    for layer, (kept, errors) in enumerate(zip(theirs["kept"], theirs["value_error"])):
+        ours = np.stack([trace.forms["value_error"][layer][h, positions] for h, positions in enumerate(kept)])
+        np.testing.assert_allclose(ours.astype(float), errors, rtol=2e-3, atol=2e-6, err_msg=str(layer))
+    assert trace.generated_ids.tolist() == theirs["answer_ids"]

@@ -44,6 +44,7 @@ from .expected_attention import ExpectedAttention  # noqa: E402
 from .rkv import RKV  # noqa: E402
 from .think import ThinK  # noqa: E402
 from .cam import CaM  # noqa: E402
+from .merging import Merging  # noqa: E402
 from .kivi import KIVI  # noqa: E402
 from .gear import GEAR  # noqa: E402
 
@@ -163,4 +164,4 @@ __all__ = ["POLICIES", "Policy", "EvictionPolicy", "SelectionPolicy", "FullPolic
            "ratio_budget",
            "describe", "policy_table", "policy_of", "register", "load_plugins", "PluginError",
            "Full", "Window", "Sinks", "H2O", "TOVA", "A2SF", "Oracle", "SparQ", "ReAttention", "SnapKV", "PyramidKV", "AdaKV",
-           "Knorm", "CompressionPolicy", "CacheView", "Reform", "ThinK", "CaM", "KIVI", "GEAR"]
+           "Knorm", "CompressionPolicy", "CacheView", "Reform", "ThinK", "CaM", "Merging", "KIVI", "GEAR"]

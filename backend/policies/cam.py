@@ -1,14 +1,16 @@
 """CaM (Zhang et al., 2024, *CaM: Cache Merging for Memory-efficient LLMs Inference*, ICML, Sec. 3-4), on SnapKV's
-choice of tokens."""
+choice of tokens or another scorer's."""
 from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .base import CacheView, Reform
-from .registry import register
+from .base import CacheView, CompressionPolicy, Reform, grow, keep_top
+from .registry import POLICIES, register
 from .snapkv import SnapKV
 
 SAMPLES = ("bernoulli", "expected")
+MERGED = ("all", "arrived")
+VOTES = ("window", "running")
 
 
 def merge_shares(evicted: np.ndarray, mean: np.ndarray) -> np.ndarray:
@@ -22,19 +24,31 @@ def merge_shares(evicted: np.ndarray, mean: np.ndarray) -> np.ndarray:
 @register
 @dataclass(frozen=True)
 class CaM(SnapKV):
-    """SnapKV's tokens; each token it evicts gives its value to the ``merge`` held tokens that follow it, each 1/m of
-    it, with a probability: its attention over those tokens' mean attention (clamped to 1), so a token the window's
-    queries still read is merged rather than lost, and a forgotten one is not. The keys stay as they were.
+    """A scorer's tokens (SnapKV's by default); each token it evicts gives its value to the ``merge`` held tokens that
+    follow it, each 1/m of it, with a probability: its attention over those tokens' mean attention (clamped to 1), so
+    a token the queries still read is merged rather than lost, and a forgotten one is not. The keys stay as they were.
 
-    Attention is the window's summed attention (SnapKV's votes before pooling). As the paper and kvpress a merge is
-    drawn (``sample=bernoulli``; the draws are seeded by ``seed``, the layer, the step and the head, so runs repeat);
-    ``sample=expected`` merges each value scaled by its probability instead. Every evicted token merges (the paper
-    merges each token it evicts); kvpress's ``CAMPress`` merges, at each of its decoding compressions, as many of the
-    evicted as tokens arrived since the last, the best-scored first, and evicts the same tokens from every head.
+    The attention (``votes``): the window's summed attention (SnapKV's votes before pooling), or, as kvpress's
+    ``CAMPress`` and the paper's accumulated attention, the attention summed over every query decoded since the
+    prompt (``running``; the prompt's own queries count nothing, so a compression at the prompt merges nothing). As
+    the paper and kvpress a merge is drawn (``sample=bernoulli``; the draws are seeded by ``seed``, the layer, the
+    step and the head, so runs repeat); ``sample=expected`` merges each value scaled by its probability instead.
+    Every evicted token merges (``merged=all``; the paper evicts one token a step); kvpress merges, at each
+    compression, as many of the evicted as tokens arrived since the last one that evicted, the best-scored first and
+    of equal scores the later (``merged=arrived``). ``heads=layer`` evicts the same tokens from every KV head, by the
+    heads' mean score (kvpress), ``head`` per head. ``prefill=false`` compresses while decoding only (kvpress).
 
-    budget, window, kernel, pooling, order: SnapKV's (tokens kept per KV head, observation window, pooling).
-    merge: held tokens after an evicted one that share its value (the paper's m; kvpress's merge_budget; 0 merges
-    nothing). sample: bernoulli or expected. seed: the draws' seed.
+    ``preset=kvpress`` is ``CAMPress`` with ``compression_interval=1`` (its doc's "original per-step CaM"; its
+    default interval is 512, ``every=512``): heads=layer, merged=arrived, votes=running, prefill=false, every=1.
+    ``cam:budget=B,scorer=knorm,window=0,preset=kvpress,sample=expected`` is ``CAMPress(KnormPress(),
+    target_size=B, compression_interval=1)`` with its draws replaced by their expectation.
+
+    budget, window, kernel, pooling, order: SnapKV's (tokens kept per KV head, observation window, pooling); with
+    another scorer the window's latest tokens are still always kept, and its queries' attention is the votes.
+    scorer: whose scores choose the tokens: snapkv (its own), or any registered compression policy at this budget
+    (e.g. knorm). merge: held tokens after an evicted one that share its value (the paper's m; kvpress's
+    merge_budget; 0 merges nothing). sample: bernoulli or expected. seed: the draws' seed. heads: head or layer.
+    merged: all or arrived. votes: window or running. prefill: compress once the prompt is read (true) or not.
     interval, every: when it compresses (see CompressionPolicy).
     """
 
@@ -43,15 +57,31 @@ class CaM(SnapKV):
     paper = "Zhang et al., 2024, *CaM: Cache Merging for Memory-efficient LLMs Inference*, ICML, Sec. 3-4"
     color = "#997700"
     reforms = "merge"
+    uses_attention = True  # the merges weigh attention whatever the scorer reads
+    presets = {"kvpress": {"heads": "layer", "merged": "arrived", "votes": "running", "prefill": False, "every": 1}}
+    scorer: str = "snapkv"
     merge: int = 32
     sample: str = "bernoulli"
     seed: int = 0
+    heads: str = "head"
+    merged: str = "all"
+    votes: str = "window"
+    prefill: bool = True
 
     def __post_init__(self):
         super().__post_init__()
         if self.merge < 0 or self.sample not in SAMPLES:
             raise ValueError(f"{self.name}: need merge >= 0 and sample in {', '.join(SAMPLES)}, got merge={self.merge}, "
                              f"sample={self.sample!r}")
+        for field, value, allowed in (("merged", self.merged, MERGED), ("votes", self.votes, VOTES)):
+            if value not in allowed:
+                raise ValueError(f"{self.name}: {field} must be one of {', '.join(allowed)}, got {value!r}")
+        scorers = [n for n, c in POLICIES.items() if c.kind == "compression" and not c.reforms and n != self.name]
+        if self.scorer not in scorers:
+            raise ValueError(f"{self.name}: scorer must be one of {', '.join(scorers)}, got {self.scorer!r}")
+        if not self.prefill and self.every < 1:
+            raise ValueError(f"{self.name}: prefill=false compresses while decoding only: give every >= 1 (kvpress's "
+                             f"compression_interval)")
 
     @classmethod
     def for_budget(cls, budget: int) -> "CaM":
@@ -61,11 +91,53 @@ class CaM(SnapKV):
     def whole(self) -> "CaM":
         return replace(self, merge=0)
 
+    @property
+    def inner(self) -> CompressionPolicy | None:
+        """The scorer when it is not SnapKV's own scores."""
+        return None if self.scorer == "snapkv" else POLICIES[self.scorer].for_budget(self.budget)
+
+    @property
+    def window_queries(self) -> int:
+        running = max(self.every, self.interval) if self.votes == "running" else 0
+        return max(self.window, running, self.inner.window_queries if self.inner else 0)
+
+    def compresses_after(self, t: int, n_prompt: int | None) -> bool:
+        if not self.prefill and n_prompt is not None and t + 1 == n_prompt:
+            return False
+        return super().compresses_after(t, n_prompt)
+
+    def score(self, view: CacheView) -> np.ndarray:
+        scores = super().score(view) if self.inner is None else np.asarray(self.inner.score(view), np.float64)
+        if self.heads == "layer":  # every head holds the same tokens: the heads' mean decides for all
+            scores = np.broadcast_to(np.where(view.kept, scores, 0.0).mean(0), scores.shape)
+        return scores
+
+    def keep(self, view: CacheView) -> np.ndarray:
+        keep = keep_top(self.score(view), view.kept, self.budget, self.recent)
+        # What ``reform`` weighs merges by, noted once at each compression, merging or not: the running votes take
+        # the rows of the queries decoded since the last compression; ``arrived`` counts the tokens read since the
+        # last one that evicted.
+        state = view.state
+        if state.get("noted_at") == view.t:
+            return keep
+        start = -1 if view.n_prompt is None else view.n_prompt - 1
+        if self.votes == "running":
+            fresh = np.flatnonzero(view.query_positions > state.get("noted_at", start))
+            running = grow(state.get("running", np.zeros((view.kept.shape[0], 0))), view.t + 1)
+            state["running"] = running + view.attn_window[:, fresh].sum(1)
+        state["arrived"] = view.t - state.get("last_eviction", start)
+        if (view.kept & ~keep).any():
+            state["last_eviction"] = view.t
+        state["noted_at"] = view.t
+        return keep
+
     def reform(self, view: CacheView, keep: np.ndarray) -> Reform | None:
         dropped = view.kept & ~keep
         if self.merge == 0 or not dropped.any():
             return None
-        attention = view.attn_window.sum(1)  # [H, t+1]
+        attention = view.attn_window.sum(1) if self.votes == "window" else view.state["running"]
+        arrived = view.state["arrived"]
+        score = self.score(view) if self.merged == "arrived" else None
         given = np.asarray(view.values)
         values = given.copy()
         into = np.full(keep.shape, -1, np.int64)
@@ -74,7 +146,10 @@ class CaM(SnapKV):
         offsets = np.arange(self.merge)
         for h in range(keep.shape[0]):
             held, gone = np.flatnonzero(keep[h]), np.flatnonzero(dropped[h])
-            if not len(held):
+            if score is not None:  # the best-scored ``arrived`` of them, of equal scores the later
+                best = np.lexsort((-gone, -score[h, gone]))[:arrived]
+                gone = np.sort(gone[best])
+            if not len(held) or not len(gone):
                 continue
             # Each evicted token's targets: the ``merge`` held tokens after it ([gone, merge], ``valid`` where one is).
             slots = np.searchsorted(held, gone, side="right")[:, None] + offsets
