@@ -7,7 +7,11 @@ press: with the settings that match kvpress's (``MATCHED``) and with KV Lens's d
 prints per press and budget the mean Jaccard index of the kept prompt positions over layers and KV heads, and
 each side's greedy answer.
 
-    .venv/bin/python -m benchmarks.kvpress_compare [--budgets 24 40 64 96]
+    .venv/bin/python -m benchmarks.kvpress_compare [--budgets 24 40 64 96] [--merges]
+
+``--merges`` compares the merging policies instead, against ``tests/fixtures/kvpress_special.json``
+(``benchmarks/kvpress_special.py``): kvpress's ``CAMPress`` and ``MergingPress`` over Knorm's scores, what each layer
+holds, how far each held value moved, and the answers.
 
 ``tests/test_kvpress_reference.py`` asserts the matched sets are equal.
 """
@@ -37,6 +41,7 @@ MATCHED = {
     "keydiff": "keydiff:budget={b}",
     "chunkkv_knorm": "chunkkv:budget={b},scorer=knorm,preset=kvpress",
     "cur": "cur:budget={b}",
+    "leverage_seed0": "leverage:budget={b}",
     "compactor_seed0": "compactor:budget={b},preset=kvpress",
     "criticalkv_snapkv_w8": "criticalkv:budget={b},preset=kvpress",
     "lagkv_lag32": "lagkv:budget={b},lag=32",
@@ -77,15 +82,66 @@ def run(lm, specs: list[str], ids: list[int], max_new_tokens: int = 16):
     return traces
 
 
+SPECIAL = FIXTURE.with_name("kvpress_special.json")
+
+
+def merges(lm) -> None:
+    """CaM and Merging with kvpress's settings against kvpress, and KV Lens's defaults beside them."""
+    data = json.loads(SPECIAL.read_text())
+    ids, n = data["input_ids"], len(data["input_ids"])
+    decode = lambda tokens: lm.tokenizer.decode(tokens).strip()  # noqa: E731
+    print("| press | budget | KV Lens | layers holding kvpress's tokens | held values' error, largest gap | kvpress "
+          "answer | KV Lens answer |")
+    print("|---|---|---|---|---|---|---|")
+    for budget, cam in data["cam"]["budgets"].items():
+        read = len(cam["answer_ids"]) - 1  # kvpress's last token is never read
+        expected = f"cam:budget={budget},window=0,scorer=knorm,preset=kvpress,sample=expected"
+        drawn = expected.replace(",sample=expected", "")
+        default = default_spec("cam", int(budget))
+        traces = dict(zip([expected, drawn, default], run(lm, [expected, drawn, default], ids, max_new_tokens=read)))
+        trace = traces[expected]
+        same = [all(np.flatnonzero(head).tolist() == layer["held"] for head in trace.evicted_at[i][:, : n + read] == -1)
+                for i, layer in enumerate(cam["layers"])]
+        gap = max(float(np.abs(trace.forms["value_error"][i][:, layer["held"]].astype(float) -
+                               np.array(layer["value_error"])).max()) for i, layer in enumerate(cam["layers"]))
+        print(f"| CAMPress (Knorm, interval 1, expected draws) | {budget} | `{expected}` | {sum(same)} of {len(same)} | "
+              f"{gap:.4f} | {decode(cam['answer_ids'][:read])!r} | {decode(trace.generated_ids)!r} |")
+        print(f"| CAMPress, drawn (kvpress: torch.manual_seed(0)) | {budget} | `{drawn}` | - | - | "
+              f"{decode(cam['drawn_answer_ids'][:read])!r} | {decode(traces[drawn].generated_ids)!r} |")
+        print(f"| (KV Lens's default) | {budget} | `{default}` | - | - | - | {decode(traces[default].generated_ids)!r} |")
+    for budget, merging in data["merging"]["budgets"].items():
+        matched, default = f"merging:budget={budget},scorer=knorm", default_spec("merging", int(budget))
+        traces = dict(zip([matched, default], run(lm, [matched, default], ids, max_new_tokens=data["max_new_tokens"])))
+        trace = traces[matched]
+        ours = kept_sets(trace, n)
+        same = sum(a == b for a, b in zip(ours, merging["kept"]))
+        gap = max(float(np.abs(np.stack([trace.forms["value_error"][i][h, p] for h, p in enumerate(kept)]).astype(float)
+                               - np.array(errors)).max()) for i, (kept, errors) in
+                  enumerate(zip(merging["kept"], merging["value_error"])))
+        print(f"| MergingPress (Knorm) | {budget} | `{matched}` | {same} of {len(ours)} | {gap:.4f} | "
+              f"{decode(merging['answer_ids'])!r} | {decode(trace.generated_ids)!r} |")
+        print(f"| (KV Lens's default) | {budget} | `{default}` | - | - | - | {decode(traces[default].generated_ids)!r} |")
+
+
+def default_spec(name: str, budget: int) -> str:
+    from backend.policies import POLICIES
+
+    return POLICIES[name].for_budget(budget).spec()
+
+
 def main() -> None:
     from backend.engine.models import load_model
     from backend.policies import POLICIES
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budgets", type=int, nargs="*", default=None)
+    parser.add_argument("--merges", action="store_true", help="compare CaM and Merging (kvpress_special.json)")
     args = parser.parse_args()
     data = fixture()
     lm = load_model()
+    if args.merges:
+        merges(lm)
+        return
     ids, n = data["input_ids"], data["n"]
     assert lm.encode(Path(data["text"]).read_text(), chat=True) == ids, "the fixture's tokens are not KV Lens's"
     budgets = args.budgets or data["budgets"]

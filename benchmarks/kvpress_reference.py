@@ -35,7 +35,7 @@ What is recorded, for each press and budget b in BUDGETS: the whole n-token prom
 press (``with press(model): model(ids, past_key_values=cache)``), float32, sdpa attention (AdaKV and KVzip
 refuse eager), and the positions kvpress keeps are read per layer and KV head:
 
-* ScorerPress-based presses (SnapKV, PyramidKV, Knorm, KeyDiff, CUR, CriticalKV, Compactor, StreamingLLM, TOVA, ExpectedAttention, Random) gather
+* ScorerPress-based presses (SnapKV, PyramidKV, Knorm, KeyDiff, CUR, leverage, CriticalKV, Compactor, StreamingLLM, TOVA, ExpectedAttention, Random) gather
   the kept keys out of the cache; each kept key row is matched back to the one prompt position it was copied
   from, so the record is what kvpress kept, ties included. The press's scores are captured too, to count the
   (layer, head) pairs where the b-th and (b+1)-th best scores tie (where torch.topk's tie-breaking chose).
@@ -88,7 +88,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from kvpress import (AdaKVPress, ChunkKVPress, CompactorPress, CriticalKVPress, CURPress, ExpectedAttentionPress, KeyDiffPress, KnormPress,
-                     KVzipPress, LagKVPress, PyramidKVPress, RandomPress, ScorerPress, SnapKVPress, StreamingLLMPress, TOVAPress)
+                     KVzipPress, LagKVPress, LeverageScorePress, PyramidKVPress, RandomPress, ScorerPress, SnapKVPress, StreamingLLMPress, TOVAPress)
 
 BUDGETS = (24, 40, 64, 96)
 MAX_NEW = 16
@@ -131,6 +131,8 @@ def presses() -> list[tuple[str, str, dict, Callable[[float], object]]]:
         ("compactor_seed0", "CompactorPress", {"sink_size_start": 8, "sink_size_end": 4, "chunk_size": 256,
                                                "sketch_dimension": 48, "blending": None, "seed": 0},
          lambda r: (torch.manual_seed(0), CompactorPress(compression_ratio=r))[1]),
+        ("leverage_seed0", "LeverageScorePress", {"sketch_dimension": 48, "seed": 0},
+         lambda r: (torch.manual_seed(0), LeverageScorePress(compression_ratio=r))[1]),
         ("cur", "CURPress", {"num_sinks": 4, "leverage_type": "kv_product", "use_random_leverage": False,
                              "use_local_approximation": True, "local_window_size": 16},
          lambda r: CURPress(compression_ratio=r)),

@@ -312,6 +312,23 @@ def test_cur_keeps_the_sinks_then_the_largest_local_leverage_of_keys_times_value
         CUR(leverage="keys")
 
 
+def test_leverage_keeps_the_keys_of_largest_statistical_leverage():
+    from backend.policies import Leverage
+
+    # Centred keys (3, 0) (-1, 1) (-1, -1) (-1, 0): X^T X = diag(12, 2), so the hat matrix's diagonal is x^2 / 12 +
+    # y^2 / 2 = .75, .583, .583, .083, summing to the rank, 2. A sketch of 48 columns keeps X's column space, and
+    # the solve's jitter (0.01) moves the scores by well under 2%.
+    keys = np.array([[[3.0, 0], [-1, 1], [-1, -1], [-1, 0]]])
+    view = CacheView(t=3, n_prompt=4, layer=0, n_layers=1, attn_window=np.zeros((1, 0, 4)), keys=keys,
+                     values=np.ones((1, 4, 2)), kept=np.ones((1, 4), bool))
+    score = Leverage(budget=1).score(view)
+    np.testing.assert_allclose(score, [[0.75, 7 / 12, 7 / 12, 1 / 12]], rtol=2e-2)
+    np.testing.assert_array_equal(Leverage(budget=1).keep(view), [[True, False, False, False]])
+    np.testing.assert_array_equal(Leverage(budget=3).keep(view), [[True, True, True, False]])
+    # Every draw of the sketch gives the same leverages: a sketch wider than the keys loses nothing.
+    np.testing.assert_allclose(Leverage(budget=1, seed=7).score(view), score, rtol=2e-2)
+
+
 def test_simlayerkv_keeps_the_first_and_latest_tokens_of_a_lazy_layer_and_everything_of_a_busy_one():
     from backend.policies.simlayerkv import SimLayerKV
 

@@ -31,6 +31,7 @@ from .chunkkv import ChunkKV  # noqa: E402
 from .lagkv import LagKV  # noqa: E402
 from .cur import CUR  # noqa: E402
 from .compactor import Compactor  # noqa: E402
+from .leverage import Leverage  # noqa: E402
 from .simlayerkv import SimLayerKV  # noqa: E402
 from .criticalkv import CriticalKV  # noqa: E402
 from .finch import FINCH  # noqa: E402
