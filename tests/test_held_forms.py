@@ -388,6 +388,9 @@ def test_cam_with_kvpress_settings_merges_the_best_scored_of_what_arrived_by_the
     assert not policy.compresses_after(3, 4) and policy.compresses_after(4, 4) and policy.compresses_after(5, 4)
     with pytest.raises(ValueError, match="every >= 1"):
         dataclasses.replace(policy, every=0)
+    for unfit in ("simlayerkv", "kvzip", "kivi"):  # no token scores; an extra pass; a reforming policy
+        with pytest.raises(ValueError, match="scorer must be one of"):
+            dataclasses.replace(policy, scorer=unfit)
 
 
 def test_merging_folds_each_evicted_value_into_the_held_token_of_the_nearest_key():

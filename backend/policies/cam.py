@@ -76,7 +76,10 @@ class CaM(SnapKV):
         for field, value, allowed in (("merged", self.merged, MERGED), ("votes", self.votes, VOTES)):
             if value not in allowed:
                 raise ValueError(f"{self.name}: {field} must be one of {', '.join(allowed)}, got {value!r}")
-        scorers = [n for n, c in POLICIES.items() if c.kind == "compression" and not c.reforms and n != self.name]
+        # A policy that scores tokens (SimLayerKV decides per layer), from the cache and the window's queries alone
+        # (KVzip's extra pass would be a run of its own).
+        scorers = [n for n, c in POLICIES.items() if c.kind == "compression" and not c.reforms and not c.rereads
+                   and c.score is not CompressionPolicy.score and n != self.name]
         if self.scorer not in scorers:
             raise ValueError(f"{self.name}: scorer must be one of {', '.join(scorers)}, got {self.scorer!r}")
         if not self.prefill and self.every < 1:
@@ -100,6 +103,14 @@ class CaM(SnapKV):
     def window_queries(self) -> int:
         running = max(self.every, self.interval) if self.votes == "running" else 0
         return max(self.window, running, self.inner.window_queries if self.inner else 0)
+
+    @property
+    def window_by_query_head(self) -> bool:
+        return self.inner.window_by_query_head if self.inner else super().window_by_query_head
+
+    @property
+    def reads_every_key(self) -> bool:  # what a row costs (limits.row_cost): the scorer's reading
+        return self.inner is not None and self.inner.reads_every_key
 
     def compresses_after(self, t: int, n_prompt: int | None) -> bool:
         if not self.prefill and n_prompt is not None and t + 1 == n_prompt:
