@@ -207,3 +207,39 @@ def test_generate_mode_scores_equal_a_second_teacher_forced_pass(tiny, text_ids)
         np.testing.assert_allclose(trace.logprobs, stats["logprobs"][row], atol=1e-9, err_msg=trace.spec)
         np.testing.assert_allclose(trace.kl_to_full, stats["kl_to_full"][row], atol=1e-9, err_msg=trace.spec)
         np.testing.assert_array_equal(trace.top1_ids, stats["top1_ids"][row])
+
+
+def test_a_row_whose_answer_ended_goes_idle_and_every_row_answers_as_it_would_alone(tiny, text_ids, monkeypatch):
+    """Rows stop at EOS at different steps: once a row has read its EOS no policy decides for it (it is idle), and
+    every row's trace is the one it gets in a batch of its own (with Full)."""
+    from backend.engine import attention
+    from backend.policies import parse_spec
+
+    specs = ["window:budget=12", "tova:budget=10", "snapkv:budget=12", "sparq:budget=12,r=4", "cam:budget=12"]
+    ids = text_ids[:30]
+    (first, *_), _ = compute_traces(tiny, specs[:1], [parse_spec(specs[0])], ids, mode="generate",
+                                    max_new_tokens=10, record_layers=())
+    monkeypatch.setattr(tiny.tokenizer, "eos_token_id", int(first.generated_ids[2]), raising=False)
+    calls = {}
+    attend = attention.RowLayerState.attend
+
+    def counted(state, *args, **kwargs):
+        calls[state.policy] = calls.get(state.policy, 0) + 1
+        return attend(state, *args, **kwargs)
+
+    monkeypatch.setattr(attention.RowLayerState, "attend", counted)
+    batched, _ = compute_traces(tiny, specs, [parse_spec(s) for s in specs], ids, mode="generate", max_new_tokens=10,
+                                record_layers=(0,))
+    lengths = [len(t.generated_ids) for t in batched]
+    assert min(lengths) < max(lengths) == 10, lengths  # some rows stopped early, one ran to the limit
+    early, late = parse_spec(specs[lengths.index(min(lengths))]), parse_spec(specs[lengths.index(10)])
+    if not early.attends and not late.attends:  # an attending row (SparQ) computes its output elsewhere
+        assert calls[early] < calls[late]  # the early row stopped attending, once its EOS was read
+    for spec, trace in zip(specs, batched):
+        (alone,), _ = compute_traces(tiny, [spec], [parse_spec(spec)], ids, mode="generate", max_new_tokens=10,
+                                     record_layers=(0,))
+        np.testing.assert_array_equal(trace.generated_ids, alone.generated_ids, err_msg=spec)
+        np.testing.assert_allclose(trace.logprobs, alone.logprobs, atol=1e-9, err_msg=spec)
+        for layer in range(tiny.n_layers):  # what every query read, whatever the kind
+            np.testing.assert_array_equal(trace.reads(layer), alone.reads(layer), err_msg=f"{spec} layer {layer}")
+        np.testing.assert_allclose(trace.attention.dense(0), alone.attention.dense(0), atol=1e-9, err_msg=spec)

@@ -757,6 +757,10 @@ class PolicyCache(DynamicCache):
                      for layer in range(n_layers)]
         self.decoding = False  # True: the next blocks' queries are decoding steps (see Block.decoding)
         self.n_prompt: int | None = None  # generate mode: where the prompt ends (compression policies act there)
+        # Rows whose answer has ended (their EOS read): they still go through the model with the batch, but no
+        # policy decides for them and nothing is recorded (their output is zero), so a row that rambles on costs
+        # the others nothing but the batch's matmuls.
+        self.idle: frozenset[int] = frozenset()
 
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scaling: float, softcap: float | None = None, window: int | None = None) -> torch.Tensor:
@@ -767,11 +771,15 @@ class PolicyCache(DynamicCache):
         first = total - n
         # The rows that walk on the device walk together, in one launch for the layer (``DeviceWalk``).
         together = self._walk_on_device(layer, query, key, value, scaling, softcap, window) if any(
-            state.walks_on_device(query.device) for state in self.rows[layer]) else {}
+            state.walks_on_device(query.device) and b not in self.idle for b, state in enumerate(self.rows[layer])
+        ) else {}
         outputs = []
         for b, state in enumerate(self.rows[layer]):
             if b in together:
                 outputs.append(together[b])
+                continue
+            if b in self.idle:
+                outputs.append(query.new_zeros(n, n_q_heads, dim))
                 continue
             if state.policy.attends:
                 block = Block(q=query[b], k=key[b], v=value[b], first=first, scaling=scaling, rope=self.ropes[layer],
@@ -793,7 +801,8 @@ class PolicyCache(DynamicCache):
         batch, n_q_heads, n, dim = query.shape
         n_kv_heads, total = key.shape[1], key.shape[2]
         first = total - n
-        walking = [b for b, state in enumerate(self.rows[layer]) if state.walks_on_device(query.device)]
+        walking = [b for b, state in enumerate(self.rows[layer])
+                   if state.walks_on_device(query.device) and b not in self.idle]
         # The rows that walk their heads alike side by side: one launch for each way (``eviction_walk_triton.ways``).
         way = eviction_walk_triton.ways(np.array([self.rows[layer][b].walk_params() for b in walking]))
         walking = [walking[i] for i in np.argsort(way, kind="stable")]

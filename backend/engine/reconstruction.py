@@ -105,7 +105,7 @@ def template_header(lm: LoadedModel, ids: list[int]) -> int:
 
 
 def _rereading(cache: PolicyCache) -> list[int]:
-    return [row for row, p in enumerate(cache.policies) if p.rereads]
+    return [row for row, p in enumerate(cache.policies) if p.rereads and row not in cache.idle]
 
 
 def cuts(cache: PolicyCache, start: int, n: int) -> set[int]:

@@ -173,12 +173,16 @@ def _decode(lm: LoadedModel, cache: PolicyCache, hidden: torch.Tensor, position:
     eos = lm.tokenizer.eos_token_id
     outputs: list[list[int]] = [[] for _ in cache.policies]
     done = np.zeros(len(outputs), bool)
+    next_ids = torch.full((len(outputs),), eos if eos is not None else 0, dtype=torch.long, device=hidden.device)
     for step in range(max_new_tokens):
-        next_ids = lm.features.logits(lm.model.lm_head(hidden)).argmax(-1)
-        for row, token in enumerate(next_ids.tolist()):
-            if not done[row]:
-                outputs[row].append(token)
-                done[row] = token == eos
+        # Only the rows still answering: a row that has read its EOS is idle (``PolicyCache.idle``) and its logits,
+        # a vocabulary's worth per row, are not computed.
+        active = torch.from_numpy(np.flatnonzero(~done)).to(hidden.device)
+        next_ids[active] = lm.features.logits(lm.model.lm_head(hidden[active])).argmax(-1)
+        for row in active.tolist():
+            outputs[row].append(int(next_ids[row]))
+        cache.idle = frozenset(np.flatnonzero(done).tolist())
+        done |= np.array([bool(out) and out[-1] == eos for out in outputs])
         # Feed every generated token, the last one too, so each has its own step in the trace.
         hidden = _forward(lm, cache, next_ids[:, None], position)[:, -1]
         reread(lm, cache, position)
@@ -187,6 +191,7 @@ def _decode(lm: LoadedModel, cache: PolicyCache, hidden: torch.Tensor, position:
             break
         if progress:
             progress((step + 1) / max_new_tokens, f"generating: token {step + 1} of at most {max_new_tokens}")
+    cache.idle = frozenset()
     return outputs
 
 
