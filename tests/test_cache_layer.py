@@ -1,5 +1,5 @@
-"""GrowingLayer (backend/engine/cache_layer.py): appends in place, reads like DynamicLayer's concatenation, and a
-copy never sees what the other side appends."""
+"""GrowingLayer and GrowingTensor (backend/engine/cache_layer.py): appends in place, reads like DynamicLayer's
+concatenation, and a copy never sees what the other side appends."""
 import copy
 
 import torch
@@ -51,3 +51,22 @@ def test_crop_and_batch_edits_keep_the_length_right():
     k, v = (x[1:] for x in blocks([1], seed=3)[0])
     keys, _ = layer.update(k, v)
     assert keys.shape == (1, 3, 10, 4) and torch.equal(keys[..., 9:, :], k)
+
+
+def test_a_growing_tensor_holds_what_was_appended_and_a_copy_appends_apart():
+    from backend.engine.cache_layer import GrowingTensor
+
+    blocks = [torch.randn(2, 3, n, 4) for n in (5, 1, 1, 7, 1)]
+    grown = GrowingTensor()
+    for i, block in enumerate(blocks[:3]):
+        torch.testing.assert_close(grown.append(block), torch.cat(blocks[: i + 1], 2))
+    buffer = grown.buffer
+    twin = copy.copy(grown)
+    torch.testing.assert_close(twin.append(blocks[3]), torch.cat(blocks[:4], 2))
+    torch.testing.assert_close(grown.append(blocks[4]), torch.cat([*blocks[:3], blocks[4]], 2))  # not the twin's
+    torch.testing.assert_close(twin.filled, torch.cat(blocks[:4], 2))
+    assert grown.buffer is not buffer or twin.buffer is not buffer
+    # In place: a decoding step's append copies nothing while there is room.
+    before = grown.buffer
+    grown.append(torch.randn(2, 3, 1, 4))
+    assert grown.buffer is before

@@ -41,7 +41,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from kernels import eviction_walk, eviction_walk_triton
 
-from .cache_layer import GrowingLayer
+from .cache_layer import GrowingLayer, GrowingTensor
 from .features import Capture, ModelFeatures, read_features
 from ..policies import Policy
 from ..policies.base import attention_logits, visible_keys, Block, CacheView, RunningScore
@@ -747,7 +747,7 @@ class PolicyCache(DynamicCache):
         self.needs_prerope = any(p.needs_prerope for p in self.policies)
         self.capturing = True  # False during a side pass (``side_pass``)
         self.prerope_q: dict[int, torch.Tensor] = {}  # layer -> this block's queries before RoPE
-        self.prerope_k: dict[int, torch.Tensor] = {}  # layer -> every key so far, before RoPE
+        self.prerope_k: dict[int, GrowingTensor] = {}  # layer -> every key so far, before RoPE
         self.recorded_k: dict[int, list[torch.Tensor]] = {}  # recorded layer -> blocks of keys before RoPE
         self.record_top_k = record_top_k  # entries kept of each recorded attention row
         outputs = ([None if layer.output is None else layer.output.weight.detach() for layer in features.layers]
@@ -786,7 +786,7 @@ class PolicyCache(DynamicCache):
                               softcap=softcap, window=window,
                               decoding=self.decoding, layer=layer, n_layers=len(self.rows), n_prompt=self.n_prompt,
                               q_pre=self.prerope_q[layer][b] if self.needs_prerope else None,
-                              k_pre=self.prerope_k[layer][b] if self.needs_prerope else None)
+                              k_pre=self.prerope_k[layer].filled[b] if self.needs_prerope else None)
                 outputs.append(state.run_attending(block).to(query.dtype))
                 continue
             # Query head h shares KV head h // group (transformers' repeat_kv order).
@@ -837,7 +837,8 @@ class PolicyCache(DynamicCache):
         """
         twin = copy.copy(self)
         twin.layers = [copy.copy(layer) for layer in self.layers]
-        twin.prerope_q, twin.prerope_k = dict(self.prerope_q), dict(self.prerope_k)
+        twin.prerope_q = dict(self.prerope_q)
+        twin.prerope_k = {layer: copy.copy(keys) for layer, keys in self.prerope_k.items()}
         twin.record_layers, twin.recorded_k = (), {}
         twin.rows = [[state.fork() for state in layer] for layer in self.rows]
         return twin
@@ -940,8 +941,7 @@ class PreRopeCapture:
                 cache.prerope_q[layer] = x
                 return
             if cache.needs_prerope:
-                past = cache.prerope_k.get(layer)
-                cache.prerope_k[layer] = x if past is None else torch.cat([past, x], dim=2)
+                cache.prerope_k.setdefault(layer, GrowingTensor()).append(x)
             if layer in cache.record_layers:
                 cache.recorded_k.setdefault(layer, []).append(x.to(torch.float16))
 

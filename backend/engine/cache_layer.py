@@ -5,7 +5,9 @@ cache once per block: at 8k tokens in blocks of 256 that is 32 copies per layer,
 ``GrowingLayer`` writes each block into a buffer with room to spare (a quarter more, or one more block
 when that is more) and returns views of what is filled, so the copies add up to a constant times the
 text. A copy of the layer (``PolicyCache.fork``) shares the buffer until either side appends: that side
-then moves to a buffer of its own, so neither overwrites what the other reads.
+then moves to a buffer of its own, so neither overwrites what the other reads. ``GrowingTensor`` does the same for
+one tensor (the keys before RoPE that StreamingLLM and ReAttention re-read), which a concatenation per decoding step
+would copy whole every step.
 """
 from __future__ import annotations
 
@@ -67,3 +69,35 @@ class GrowingLayer(DynamicLayer):
             self.keys, self.values = self._k, self._v
             self.shared = False
 
+
+
+class GrowingTensor:
+    """A tensor [B, H, length, d] that grows along its length in place, as ``GrowingLayer`` does (the keys before
+    RoPE a policy re-reads, one block or decoding step at a time): ``append`` returns a view of what is filled.
+    A copy shares the buffer until either side appends."""
+
+    def __init__(self):
+        self.buffer: torch.Tensor | None = None
+        self.length, self.shared = 0, False
+
+    def append(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[-2]
+        end = self.length + n
+        if self.buffer is None or end > self.buffer.shape[-2] or self.shared:
+            buffer = x.new_empty(x.shape[:-2] + (end + max(end // 4, n), x.shape[-1]))
+            if self.buffer is not None:
+                buffer[..., : self.length, :] = self.buffer[..., : self.length, :]
+            self.buffer, self.shared = buffer, False
+        self.buffer[..., self.length:end, :] = x
+        self.length = end
+        return self.filled
+
+    @property
+    def filled(self) -> torch.Tensor:
+        return self.buffer[..., : self.length, :]
+
+    def __copy__(self) -> "GrowingTensor":
+        twin = object.__new__(GrowingTensor)
+        twin.__dict__.update(self.__dict__)
+        self.shared = twin.shared = True  # copy-on-append, on both sides
+        return twin
