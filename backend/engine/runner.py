@@ -179,8 +179,9 @@ def _decode(lm: LoadedModel, cache: PolicyCache, hidden: torch.Tensor, position:
         # a vocabulary's worth per row, are not computed.
         active = torch.from_numpy(np.flatnonzero(~done)).to(hidden.device)
         next_ids[active] = lm.features.logits(lm.model.lm_head(hidden[active])).argmax(-1)
-        for row in active.tolist():
-            outputs[row].append(int(next_ids[row]))
+        tokens = next_ids.tolist()  # one read from the device a step
+        for row in np.flatnonzero(~done):
+            outputs[row].append(tokens[row])
         cache.idle = frozenset(np.flatnonzero(done).tolist())
         done |= np.array([bool(out) and out[-1] == eos for out in outputs])
         # Feed every generated token, the last one too, so each has its own step in the trace.
