@@ -249,6 +249,20 @@ def clear_masks(model) -> None:
         layer.self_attn.masked_key_indices = None
 
 
+def decode_greedily(model, cache, first: int, position: int) -> list[int]:
+    """``first`` and the greedy tokens after it, each read at the next position from ``position`` on, on ``cache``,
+    up to MAX_NEW tokens or the end of the turn."""
+    eos = model.generation_config.eos_token_id
+    stop = set(eos if isinstance(eos, list) else [eos])
+    generated = [first]
+    while len(generated) < MAX_NEW and generated[-1] not in stop:
+        step = model(input_ids=torch.tensor([[generated[-1]]]), past_key_values=cache,
+                     position_ids=torch.tensor([[position]]))
+        generated.append(int(step.logits[0, -1].argmax()))
+        position += 1
+    return generated
+
+
 @torch.inference_mode()
 def run_press(model, tokenizer, ids: torch.Tensor, cls: str, params: dict, press, answer: bool) -> dict:
     n = ids.shape[1]
@@ -306,15 +320,7 @@ def run_press(model, tokenizer, ids: torch.Tensor, cls: str, params: dict, press
     out["kept"] = kept
 
     if answer:
-        generated = [int(first)]
-        eos = model.generation_config.eos_token_id
-        stop = set(eos if isinstance(eos, list) else [eos])
-        position = n
-        while len(generated) < MAX_NEW and generated[-1] not in stop:
-            step = model(input_ids=torch.tensor([[generated[-1]]]), past_key_values=cache,
-                         position_ids=torch.tensor([[position]]))
-            generated.append(int(step.logits[0, -1].argmax()))
-            position += 1
+        generated = decode_greedily(model, cache, int(first), n)
         out["answer_ids"] = generated
         out["answer"] = tokenizer.decode(generated, skip_special_tokens=True)
     clear_masks(model)

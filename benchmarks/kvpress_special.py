@@ -39,7 +39,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from kvpress import CAMPress, FinchPress, KnormPress, MergingPress, SimLayerKVPress, ThinKPress
-from kvpress_reference import MAX_NEW, ROOT, TEXT, prompt_ids
+from kvpress_reference import MAX_NEW, ROOT, TEXT, decode_greedily, prompt_ids
 
 THINK_SHARES = (0.25, 0.5, 0.75)
 THINK_WINDOW = 32  # ThinKPress's default window_size
@@ -61,16 +61,8 @@ def greedy(model, ids: torch.Tensor, press=None, first_position: int | None = No
         with press(model):
             logits = model(input_ids=ids, past_key_values=cache, logits_to_keep=1).logits
     prefilled = [(layer.keys[0].clone(), layer.values[0].clone()) for layer in cache.layers]
-    generated = [int(logits[0, -1].argmax())]
     position = ids.shape[1] if first_position is None else first_position
-    stop = model.generation_config.eos_token_id
-    stop = set(stop if isinstance(stop, list) else [stop])
-    while len(generated) < MAX_NEW and generated[-1] not in stop:
-        step = model(input_ids=torch.tensor([[generated[-1]]]), past_key_values=cache,
-                     position_ids=torch.tensor([[position]]))
-        generated.append(int(step.logits[0, -1].argmax()))
-        position += 1
-    return generated, prefilled
+    return decode_greedily(model, cache, int(logits[0, -1].argmax()), position), prefilled
 
 
 def row_positions(kept: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
@@ -128,16 +120,9 @@ def cam_run(model, ids: torch.Tensor, budget: int) -> dict:
 
     press.compress = recorded
     cache = DynamicCache()
-    stop = model.generation_config.eos_token_id
-    stop = set(stop if isinstance(stop, list) else [stop])
-    with press(model):
-        generated = [int(model(input_ids=ids, past_key_values=cache, logits_to_keep=1).logits[0, -1].argmax())]
-        position = n
-        while len(generated) < MAX_NEW and generated[-1] not in stop:
-            step = model(input_ids=torch.tensor([[generated[-1]]]), past_key_values=cache,
-                         position_ids=torch.tensor([[position]]))
-            generated.append(int(step.logits[0, -1].argmax()))
-            position += 1
+    with press(model):  # it compresses while decoding: the answer is read under it too
+        first = int(model(input_ids=ids, past_key_values=cache, logits_to_keep=1).logits[0, -1].argmax())
+        generated = decode_greedily(model, cache, first, n)
     layers = []
     for layer in sorted(held):
         made = torch.stack([computed[layer][p] for p in held[layer]], 1)  # [H, kept, d]

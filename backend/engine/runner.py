@@ -183,7 +183,7 @@ def _decode(lm: LoadedModel, cache: PolicyCache, hidden: torch.Tensor, position:
         for row in np.flatnonzero(~done):
             outputs[row].append(tokens[row])
         cache.idle = frozenset(np.flatnonzero(done).tolist())
-        done |= np.array([bool(out) and out[-1] == eos for out in outputs])
+        done |= np.array([out[-1] == eos for out in outputs])  # every row has a token from the first step on
         # Feed every generated token, the last one too, so each has its own step in the trace.
         hidden = _forward(lm, cache, next_ids[:, None], position)[:, -1]
         reread(lm, cache, position)
