@@ -280,3 +280,35 @@ def test_kvzip_pass_rereads_the_context_after_the_chat_header_and_after_the_sink
     (trace,), _ = compute_traces(lm, ["kvzip"], [KVzip(budget=32)], plain, mode="generate", max_new_tokens=1,
                                  record_layers=())
     assert trace.meta["extra_pass_tokens"] == first + len(plain) - 4  # never the sinks
+
+
+def test_rows_that_would_make_the_same_pass_share_it_and_score_as_alone(tiny, text_ids, monkeypatch):
+    """KVzip at budgets 8 and 9, compressing every 4 tokens: at the first compression (after token 12) both rows
+    hold the whole text, so that reconstruction goes through the model once, for both; from then on their caches
+    differ and each makes its own. Every row's trace is the one it gets alone, and counts the pass's tokens."""
+    from backend.engine import reconstruction
+
+    made = []
+    one_pass = reconstruction._pass
+
+    def counted(lm, cache, row, *args):
+        made.append(row)
+        return one_pass(lm, cache, row, *args)
+
+    monkeypatch.setattr(reconstruction, "_pass", counted)
+    specs = ["kvzip:budget=8,interval=4", "kvzip:budget=9,interval=4"]
+    both, _ = compute_traces(tiny, specs, [parse_spec(s) for s in specs], text_ids, record_layers=(0,))
+    shared = list(made)
+    alone = []
+    for spec in specs:
+        made.clear()
+        (trace,), _ = compute_traces(tiny, [spec], [parse_spec(spec)], text_ids, record_layers=(0,))
+        alone.append((trace, len(made)))
+    # Row 0 is Full; rows 1 and 2 pass after tokens 12, 16, ..., 40: the first pass is row 1's, for both.
+    assert [passes for _, passes in alone] == [8, 8]
+    assert shared == [1] + [1, 2] * 7
+    for spec, trace, (own, _) in zip(specs, both, alone):
+        np.testing.assert_array_equal(trace.evicted_at, own.evicted_at, err_msg=spec)
+        np.testing.assert_allclose(trace.logprobs, own.logprobs, atol=1e-9, err_msg=spec)
+        assert trace.meta["extra_pass_tokens"] == own.meta["extra_pass_tokens"] > 0
+    assert not np.array_equal(both[0].evicted_at, both[1].evicted_at)

@@ -8,7 +8,8 @@ model again, piece by piece (``pieces``, ``prompt``, from ``rereads_from``), ove
 captured pre-RoPE vectors stay as they were; the policy stores each position's score (``record``), decides
 what every layer keeps (``plan``: a budget may be shared across layers) and every layer compresses
 (``RowLayerState.compress_now``). The chat template's header (``template_header``) is the policy's to skip. The tokens of the pass are the method's cost: the
-cache counts them per row (``PolicyCache.extra_pass_tokens``) and traces report them.
+cache counts them per row (``PolicyCache.extra_pass_tokens``) and traces report them. Rows with the same history
+(KVzip at several budgets, compressing a context for the first time) make each pass once, together.
 """
 from __future__ import annotations
 
@@ -116,9 +117,34 @@ def cuts(cache: PolicyCache, start: int, n: int) -> set[int]:
             if any(cache.policies[r].compresses_after(start + e - 1, cache.n_prompt) for r in rows)}
 
 
+class _Pass:
+    """A reconstruction piece made after this step: the history of the row that made it, and the scores it gave."""
+
+    def __init__(self, piece: tuple, history: tuple, scores: list[np.ndarray]):
+        self.piece, self.history, self.scores = piece, history, scores
+
+    def reads_as(self, piece: tuple, history: tuple) -> bool:
+        """Would a row with ``history`` make this pass over ``piece``: the same tokens over the same cache?"""
+        return piece == self.piece and len(history) == len(self.history) and all(
+            np.array_equal(x, y) for x, y in zip(history, self.history))
+
+
+def _history(cache: PolicyCache, row: int, t: int) -> tuple:
+    """What makes ``row``'s cache after step t what it is: the tokens it was fed, and in every layer when each held
+    token left (``evicted_at``, -1: still held), so what every query read. Rows with the same history hold the
+    same keys and values, up to the rounding of where they sit in the batch."""
+    return (cache.fed[row, : t + 1].numpy().copy(),
+            *(layer[row].evicted_at[:, : t + 1].copy() for layer in cache.rows))
+
+
 def reread(lm: LoadedModel, cache: PolicyCache, t: int) -> None:
     """After step t: every rereading row due to compress re-reads its unscored context, then compresses (a
-    compression that would drop nothing makes no pass: there is nothing to decide)."""
+    compression that would drop nothing makes no pass: there is nothing to decide).
+
+    Rows that would make the same pass share it: KVzip at several budgets over one context holds the same cache
+    when it first compresses, and its scores do not depend on the budget. Each row still counts the pass's tokens,
+    the method's cost."""
+    made: list[_Pass] = []
     for row in _rereading(cache):
         policy = cache.policies[row]
         states = [layer[row] for layer in cache.rows]
@@ -131,19 +157,32 @@ def reread(lm: LoadedModel, cache: PolicyCache, t: int) -> None:
             continue
         lo = policy.rereads_from(states[0].state, prefix)
         suffix = assistant_turn(lm, policy.NO_TEMPLATE)
+        history = _history(cache, row, t)
         for a, b in policy.pieces(lo, t + 1):
             tokens = policy.prompt(ids, a, b, lambda text: _encode(lm, text), suffix, prefix)
-            side = RereadCache([layer.keys[row: row + 1, :, : t + 1] for layer in cache.layers],
-                               [layer.values[row: row + 1, :, : t + 1] for layer in cache.layers],
-                               held, a, b, policy.pass_sinks())
-            device = lm.model.device
-            positions = torch.arange(t + 1, t + 1 + len(tokens), device=device)[None]
-            with cache.side_pass():
-                lm.model.model(input_ids=torch.tensor([tokens], device=device), position_ids=positions,
-                               past_key_values=side, use_cache=True, kv_lens=side)
-            for state, score in zip(states, side.scores):
+            piece = (a, b, tuple(tokens), policy.pass_sinks())
+            same = next((p for p in made if p.reads_as(piece, history)), None)
+            scores = same.scores if same is not None else _pass(lm, cache, row, held, t, tokens, a, b,
+                                                                policy.pass_sinks())
+            if same is None:
+                made.append(_Pass(piece, history, scores))
+            for state, score in zip(states, scores):
                 policy.record(state.state, a, b, score)
             cache.add_extra_pass(row, len(tokens))
         policy.plan([s.state for s in states], held, t, prefix)
         for state, layer in zip(states, cache.layers):
             state.compress_now(t, layer.keys[row], layer.values[row], cache.n_prompt)
+
+
+def _pass(lm: LoadedModel, cache: PolicyCache, row: int, held: list[np.ndarray], t: int, tokens: list[int], a: int,
+          b: int, sinks: int) -> list[np.ndarray]:
+    """One reconstruction piece of ``row``: ``tokens`` through the model over the row's cache; per layer the scores
+    [H, b - a] of positions a..b-1 (``RereadCache``)."""
+    side = RereadCache([layer.keys[row: row + 1, :, : t + 1] for layer in cache.layers],
+                       [layer.values[row: row + 1, :, : t + 1] for layer in cache.layers], held, a, b, sinks)
+    device = lm.model.device
+    positions = torch.arange(t + 1, t + 1 + len(tokens), device=device)[None]
+    with cache.side_pass():
+        lm.model.model(input_ids=torch.tensor([tokens], device=device), position_ids=positions,
+                       past_key_values=side, use_cache=True, kv_lens=side)
+    return side.scores
