@@ -132,8 +132,10 @@ class _Pass:
 def _history(cache: PolicyCache, row: int, t: int) -> tuple:
     """What makes ``row``'s cache after step t what it is: the tokens it was fed, and in every layer when each held
     token left (``evicted_at``, -1: still held), so what every query read. Rows with the same history hold the
-    same keys and values, up to the rounding of where they sit in the batch."""
-    return (cache.fed[row, : t + 1].numpy().copy(),
+    same keys and values, up to the rounding of where they sit in the batch. A row that reforms what it holds
+    (``Policy.reforms``) read forms of its own: its history is its own (the row's index)."""
+    own = (np.array([row]),) if cache.policies[row].reforms else ()
+    return (*own, cache.fed[row, : t + 1].numpy().copy(),
             *(layer[row].evicted_at[:, : t + 1].copy() for layer in cache.rows))
 
 
