@@ -10,8 +10,8 @@ import time
 import torch
 
 from backend.engine import reconstruction
-from backend.experiments.task_runs import answer
 from backend.engine.models import load_model
+from backend.experiments.task_runs import answer
 from backend.limits import Limits
 
 from .task_cost import task_request

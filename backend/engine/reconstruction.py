@@ -159,16 +159,15 @@ def reread(lm: LoadedModel, cache: PolicyCache, t: int) -> None:
             continue
         lo = policy.rereads_from(states[0].state, prefix)
         suffix = assistant_turn(lm, policy.NO_TEMPLATE)
-        history = _history(cache, row, t)
+        history, sinks = _history(cache, row, t), policy.pass_sinks()
         for a, b in policy.pieces(lo, t + 1):
             tokens = policy.prompt(ids, a, b, lambda text: _encode(lm, text), suffix, prefix)
-            piece = (a, b, tuple(tokens), policy.pass_sinks())
-            same = next((p for p in made if p.reads_as(piece, history)), None)
-            scores = same.scores if same is not None else _pass(lm, cache, row, held, t, tokens, a, b,
-                                                                policy.pass_sinks())
-            if same is None:
-                made.append(_Pass(piece, history, scores))
-            for state, score in zip(states, scores):
+            piece = (a, b, tuple(tokens), sinks)
+            piece_pass = next((p for p in made if p.reads_as(piece, history)), None)
+            if piece_pass is None:
+                piece_pass = _Pass(piece, history, _pass(lm, cache, row, held, t, tokens, a, b, sinks))
+                made.append(piece_pass)
+            for state, score in zip(states, piece_pass.scores):
                 policy.record(state.state, a, b, score)
             cache.add_extra_pass(row, len(tokens))
         policy.plan([s.state for s in states], held, t, prefix)
