@@ -85,6 +85,29 @@ def test_the_answers_attention_on_the_evidence_against_full():
     trace = make_trace(8, evicted_at=EVICTED, n_kv_heads=2, attention=attention, recorded_layers=(0,))
     followed = follow(trace, spans_of([(2, 4)]))
     np.testing.assert_allclose(followed.attention, [0.5], atol=1e-3)  # (0.25 + 0.75) / 2
+    assert followed.attention_top_k is None  # whole rows: the share is exact
+
+
+def test_attention_cut_to_a_rows_top_k_is_said_to_be_a_lower_bound():
+    """Rows cut to their 2 largest weights (as at 8k tokens, k = 7): head 0's top 2 hold token 3, head 1's do
+    not, so the share read is a lower bound, and the verdict says so."""
+    from backend.traces.recorded import TopAttention
+
+    attention = np.zeros((1, 2, 8, 8))
+    attention[0, 0, 7, [0, 3, 7]] = [0.5, 0.3, 0.2]  # head 0: top 2 = tokens 0 and 3
+    attention[0, 1, 7, [0, 3, 7]] = [0.5, 0.1, 0.4]  # head 1: top 2 = tokens 0 and 7, token 3 cut
+    whole = TopAttention.from_dense(attention)
+    order = np.argsort(-whole.val.astype(np.float32), axis=-1, kind="stable")[..., :2]
+    cut = TopAttention(np.take_along_axis(whole.pos, order, -1), np.take_along_axis(whole.val, order, -1))
+    trace = make_trace(8, evicted_at=EVICTED, n_kv_heads=2, attention=attention, recorded_layers=(0,))
+    trace.attention = cut
+    followed = follow(trace, spans_of([(2, 4)]))
+    assert followed.attention_top_k == 2
+    np.testing.assert_allclose(followed.attention, [0.15], atol=1e-3)  # (0.3 + 0) / 2, not (0.3 + 0.1) / 2
+    line = verdict("TOVA", followed, followed, spans_of([(2, 4)]))
+    assert "put at least 15% of its attention on it, Full 15% (of the 2 largest weights a head's row keeps)" in line
+    early = follow(trace, spans_of([(2, 4)]), step=1)  # query 1 has 2 weights: its row is whole
+    assert early.attention_top_k is None
 
 
 def test_the_verdict_counts_layers_and_tokens_and_when_they_left():

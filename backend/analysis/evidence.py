@@ -139,7 +139,9 @@ class Followed:
     ``held`` bool [L, H, E]: evidence token e was read by that query in layer l, KV head h; ``left`` int [L, H, E]:
     the step from which it was no longer read (-1 where it was read at ``step``); ``attention`` float [R]: per
     recorded layer, the share of that query's attention (mean over KV heads, each the mean of its query heads)
-    on the evidence, or None where nothing was recorded."""
+    on the evidence, or None where nothing was recorded; ``attention_top_k``: where the recorded rows are cut to
+    their k largest weights (``TopAttention``, k = 7 at 8k tokens), that k, for the share is then a lower bound
+    (evidence outside a row's top k counts 0); None where the rows are whole."""
 
     spec: str
     step: int
@@ -147,6 +149,7 @@ class Followed:
     held: np.ndarray
     left: np.ndarray
     attention: np.ndarray | None
+    attention_top_k: int | None = None
 
     def held_share(self, full: "Followed | None" = None) -> float:
         """The share of the (layer, KV head, evidence token) triples held at the step: of those Full held there
@@ -201,12 +204,13 @@ def follow(trace: Trace, evidence: Evidence, step: int | None = None) -> Followe
                 last = np.asarray(positions, np.int64).copy()
                 np.maximum.at(last, index, np.minimum(end, step))
                 left[layer, head] = np.where(held[layer, head], -1, last)
-    attention = None
+    attention, top_k = None, None
     if trace.attention is not None and len(positions):
         pos = trace.attention.pos[:, :, step]  # [R, H, k]
         val = trace.attention.val[:, :, step].astype(np.float64)
         attention = (val * np.isin(pos, positions)).sum(-1).mean(-1)
-    return Followed(trace.spec, step, positions, held, left, attention)
+        top_k = None if trace.attention.top_k > step else trace.attention.top_k  # query t has t + 1 weights
+    return Followed(trace.spec, step, positions, held, left, attention, top_k)
 
 
 def _percent(x: float | None) -> str:
@@ -225,9 +229,12 @@ def verdict(name: str, mine: Followed, full: Followed | None, evidence: Evidence
         return f"{name}: the references were not found in the prompt, so there is no evidence to follow{outcome}."
     attention = ""
     if mine.mean_attention is not None:
-        attention = f"; the answer's first token put {_percent(mine.mean_attention)} of its attention on it"
+        at_least = "at least " if mine.attention_top_k else ""
+        attention = f"; the answer's first token put {at_least}{_percent(mine.mean_attention)} of its attention on it"
         if full is not None and full.mean_attention is not None:
             attention += f", Full {_percent(full.mean_attention)}"
+        if mine.attention_top_k:
+            attention += f" (of the {mine.attention_top_k} largest weights a head's row keeps)"
     gone = ~mine.held.any(axis=1)  # [L, E]: no KV head read the token at the step
     readable = full.held.any(axis=1) if full is not None else np.ones_like(gone)
     gone &= readable  # only where Full read it (a sliding-window layer reads no token beyond its window)

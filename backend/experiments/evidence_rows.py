@@ -21,7 +21,7 @@ from ..traces.trace import Trace
 
 HELD = 0.5  # a sample's evidence counts as held when at least this share of it was read as the answer began
 COLUMNS = ["model", "task", "length", "setting", "sample", "policy", "ratio", "spec", "score", "evidence_tokens",
-           "missing", "held", "lost_layers", "attention", "full_attention", "verdict"]
+           "missing", "held", "lost_layers", "attention", "full_attention", "attention_top_k", "verdict"]
 
 
 def sample_evidence(tokenizer, full: Trace, references: Sequence[str], context_end: int | None) -> Evidence:
@@ -43,6 +43,7 @@ def explain(tokenizer, rows: Sequence[tuple[str, Trace, float | None]], full: Tr
         out.append({"name": name, "evidence_tokens": len(evidence.positions), "missing": ", ".join(evidence.missing),
                     "held": mine.held_share(reference), "lost_layers": int(mine.lost_layers(reference).sum()),
                     "attention": mine.mean_attention, "full_attention": reference.mean_attention,
+                    "attention_top_k": mine.attention_top_k,
                     "verdict": verdict(name, mine, reference, evidence, score, context_end)})
     return evidence, out
 
