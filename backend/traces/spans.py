@@ -58,8 +58,10 @@ class ReadSpans:
     def counts(self) -> np.ndarray:
         """int64 [L, H, T]: how many queries read each token."""
         out = np.zeros((self.n_layers * self.n_heads, self.length), np.int64)
-        rows = np.repeat(np.arange(self.n_layers * self.n_heads), np.diff(self.offsets))
-        np.add.at(out, (rows, self.pos), (self.end - self.start).astype(np.int64))
+        for row in range(len(out)):  # one (layer, head) at a time: no temporaries the size of every span
+            lo, hi = int(self.offsets[row]), int(self.offsets[row + 1])
+            reads = self.end[lo:hi] - self.start[lo:hi]
+            out[row] = np.bincount(self.pos[lo:hi], weights=reads, minlength=self.length)
         return out.reshape(self.n_layers, self.n_heads, self.length)
 
     def dense(self) -> np.ndarray:
@@ -70,29 +72,42 @@ class ReadSpans:
         """The stored form (trace format 3), small integers that compress well, for policies such as SparQ
         whose choice flickers from one query to the next (at 2k tokens over half its spans are one query
         long): per (layer, head) and position the number of spans, and per span the gap since the previous
-        span of its position closed (or since the position itself) and its length."""
+        span of its position closed (or since the position itself) and its length. Built one (layer, head) at a
+        time: a flickering row at 8k holds ~10^8 spans, and whole-array temporaries would cost ~10 times the
+        spans' own 12 bytes each."""
         n_rows = self.n_layers * self.n_heads
-        rows = np.repeat(np.arange(n_rows), np.diff(self.offsets))
-        counts = np.bincount(rows * self.length + self.pos, minlength=n_rows * self.length).reshape(n_rows, -1)
-        pos, start, end = (a.astype(np.int64) for a in (self.pos, self.start, self.end))
-        same = np.r_[False, (rows[1:] == rows[:-1]) & (pos[1:] == pos[:-1])]
-        gap = start - np.where(same, np.r_[0, end[:-1]], pos)
-        return {"span_counts": _narrow(counts), "span_gap": _narrow(gap), "span_length": _narrow(end - start)}
+        counts = np.zeros((n_rows, self.length), np.int64)
+        wide = np.min_scalar_type(self.length)  # gaps and lengths are at most T
+        gap, size = np.empty(len(self.pos), wide), np.empty(len(self.pos), wide)
+        for row in range(n_rows):
+            lo, hi = int(self.offsets[row]), int(self.offsets[row + 1])
+            pos, start, end = (a[lo:hi].astype(np.int64) for a in (self.pos, self.start, self.end))
+            counts[row] = np.bincount(pos, minlength=self.length)
+            same = np.r_[False, pos[1:] == pos[:-1]]
+            gap[lo:hi] = start - np.where(same, np.r_[0, end[:-1]], pos)
+            size[lo:hi] = end - start
+        return {"span_counts": _narrow(counts), "span_gap": _narrow(gap), "span_length": _narrow(size)}
 
     @classmethod
     def from_arrays(cls, arrays: dict, n_layers: int, n_heads: int, length: int) -> "ReadSpans":
-        counts = arrays["span_counts"].astype(np.int64).reshape(n_layers * n_heads, length)
-        gap, size = arrays["span_gap"].astype(np.int64), arrays["span_length"].astype(np.int64)
-        flat = counts.ravel()
-        pos = np.repeat(np.tile(np.arange(length), len(counts)), flat)
-        # Within a position's spans, start_j = pos + sum(gap_0..j) + sum(length_0..j-1).
-        run = np.cumsum(gap + size)
-        first = (np.cumsum(flat) - flat)[flat > 0]  # index of each position's first span
-        base = np.repeat(np.r_[0, run][first], flat[flat > 0])
-        start = pos + run - size - base
-        offsets = np.r_[0, np.cumsum(counts.sum(1))].astype(np.int64)
-        return cls(n_layers, n_heads, length, offsets, pos.astype(np.int32), start.astype(np.int32),
-                   (start + size).astype(np.int32))
+        """Back from ``arrays``, one (layer, head) at a time for the same reason."""
+        counts = arrays["span_counts"].reshape(n_layers * n_heads, length)
+        gap, size = arrays["span_gap"], arrays["span_length"]
+        per_row = counts.sum(1, dtype=np.int64)
+        offsets = np.r_[0, np.cumsum(per_row)].astype(np.int64)
+        pos, start, end = (np.empty(int(offsets[-1]), np.int32) for _ in range(3))
+        for row in range(len(counts)):
+            lo, hi = int(offsets[row]), int(offsets[row + 1])
+            flat = counts[row].astype(np.int64)
+            mine = np.repeat(np.arange(length), flat)
+            # Within a position's spans, start_j = pos + sum(gap_0..j) + sum(length_0..j-1).
+            run = np.cumsum(gap[lo:hi].astype(np.int64) + size[lo:hi])
+            first = (np.cumsum(flat) - flat)[flat > 0]  # index of each position's first span
+            base = np.repeat(np.r_[0, run][first], flat[flat > 0])
+            pos[lo:hi] = mine
+            start[lo:hi] = mine + run - size[lo:hi] - base
+            end[lo:hi] = start[lo:hi] + size[lo:hi]
+        return cls(n_layers, n_heads, length, offsets, pos, start, end)
 
     @classmethod
     def join(cls, per_layer: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]], length: int) -> "ReadSpans":
@@ -102,7 +117,7 @@ class ReadSpans:
         offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
 
         def cat(i: int) -> np.ndarray:
-            return np.concatenate([np.zeros(0, np.int32)] + [s[i].astype(np.int32) for s in flat])
+            return np.concatenate([np.zeros(0, np.int32)] + [s[i] for s in flat], dtype=np.int32)
 
         return cls(len(per_layer), len(per_layer[0]), length, offsets, cat(0), cat(1), cat(2))
 
