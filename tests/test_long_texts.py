@@ -67,6 +67,45 @@ def test_stored_spans_give_back_the_same_spans(seed, share):
         np.testing.assert_array_equal(getattr(back, name), getattr(spans, name))
 
 
+def flickering_spans(n_rows=90, per_row=20_000, length=8192, seed=0) -> ReadSpans:
+    """Spans as SparQ's at 8k leave them: many per position, most one query long (30 layers x 3 KV heads)."""
+    rng = np.random.default_rng(seed)
+    pos = np.sort(rng.integers(0, length // 2, (n_rows, per_row)), axis=1).ravel()
+    first = np.r_[True, pos[1:] != pos[:-1]]
+    rank = np.arange(len(pos)) - np.flatnonzero(first)[np.cumsum(first) - 1]  # the span's index at its position
+    start = pos + 2 * rank
+    offsets = np.arange(0, len(pos) + 1, per_row, dtype=np.int64)
+    return ReadSpans(n_rows // 3, 3, length, offsets, *(a.astype(np.int32) for a in (pos, start, start + 1)))
+
+
+def test_storing_and_reading_spans_back_takes_no_whole_array_temporaries():
+    """A flickering selection row at 8k holds ~10^8 spans at 12 bytes each; storing them, reading them back and
+    counting them must not cost several times that again (whole-array int64 temporaries peaked at ~90 bytes a
+    span, 18 GB for SparQ at 8k on the default model)."""
+    import tracemalloc
+
+    spans = flickering_spans()
+    n = len(spans.pos)
+
+    def extra(step):
+        """(what step returns, the most memory it took beyond what was held before it)."""
+        tracemalloc.reset_peak()
+        before = tracemalloc.get_traced_memory()[0]
+        out = step()
+        return out, tracemalloc.get_traced_memory()[1] - before
+
+    tracemalloc.start()
+    stored, storing = extra(spans.arrays)
+    back, reading = extra(lambda: ReadSpans.from_arrays(stored, spans.n_layers, spans.n_heads, spans.length))
+    _, counting = extra(back.counts)
+    tracemalloc.stop()
+    tables = 2 * 8 * spans.n_layers * spans.n_heads * spans.length  # [rows, T] counts in int64, and a copy
+    assert storing < 10 * n + tables  # the stored gaps and lengths (2 bytes each at 8k, narrowed copies beside)
+    assert reading < 14 * n + tables  # the 12 bytes a span the spans themselves take
+    assert counting < 1 * n + tables
+    np.testing.assert_array_equal(back.start, spans.start)
+
+
 def test_stored_spans_of_a_head_that_read_nothing():
     masks = random_masks()
     masks[1, 2] = False  # layer 1, head 2 never read anything
