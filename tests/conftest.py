@@ -1,8 +1,18 @@
 """Shared fixtures: a tiny random-weight Llama (fast), and the default model (end to end)."""
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
 import socket
+import tempfile
 from types import SimpleNamespace
+
+# No test touches the user's trace store (~/.cache/kvlens/store or $KVLENS_STORE_DIR): a test's writes would evict
+# their traces down to the default size limit. Set before any module opens a store (the app opens one on import).
+TEST_STORE = tempfile.mkdtemp(prefix="kvlens-test-store-")
+os.environ["KVLENS_STORE_DIR"] = TEST_STORE
+atexit.register(shutil.rmtree, TEST_STORE, ignore_errors=True)
 
 import pytest
 import torch

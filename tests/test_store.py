@@ -593,3 +593,11 @@ def test_concurrent_writers_leave_one_good_entry(tmp_path, caplog):
     assert seen > 0
     assert len(rows(directory)) == 1
     assert len(value_files(directory)) == 1  # replaced files were all cleaned up
+
+
+def test_the_suite_never_opens_the_users_store():
+    """A test's writes would evict the user's traces down to the default size limit (tests/conftest.py)."""
+    from tests.conftest import TEST_STORE
+
+    with TraceStore() as st:
+        assert st.directory == TEST_STORE != os.path.expanduser(os.path.join("~", ".cache", "kvlens", "store"))
