@@ -544,7 +544,7 @@ def task_sample(request: SampleRequest, store: TraceStore | None, limits: Limits
         release_memory()
     full, rows = answers[0], answers[1:]
     ran = Run(traces=[a.trace.with_spec(a.spec) for a in rows], full=full.trace, keys=[a.key for a in rows],
-              full_key=full.key, replayed=[False] * len(rows), stored=all(a.run.stored for a in answers),
+              full_key=full.key, replayed=[False] * len(rows), stored=all(a.stored for a in answers),
               tokens=full.trace.meta["n_prompt"])
     run_id = secrets.token_hex(16)
     references = [str(r) for r in asked.doc["outputs"]]

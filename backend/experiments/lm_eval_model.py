@@ -118,7 +118,7 @@ class KVLensLM(LM):
                               doc=dict(getattr(instance, "doc", None) or {}))
         (item,) = answer(self.lm, request, [self.spec], self.setting, self.store, self.limits)
         self.keys.append(item.key)
-        run_id = link(self.store, self.lm, request, item, item.run.full_key)
+        run_id = link(self.store, self.lm, request, item, item.full_key)
         if run_id:
             self.links.append(run_id)
             eval_logger.info("kvlens: %s on sample %s: open with ?run=%s", self.spec, getattr(instance, "doc_id", "?"),

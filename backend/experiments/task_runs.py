@@ -58,14 +58,16 @@ class TaskRequest:
 @dataclass(frozen=True)
 class Answer:
     """One policy's answer to a request: its spec, the policy (a ratio resolved to its budget), the answer cut
-    at the first stop string, its trace and store key, and the run that computed or replayed it."""
+    at the first stop string, its store key and Full's, whether its run's traces are stored, and its trace (None
+    where the caller keeps answers only: a sample's selection traces at 8k take 1-2 GB each)."""
 
     spec: str
     policy: Policy
     text: str
-    trace: Trace
+    trace: Trace | None
     key: str
-    run: Run
+    full_key: str
+    stored: bool
 
 
 def chat_template(lm: LoadedModel):
@@ -155,11 +157,12 @@ def _batches(lm: LoadedModel, policies: Sequence[Policy], length: int, limits: L
 
 
 def answer(lm: LoadedModel, request: TaskRequest, specs: Sequence[str], setting: str = "agnostic",
-           store: TraceStore | None = None, limits: Limits | None = None, record_layers: Sequence[int] = ()
-           ) -> list[Answer]:
+           store: TraceStore | None = None, limits: Limits | None = None, record_layers: Sequence[int] = (),
+           keep_traces: bool = True) -> list[Answer]:
     """Every spec's answer to ``request`` (``full`` among them answers as the reference row): as few batched
-    runs as ``MAX_ROWS`` and the machine's memory allow (one for up to 32 rows), through the store. A ratio counts the context's tokens
-    (``counted_tokens``). ValueError in one line when the request cannot run."""
+    runs as ``MAX_ROWS`` and the machine's memory allow (one for up to 32 rows), through the store. A ratio counts
+    the context's tokens (``counted_tokens``). Without ``keep_traces`` each run's traces are let go once answered,
+    so a sample holds one run's traces at a time. ValueError in one line when the request cannot run."""
     if setting not in SETTINGS:
         raise ValueError(f"setting must be one of {', '.join(SETTINGS)}, got {setting!r}")
     ids = encode(lm, request.context)
@@ -180,23 +183,25 @@ def answer(lm: LoadedModel, request: TaskRequest, specs: Sequence[str], setting:
         run = replay_or_compute(lm, [specs[i] for i in rows], [policies[i] for i in rows], ids, "generate",
                                 request.max_new_tokens, store, record_layers=record_layers, context_end=decide_at)
         for k, i in enumerate(rows):
-            answers[i] = _answer(lm, specs[i], policies[i], run.traces[k], run.keys[k], run, request.until)
+            answers[i] = _answer(lm, specs[i], policies[i], run.traces[k], run.keys[k], run, request.until,
+                                 keep_traces)
     if run is None:  # only Full asked: a run of its reference row alone
         run = replay_or_compute(lm, [], [], ids, "generate", request.max_new_tokens, store,
                                 record_layers=record_layers, context_end=decide_at)
     for i, policy in enumerate(policies):
         if i not in answers:  # Full: the reference row every run has
-            answers[i] = _answer(lm, specs[i], policy, run.full, run.full_key, run, request.until)
+            answers[i] = _answer(lm, specs[i], policy, run.full, run.full_key, run, request.until, keep_traces)
     return [answers[i] for i in range(len(specs))]
 
 
 def _answer(lm: LoadedModel, spec: str, policy: Policy, trace: Trace, key: str, run: Run,
-            until: Sequence[str]) -> Answer:
+            until: Sequence[str], keep_trace: bool = True) -> Answer:
     from lm_eval.models.utils import postprocess_generated_text
 
     text = postprocess_generated_text(lm.tokenizer.decode(trace.generated_ids, skip_special_tokens=True),
                                       list(until), None)
-    return Answer(spec=spec, policy=policy, text=text, trace=trace, key=key, run=run)
+    return Answer(spec=spec, policy=policy, text=text, trace=trace if keep_trace else None, key=key,
+                  full_key=run.full_key, stored=run.stored)
 
 
 def link(store: TraceStore | None, lm: LoadedModel, request: TaskRequest, item: Answer, full_key: str,
@@ -204,7 +209,7 @@ def link(store: TraceStore | None, lm: LoadedModel, request: TaskRequest, item: 
     """A share link (the app's ``?run=``) to ``item``'s trace beside Full's: its id, from the traces' keys (the
     same sample under the same policy has the same link), or "" when the store cannot hold it. It opens with the
     sample's references marked as its evidence (``api.RunRequest.evidence``), before ``evidence_end`` tokens."""
-    if store is None or not item.run.stored:
+    if store is None or not item.stored:
         return ""
     run_id = hashlib.sha256(json.dumps([item.key, full_key]).encode()).hexdigest()[:32]
     specs = [] if item.policy.name == "full" else [item.spec]
@@ -227,7 +232,7 @@ def run_sample(lm: LoadedModel, name: str, length: int, index: int, specs: Seque
     specs = ["full", *[s for s in specs if parse_spec(s).name != "full"]]
     # The app's layers are recorded (attention rows, keys): a sample's link opens in every view, and the evidence
     # views (analysis/evidence.py) read what the answer's first token attended to.
-    answers = answer(lm, request, specs, setting, store, record_layers=default_record_layers(lm))
+    answers = answer(lm, request, specs, setting, store, record_layers=default_record_layers(lm), keep_traces=False)
     full_key = answers[0].key
     ids = encode(lm, request.context)
     end = counted_tokens(lm, request, ids, setting)
