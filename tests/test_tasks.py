@@ -139,6 +139,40 @@ def test_stop_strings_cut_the_answer_and_a_repeat_replays_from_the_store(tiny_di
     assert cut == answer.split(stop)[0] and cut != answer and lm.keys[0] == lm.keys[1]
 
 
+def test_a_sample_holds_one_runs_traces_at_a_time(tiny_dir, store_dir, monkeypatch):
+    """Answers without their traces (as ``run_sample`` asks): each run's traces are let go once answered, where
+    keeping them all held a whole 8k sample's (1-2 GB a selection row) at once; the answers are the same."""
+    import gc
+    import weakref
+
+    from backend.experiments import task_runs
+    from backend.experiments.lm_eval_model import KVLensLM
+    from backend.experiments.task_runs import TaskRequest, answer
+
+    lm = KVLensLM(model=tiny_dir, policy="full", max_gen_toks=4).lm
+    request = TaskRequest(context="the secret word is apple. what is the secret word?", until=(), max_new_tokens=4,
+                          doc={})
+    specs = ["full", "tova:budget=8", "sinks:budget=8", "h2o:budget=8", "knorm:budget=8"]
+    monkeypatch.setenv("KVLENS_MAX_ROW_TOKENS", "64")  # one row a run
+    alive, held = [], []
+    compute = task_runs.replay_or_compute
+
+    def counted(*args, **kwargs):
+        gc.collect()
+        held.append(sum(ref() is not None for ref in alive))  # earlier runs' traces still held as this one starts
+        run = compute(*args, **kwargs)
+        alive.extend(weakref.ref(t) for t in run.traces)
+        return run
+
+    monkeypatch.setattr(task_runs, "replay_or_compute", counted)
+    kept = answer(lm, request, specs, "aware")
+    assert held == [0, 1, 2, 3] and all(a.trace is not None for a in kept)
+    alive.clear(), held.clear()
+    light = answer(lm, request, specs, "aware", keep_traces=False)
+    assert max(held) <= 1 and all(a.trace is None for a in light)  # at most the run before, as the next begins
+    assert [(a.text, a.key, a.full_key) for a in light] == [(a.text, a.key, a.full_key) for a in kept]
+
+
 def test_a_request_over_the_machines_row_tokens_is_one_line(tiny_dir, store_dir, monkeypatch):
     from backend.experiments.lm_eval_model import KVLensLM
 
