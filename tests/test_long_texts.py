@@ -80,8 +80,8 @@ def flickering_spans(n_rows=90, per_row=20_000, length=8192, seed=0) -> ReadSpan
 
 def test_storing_and_reading_spans_back_takes_no_whole_array_temporaries():
     """A flickering selection row at 8k holds ~10^8 spans at 12 bytes each; storing them, reading them back and
-    counting them must not cost several times that again (whole-array int64 temporaries peaked at ~90 bytes a
-    span, 18 GB for SparQ at 8k on the default model)."""
+    counting them must not cost several times that again (whole-array int64 temporaries take ~85 bytes a span:
+    18 GB for SparQ at 8k on the default model)."""
     import tracemalloc
 
     spans = flickering_spans()

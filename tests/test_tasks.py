@@ -140,8 +140,8 @@ def test_stop_strings_cut_the_answer_and_a_repeat_replays_from_the_store(tiny_di
 
 
 def test_a_sample_holds_one_runs_traces_at_a_time(tiny_dir, store_dir, monkeypatch):
-    """Answers without their traces (as ``run_sample`` asks): each run's traces are let go once answered, where
-    keeping them all held a whole 8k sample's (1-2 GB a selection row) at once; the answers are the same."""
+    """Answers without their traces (as ``run_sample`` asks): each run's traces are let go once answered, so a
+    whole 8k sample (1-2 GB a selection row) is never held at once; the answers are the same as with traces."""
     import gc
     import weakref
 
