@@ -499,7 +499,7 @@ def check_sample(request: SampleRequest, limits: Limits = LIMITS) -> list[Policy
 
     space = limits.models is not None
     if not isinstance(request.task, str) or (space and request.task not in OFFLINE):
-        raise RequestError(f"Pick one of RULER's tasks offered here: {', '.join(OFFLINE)}.")
+        raise RequestError(f"Pick one of the tasks offered here: {', '.join(OFFLINE)}.")
     if request.setting not in SETTINGS:
         raise RequestError(f"The setting is one of {', '.join(SETTINGS)}.")
     sample, length = request.sample, request.length

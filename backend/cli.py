@@ -32,7 +32,8 @@ from .traces.store import TraceStore
 from .experiments.sweep import (DEFAULT_BUDGETS, DEFAULT_POLICIES, MAX_ROWS, budget_jobs, parse_budgets, parse_ratios,
                                 ratio_jobs, split_policies, summarize, write_tables)
 from .experiments.leaderboard import SHIPPED_POLICIES, SHIPPED_RATIOS
-from .experiments.tasks import OFFLINE
+from .experiments.ruler_speeches import STANDINS
+from .experiments.tasks import RULER_OFFLINE
 from .traces.trace import file_stem
 
 
@@ -456,8 +457,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "policy: score, answer, references, the run's link), summary.csv (means with 95%% intervals; "
                     "tasks Full fails are kept out of the averages), leaderboard.html (score against ratio) and "
                     "samples.jsonl (finished samples: a re-run skips them).")
-    p.add_argument("--tasks", default=",".join(OFFLINE),
-                   help=f"comma-separated lm-eval tasks (default: RULER's offline ones, {','.join(OFFLINE)})")
+    p.add_argument("--tasks", default=",".join(RULER_OFFLINE),
+                   help=f"comma-separated lm-eval tasks (default: RULER's offline ones, {','.join(RULER_OFFLINE)}); "
+                        f"offline, RULER's essay tasks have stand-ins over the shipped speeches, "
+                        f"{','.join(STANDINS)}")
     p.add_argument("--lengths", default="1024", help="prompt lengths in tokens, as RULER sizes its samples")
     p.add_argument("--samples", type=int, default=5, help="samples per task and length (the first N)")
     p.add_argument("--first-sample", type=int, default=0, metavar="K",

@@ -95,7 +95,7 @@ def test_a_task_makes_the_same_samples_whatever_a_process_loaded_before(default_
 
 
 def test_an_unknown_task_is_one_line(default_lm):
-    with pytest.raises(TaskUnavailable, match=r"^lm-eval has no task 'niah_nowhere'; RULER's offline tasks are"):
+    with pytest.raises(TaskUnavailable, match=r"^lm-eval has no task 'niah_nowhere'; the offline tasks are"):
         load_task("niah_nowhere", SHORT, tokenizer_source(default_lm))
 
 

@@ -140,7 +140,14 @@ def evaluate(tasks: list[str], length: int, model: str = DEFAULT_MODEL, policy: 
     ``length`` tokens by the model's own tokenizer (``chat``: in the model's chat template, lm-eval's
     ``apply_chat_template``); lm-eval's results dict."""
     import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from .ruler_speeches import essay_task, task_config
 
     lm = KVLensLM(model=model, policy=policy, **model_args)
-    return lm_eval.simple_evaluate(model=lm, tasks=list(tasks), limit=limit, apply_chat_template=chat,
-                                   metadata={"tokenizer": tokenizer_source(lm.lm), "max_seq_lengths": [int(length)]})
+    metadata = {"tokenizer": tokenizer_source(lm.lm), "max_seq_lengths": [int(length)]}
+    manager = TaskManager(metadata=metadata)
+    # A stand-in for an essay task is no name lm-eval knows: it goes in as the config lm-eval builds it from.
+    specs = [task_config(manager, name) if essay_task(name) else name for name in tasks]
+    return lm_eval.simple_evaluate(model=lm, tasks=specs, task_manager=manager, limit=limit,
+                                   apply_chat_template=chat, metadata=metadata)

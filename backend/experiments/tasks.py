@@ -3,12 +3,14 @@ lm-eval's own generators and are scored by lm-eval's own metric, never written a
 
 A RULER task sizes its samples with a tokenizer to a length in tokens (``max_seq_lengths`` in the task's
 metadata), so the samples depend on the model that reads them: ``tokenizer_source`` names the loaded model's
-tokenizer (its local directory for a packaged model or a model directory). Six tasks make their samples
-offline (``OFFLINE``); the others read Paul Graham's essays from the hub (niah_single_2/3, niah_multikey_1,
-niah_multivalue, niah_multiquery) or SQuAD and HotpotQA (ruler_qa_squad, ruler_qa_hotpot), and on a machine
-without network ``load_task`` says so in one line (``TaskUnavailable``). All six make samples from 1024 tokens
-on; the needle tasks from 256 (niah_single_1 with the default model's tokenizer), while at 768 and below
-ruler_cwe's samples have no references and ruler_vt's generator does not finish.
+tokenizer (its local directory for a packaged model or a model directory). Six of RULER's tasks make their
+samples offline (``RULER_OFFLINE``); the others read Paul Graham's essays from the hub (niah_single_2/3,
+niah_multikey_1, niah_multivalue, niah_multiquery) or SQuAD and HotpotQA (ruler_qa_squad, ruler_qa_hotpot),
+and on a machine without network ``load_task`` says so in one line (``TaskUnavailable``). The essay tasks have
+stand-ins made offline over the shipped speeches, named apart (``niah_single_2_speeches``, ...;
+``ruler_speeches``); ``OFFLINE`` is the six and the stand-ins. RULER's six make samples from 1024 tokens on;
+the needle tasks from 256 (niah_single_1 with the default model's tokenizer), while at 768 and below ruler_cwe's
+samples have no references and ruler_vt's generator does not finish.
 
 A sample is a dict with ``input`` (the prompt), ``outputs`` (the reference strings), ``gen_prefix`` (the
 start of the answer, which lm-eval appends to the prompt), ``length`` (the prompt's tokens) and
@@ -23,8 +25,10 @@ from contextlib import contextmanager
 from functools import lru_cache
 
 from ..engine.models import LoadedModel
+from . import ruler_speeches
 
-OFFLINE = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_vt", "ruler_fwe", "ruler_cwe")
+RULER_OFFLINE = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_vt", "ruler_fwe", "ruler_cwe")
+OFFLINE = RULER_OFFLINE + ruler_speeches.STANDINS  # what makes its samples without a network
 # Below these lengths (in the default model's tokens; 512, 640 and 768 tried) lm-eval's generator for
 # ruler_vt runs on without end: its instructions and shortest chain do not fit.
 SHORTEST = {"ruler_vt": 1024}
@@ -84,15 +88,16 @@ def load_task(name: str, length: int, tokenizer: str):
         raise TaskUnavailable(f"{name} needs {SHORTEST[name]} tokens or more; lm-eval's generator does not "
                               f"finish at {length}")
     manager = _manager(tokenizer, int(length))
-    if not manager.match_tasks([name]):
-        raise TaskUnavailable(f"lm-eval has no task {name!r}; RULER's offline tasks are {', '.join(OFFLINE)}")
+    spec = ruler_speeches.task_config(manager, name) if ruler_speeches.essay_task(name) else name
+    if spec == name and not manager.match_tasks([name]):
+        raise TaskUnavailable(f"lm-eval has no task {name!r}; the offline tasks are {', '.join(OFFLINE)}")
     try:
         with lm_eval_seeds():
-            task = manager.load([name])["tasks"][name]
+            task = manager.load([spec])["tasks"][name]
     except (OSError, DatasetsError) as err:  # no network, or the hub offline
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise TaskUnavailable(f"{name} needs data from the network that cannot be fetched here ({first}); "
-                              f"RULER's offline tasks are {', '.join(OFFLINE)}") from None
+                              f"the offline tasks are {', '.join(OFFLINE)}") from None
     if not all(task.test_docs()["outputs"]):  # ruler_cwe below 1024 tokens: its metric would divide by zero
         raise TaskUnavailable(f"{name} at {length} tokens makes samples without reference answers; ask for "
                               f"a longer length")

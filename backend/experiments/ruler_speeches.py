@@ -1,0 +1,141 @@
+"""RULER's essay tasks offline: lm-eval's own generator, template and metric, with the shipped public-domain
+speeches standing in for Paul Graham's essays.
+
+lm-eval makes five of RULER's needle tasks (``NEEDLES``) over Paul Graham's essays, which it reads from the
+hub. Each has a stand-in here, named ``<task>_speeches`` (``STANDINS``), which differs from it in two things:
+
+* **The haystack**: the C-Span inaugural and State of the Union addresses (``texts.py``), in the corpora's
+  order, as words, made as lm-eval's ``get_haystack`` makes the essays' (whitespace runs collapsed, split at
+  spaces). RULER's essay samples start at the haystack's first word and take as many words as fit, so every
+  sample of a length reads the same speeches (Washington's first inaugural on) with other needles at other
+  depths.
+* **The sentence splitter** lm-eval places the needles between: NLTK's Punkt, whose English model
+  (``punkt_tab``) is a download. Here Punkt is trained on the same corpora (``train_splitter``; the
+  parameters ship in ``SPLITTER_DATA``) and is used while a stand-in's samples are made, and only then, so a
+  real essay task on a machine with NLTK's model still splits with NLTK's.
+
+Everything else is lm-eval's: ``generate_samples`` with the essay task's needle kinds and counts (as
+lm-eval's ``niah_utils`` passes them) and the essay task's configuration (template, generation settings,
+``process_results``), read from lm-eval's own YAML. A stand-in grades policies against each other on the
+same samples; its scores are not RULER's essay tasks' (other prose, other sentence lengths), and the
+leaderboard names it apart.
+"""
+from __future__ import annotations
+
+import re
+import threading
+from contextlib import contextmanager
+from functools import lru_cache, partial
+from pathlib import Path
+
+from ..texts import CORPORA, corpus_files, corpus_text
+
+SUFFIX = "_speeches"
+# What each of lm-eval's essay tasks (lm_eval/tasks/ruler/niah_utils.py) passes to generate_samples besides
+# the haystack, the length and the tokenizer: the kinds of keys and values, and how many of each.
+NEEDLES = {
+    "niah_single_2": {"type_needle_k": "words", "type_needle_v": "numbers"},
+    "niah_single_3": {"type_needle_k": "words", "type_needle_v": "uuids"},
+    "niah_multikey_1": {"type_needle_k": "words", "type_needle_v": "numbers", "num_needle_k": 4},
+    "niah_multivalue": {"type_needle_k": "words", "type_needle_v": "numbers", "num_needle_v": 4},
+    "niah_multiquery": {"type_needle_k": "words", "type_needle_v": "numbers", "num_needle_q": 4},
+}
+STANDINS = tuple(task + SUFFIX for task in NEEDLES)
+# An NLTK data root holding Punkt trained on the corpora, as tokenizers/punkt_tab/english/.
+SPLITTER_DATA = Path(__file__).resolve().parents[2] / "assets" / "ruler_speeches"
+SPLITTER_FILES = ("collocations.tab", "sent_starters.txt", "abbrev_types.txt", "ortho_context.tab")
+_NLTK_PATH = threading.Lock()  # nltk's search path is global: one stand-in's samples made at a time
+
+
+def essay_task(name: str) -> str | None:
+    """The lm-eval essay task a stand-in's ``name`` stands in for, or None for any other name."""
+    base = name.removesuffix(SUFFIX)
+    return base if name.endswith(SUFFIX) and base in NEEDLES else None
+
+
+@lru_cache(maxsize=1)
+def haystack_text() -> str:
+    """The corpora's documents in order, whitespace runs collapsed to single spaces."""
+    text = " ".join(corpus_text(corpus, name) for corpus in CORPORA for name in corpus_files(corpus))
+    return re.sub(r"\s+", " ", text).strip()
+
+
+def haystack_words() -> list[str]:
+    """The haystack as lm-eval's essay generator takes it: a list of words."""
+    return haystack_text().split(" ")
+
+
+def train_splitter():
+    """Punkt's parameters learnt from the haystack's text (deterministic; about 6 s)."""
+    from nltk.tokenize.punkt import PunktTrainer
+
+    trainer = PunktTrainer()
+    trainer.train(haystack_text(), finalize=True)
+    return trainer.get_params()
+
+
+def write_splitter(params, root: Path = SPLITTER_DATA) -> Path:
+    """Write ``params`` as NLTK's ``punkt_tab`` files under ``root`` (sorted lines, so the same parameters
+    give the same bytes): ``python -m backend.experiments.ruler_speeches`` made the shipped ones."""
+    folder = root / "tokenizers" / "punkt_tab" / "english"
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = {
+        "collocations.tab": ["\t".join(pair) for pair in params.collocations],
+        "sent_starters.txt": list(params.sent_starters),
+        "abbrev_types.txt": list(params.abbrev_types),
+        "ortho_context.tab": [f"{word}\t{flags}" for word, flags in params.ortho_context.items()],
+    }
+    for name in SPLITTER_FILES:
+        (folder / name).write_text("\n".join(sorted(lines[name])), encoding="utf-8")
+    return folder
+
+
+@contextmanager
+def _speech_splitter():
+    """NLTK's ``sent_tokenize`` splits with the shipped Punkt inside, with whatever it found before outside."""
+    import nltk
+    from nltk.tokenize import _get_punkt_tokenizer  # sent_tokenize's per-language cache of loaded models
+
+    with _NLTK_PATH:
+        nltk.data.path.insert(0, str(SPLITTER_DATA))
+        _get_punkt_tokenizer.cache_clear()
+        try:
+            yield
+        finally:
+            nltk.data.path.remove(str(SPLITTER_DATA))
+            _get_punkt_tokenizer.cache_clear()
+
+
+def make_samples(task: str, **metadata) -> dict:
+    """The stand-in for essay ``task``'s dataset: what lm-eval's own dataset function for it returns, made by
+    lm-eval's generator over the speeches (``metadata`` as lm-eval passes a task's: the tokenizer and
+    ``max_seq_lengths``)."""
+    from lm_eval.tasks.ruler.common_utils import DEFAULT_SEQ_LENGTHS, get_tokenizer, resolve_tokenizer_name
+    from lm_eval.tasks.ruler.niah_utils import TEMPLATE, download_dataset
+    from lm_eval.tasks.ruler.prepare_niah import generate_samples
+
+    lengths = metadata.pop("max_seq_lengths", DEFAULT_SEQ_LENGTHS)
+    tokenizer = get_tokenizer(resolve_tokenizer_name(metadata))
+    words = haystack_words()
+    with _speech_splitter():
+        return download_dataset(
+            generate_samples(words, max_seq_length=length, template=TEMPLATE, type_haystack="essay",
+                             num_samples=500, TOKENIZER=tokenizer, **NEEDLES[task])
+            for length in lengths)
+
+
+def task_config(manager, name: str) -> dict:
+    """lm-eval's configuration of the essay task ``name`` stands in for (from ``manager``, a TaskManager),
+    renamed, with its samples made by ``make_samples``: a config ``manager.load`` builds a task from."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    task = essay_task(name)
+    if task is None:
+        raise KeyError(f"{name!r} is not one of the stand-ins {', '.join(STANDINS)}")
+    config = load_yaml(manager.task_index[task].yaml_path, resolve_func=True)
+    config.pop("tag", None)  # lm-eval's groups (longcxt) hold its own tasks, not this one
+    return {**config, "task": name, "custom_dataset": partial(make_samples, task)}
+
+
+if __name__ == "__main__":
+    print(write_splitter(train_splitter()))
