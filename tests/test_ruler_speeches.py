@@ -6,7 +6,8 @@ import pytest
 
 from backend.experiments import ruler_speeches
 from backend.experiments.ruler_speeches import NEEDLES, STANDINS, make_samples
-from backend.experiments.tasks import OFFLINE, RULER_OFFLINE, load_task, lm_eval_seeds, samples, score, tokenizer_source
+from backend.experiments.tasks import (OFFLINE, RULER_OFFLINE, _manager, load_task, lm_eval_seeds, samples, score,
+                                      tokenizer_source)
 
 LENGTH = 1024
 
@@ -48,6 +49,8 @@ def test_a_stand_in_sample_hides_its_needles_in_the_speeches_and_scores_with_lm_
     # The rest is lm-eval's niah_multivalue: its template, generation settings and metric.
     assert task.config.task == name and task.config.generation_kwargs["max_gen_toks"] == 128
     assert task.config.process_results.__module__ == "lm_eval.tasks.ruler.common_utils"
+    index = _manager(tokenizer, LENGTH).task_index  # in none of lm-eval's tags of its own tasks
+    assert not index[name].tags and "niah_multivalue" in index["longcxt"].tags and name not in index["longcxt"].tags
 
 
 def test_the_shipped_splitter_is_punkt_trained_on_the_speeches(tmp_path):
@@ -75,12 +78,39 @@ def test_the_stand_ins_are_offline_and_named_apart_from_rulers():
     assert ruler_speeches.essay_task("niah_single_2") is None and ruler_speeches.essay_task("x_speeches") is None
 
 
+def test_lm_evals_command_line_names_a_stand_in(default_loaded, store_dir, capsys):
+    from backend import cli
+
+    argv = ["lm-eval", "--model", "kvlens", "--model_args", "policy=tova:budget=64", "--tasks",
+            "niah_single_3_speeches", "--metadata", f"max_seq_lengths=[{LENGTH}]", "--limit", "1",
+            "--gen_kwargs", "max_gen_toks=2", "--device", "cpu"]
+    assert cli.main(argv) == 0
+    table = capsys.readouterr().out
+    assert "niah_single_3_speeches" in table and f"|{LENGTH}|" in table.replace(" ", ""), table
+
+
 def test_evaluate_runs_a_stand_in_through_lm_eval(store_dir_and_tiny):
     from backend.experiments.lm_eval_model import evaluate
 
     results = evaluate(["niah_single_2_speeches"], 512, model=store_dir_and_tiny, policy="tova:budget=32",
                        limit=1, max_gen_toks=8)
     assert 0.0 <= results["results"]["niah_single_2_speeches"]["512,none"] <= 1.0
+
+
+@pytest.fixture
+def default_loaded(default_lm, monkeypatch):
+    """The default model as the one this process has loaded (what kvlens asks ``shared_model`` for)."""
+    from backend.engine import models
+    from backend.engine.models import DEFAULT_MODEL
+
+    monkeypatch.setitem(models.LOADED, DEFAULT_MODEL, default_lm)
+    return default_lm
+
+
+@pytest.fixture
+def store_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVLENS_STORE_DIR", str(tmp_path / "store"))
+    return tmp_path / "store"
 
 
 @pytest.fixture

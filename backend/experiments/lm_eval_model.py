@@ -142,12 +142,10 @@ def evaluate(tasks: list[str], length: int, model: str = DEFAULT_MODEL, policy: 
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from .ruler_speeches import essay_task, task_config
+    from .ruler_speeches import task_folder
 
     lm = KVLensLM(model=model, policy=policy, **model_args)
     metadata = {"tokenizer": tokenizer_source(lm.lm), "max_seq_lengths": [int(length)]}
-    manager = TaskManager(metadata=metadata)
-    # A stand-in for an essay task is no name lm-eval knows: it goes in as the config lm-eval builds it from.
-    specs = [task_config(manager, name) if essay_task(name) else name for name in tasks]
-    return lm_eval.simple_evaluate(model=lm, tasks=specs, task_manager=manager, limit=limit,
+    manager = TaskManager(include_path=str(task_folder()), metadata=metadata)  # the essay tasks' stand-ins too
+    return lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
                                    apply_chat_template=chat, metadata=metadata)

@@ -16,13 +16,18 @@ hub. Each has a stand-in here, named ``<task>_speeches`` (``STANDINS``), which d
 
 Everything else is lm-eval's: ``generate_samples`` with the essay task's needle kinds and counts (as
 lm-eval's ``niah_utils`` passes them) and the essay task's configuration (template, generation settings,
-``process_results``), read from lm-eval's own YAML. A stand-in grades policies against each other on the
+``process_results``): a stand-in's task file (``task_folder``, which a TaskManager or lm-eval's command line
+takes as its ``include_path``) includes lm-eval's own file of the essay task. A stand-in grades policies against each other on the
 same samples; its scores are not RULER's essay tasks' (other prose, other sentence lengths), and the
 leaderboard names it apart.
 """
 from __future__ import annotations
 
+import atexit
+import json
 import re
+import shutil
+import tempfile
 import threading
 from contextlib import contextmanager
 from functools import lru_cache, partial
@@ -124,17 +129,32 @@ def make_samples(task: str, **metadata) -> dict:
             for length in lengths)
 
 
-def task_config(manager, name: str) -> dict:
-    """lm-eval's configuration of the essay task ``name`` stands in for (from ``manager``, a TaskManager),
-    renamed, with its samples made by ``make_samples``: a config ``manager.load`` builds a task from."""
-    from lm_eval.tasks._yaml_loader import load_yaml
+# lm-eval's task files name a dataset function by module and name (``!function``): one per essay task.
+niah_single_2 = partial(make_samples, "niah_single_2")
+niah_single_3 = partial(make_samples, "niah_single_3")
+niah_multikey_1 = partial(make_samples, "niah_multikey_1")
+niah_multivalue = partial(make_samples, "niah_multivalue")
+niah_multiquery = partial(make_samples, "niah_multiquery")
 
-    task = essay_task(name)
-    if task is None:
-        raise KeyError(f"{name!r} is not one of the stand-ins {', '.join(STANDINS)}")
-    config = load_yaml(manager.task_index[task].yaml_path, resolve_func=True)
-    config.pop("tag", None)  # lm-eval's groups (longcxt) hold its own tasks, not this one
-    return {**config, "task": name, "custom_dataset": partial(make_samples, task)}
+
+@lru_cache(maxsize=1)
+def task_folder() -> Path:
+    """A folder of lm-eval task files, one per stand-in, for a TaskManager's ``include_path`` (lm-eval's
+    ``--include_path``): each includes lm-eval's own file of its essay task (where this lm-eval is installed, so
+    the folder is made once per process and removed at exit) and replaces its name, its tags (lm-eval's groups
+    hold lm-eval's tasks) and its dataset function."""
+    import lm_eval.tasks
+
+    ruler = Path(lm_eval.tasks.__file__).resolve().parent / "ruler"
+    folder = Path(tempfile.mkdtemp(prefix="kvlens-ruler-speeches-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    for task in NEEDLES:
+        (folder / f"{task}{SUFFIX}.yaml").write_text(
+            f"include: {json.dumps(str(ruler / f'{task}.yaml'))}\n"
+            f"task: {task}{SUFFIX}\n"
+            "tag: []\n"
+            f"custom_dataset: !function {__name__}.{task}\n", encoding="utf-8")
+    return folder
 
 
 if __name__ == "__main__":

@@ -48,7 +48,8 @@ def tokenizer_source(lm: LoadedModel) -> str:
 def _manager(tokenizer: str, length: int):
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(metadata={"tokenizer": tokenizer, "max_seq_lengths": [length]})
+    return TaskManager(include_path=str(ruler_speeches.task_folder()),
+                       metadata={"tokenizer": tokenizer, "max_seq_lengths": [length]})
 
 
 @contextmanager
@@ -88,12 +89,11 @@ def load_task(name: str, length: int, tokenizer: str):
         raise TaskUnavailable(f"{name} needs {SHORTEST[name]} tokens or more; lm-eval's generator does not "
                               f"finish at {length}")
     manager = _manager(tokenizer, int(length))
-    spec = ruler_speeches.task_config(manager, name) if ruler_speeches.essay_task(name) else name
-    if spec == name and not manager.match_tasks([name]):
+    if not manager.match_tasks([name]):
         raise TaskUnavailable(f"lm-eval has no task {name!r}; the offline tasks are {', '.join(OFFLINE)}")
     try:
         with lm_eval_seeds():
-            task = manager.load([spec])["tasks"][name]
+            task = manager.load([name])["tasks"][name]
     except (OSError, DatasetsError) as err:  # no network, or the hub offline
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise TaskUnavailable(f"{name} needs data from the network that cannot be fetched here ({first}); "
