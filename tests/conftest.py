@@ -108,6 +108,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> str:
+    """A random two-layer Llama on disk with a tokenizer of one token a character (lm-eval sizes RULER's samples
+    with it, and the command line loads it by its directory)."""
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model", "llama", hidden_size=32, intermediate_size=64,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=2048)
+
+
+@pytest.fixture
+def store_dir(tmp_path, monkeypatch):
+    """A private trace store for one test (``KVLENS_STORE_DIR``)."""
+    monkeypatch.setenv("KVLENS_STORE_DIR", str(tmp_path / "store"))
+    return tmp_path / "store"
+
+
+@pytest.fixture
+def default_loaded(default_lm, monkeypatch):
+    """The default model as the one this process has loaded (what ``shared_model`` hands out)."""
+    from backend.engine.models import DEFAULT_MODEL
+
+    monkeypatch.setitem(models.LOADED, DEFAULT_MODEL, default_lm)
+    return default_lm
+
+
 @pytest.fixture
 def tiny_session(tiny, tmp_path, monkeypatch):
     """The app's session with the tiny model standing in for the default one, and a private store."""

@@ -21,15 +21,6 @@ ROOT = Path(__file__).resolve().parents[1]
 LENGTH = 512  # characters, so tokens: niah_single_1's samples fit
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> str:
-    from tests.conftest import tiny_model_dir
-
-    return tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model", "llama", hidden_size=32, intermediate_size=64,
-                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                          max_position_embeddings=2048)
-
-
 def _command(tiny_dir: str, out: Path, samples: int = 2) -> list[str]:
     return [sys.executable, "-m", "backend", "tasks", "--model", tiny_dir, "--tasks", "niah_single_1", "--lengths",
             str(LENGTH), "--samples", str(samples), "--policy", "tova,snapkv", "--ratios", "0.5,0.75",

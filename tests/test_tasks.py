@@ -10,35 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from backend.engine import models
-from backend.engine.models import DEFAULT_MODEL
 from backend.experiments.tasks import TaskUnavailable, load_task, samples, score, tokenizer_source
 
 ROOT = Path(__file__).resolve().parents[1]
 SHORT = 256  # tokens: room for niah_single_1's instructions, needle and question in the default model's tokens
-
-
-@pytest.fixture
-def store_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVLENS_STORE_DIR", str(tmp_path / "store"))
-    return tmp_path / "store"
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> str:
-    """A random two-layer Llama with a tokenizer of one token a character: lm-eval sizes RULER's samples with it."""
-    from tests.conftest import tiny_model_dir
-
-    return tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model", "llama", hidden_size=32, intermediate_size=64,
-                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                          max_position_embeddings=2048)
-
-
-@pytest.fixture
-def default_loaded(default_lm, monkeypatch):
-    """The default model as the one this process has loaded (what kvlens asks ``shared_model`` for)."""
-    monkeypatch.setitem(models.LOADED, DEFAULT_MODEL, default_lm)
-    return default_lm
 
 
 def test_a_needle_sample_scores_one_with_its_reference_and_zero_with_another_number(default_lm):

@@ -17,9 +17,9 @@ hub. Each has a stand-in here, named ``<task>_speeches`` (``STANDINS``), which d
 Everything else is lm-eval's: ``generate_samples`` with the essay task's needle kinds and counts (as
 lm-eval's ``niah_utils`` passes them) and the essay task's configuration (template, generation settings,
 ``process_results``): a stand-in's task file (``task_folder``, which a TaskManager or lm-eval's command line
-takes as its ``include_path``) includes lm-eval's own file of the essay task. A stand-in grades policies against each other on the
-same samples; its scores are not RULER's essay tasks' (other prose, other sentence lengths), and the
-leaderboard names it apart.
+takes as its ``include_path``) includes lm-eval's own file of the essay task. A stand-in grades policies against
+each other on the same samples; its scores are not RULER's essay tasks' (other prose, other sentence lengths),
+and the leaderboard names it apart.
 """
 from __future__ import annotations
 
@@ -50,12 +50,6 @@ STANDINS = tuple(task + SUFFIX for task in NEEDLES)
 SPLITTER_DATA = Path(__file__).resolve().parents[2] / "assets" / "ruler_speeches"
 SPLITTER_FILES = ("collocations.tab", "sent_starters.txt", "abbrev_types.txt", "ortho_context.tab")
 _NLTK_PATH = threading.Lock()  # nltk's search path is global: one stand-in's samples made at a time
-
-
-def essay_task(name: str) -> str | None:
-    """The lm-eval essay task a stand-in's ``name`` stands in for, or None for any other name."""
-    base = name.removesuffix(SUFFIX)
-    return base if name.endswith(SUFFIX) and base in NEEDLES else None
 
 
 @lru_cache(maxsize=1)
