@@ -222,3 +222,46 @@ def test_bfloat16_runs_on_the_cpu():
     (trace,), full = compute_traces(lm, ["tova"], [POLICIES["tova"](budget=6)], IDS, record_layers=())
     assert np.isfinite(trace.logprobs).all() and np.isfinite(full.logprobs).all()
     assert trace.evicted_at.max() > 0  # it evicted
+
+
+def top_k_reference(budget: int):
+    """An attention function for transformers' AttentionInterface, independent of KV Lens's engine: the model's
+    own eager logits (scale, soft-cap, causal and window mask as transformers builds them), then each query reads
+    only the ``budget`` keys of its highest exact attention, ranked by the mean row over the query heads of a
+    KV head (the oracle's definition, A2SF Sec. 4.3)."""
+    def attend(module, query, key, value, attention_mask, scaling=None, softcap=None, **kwargs):
+        group = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+        logits = (query @ key.transpose(2, 3)) * scaling
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
+        logits = logits + attention_mask[..., : key.shape[2]]
+        rows = torch.softmax(logits, -1)
+        batch, heads, n, m = rows.shape
+        ranking = rows.view(batch, heads // group, group, n, m).mean(2).repeat_interleave(group, 1)
+        unread = torch.ones_like(rows, dtype=torch.bool).scatter_(-1, ranking.topk(min(budget, m), -1).indices,
+                                                                  False)
+        weights = torch.softmax(logits.masked_fill(unread, float("-inf")), -1)
+        return (weights @ value).transpose(1, 2).contiguous(), weights
+    return attend
+
+
+def test_the_oracle_equals_a_top_k_reading_of_transformers_own_attention(lm):
+    """The oracle on every family, against top-k reading written on transformers' eager attention (where a
+    sliding window holds fewer keys than the budget, a query reads the window)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import eager_mask
+
+    budget = 6
+    AttentionInterface.register("top_k_reference", top_k_reference(budget))
+    AttentionMaskInterface.register("top_k_reference", eager_mask)
+    lm.model.set_attn_implementation("top_k_reference")
+    try:
+        with torch.inference_mode():
+            reference = torch.log_softmax(lm.model(torch.tensor([IDS])).logits[0].float(), -1)
+    finally:
+        lm.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    reference = reference[:-1].gather(-1, torch.tensor(IDS[1:])[:, None])[:, 0].numpy()
+    _, scores, (row,) = score_text(lm, IDS, [POLICIES["oracle"](budget=budget)], chunk=len(IDS))
+    np.testing.assert_allclose(scores["logprobs"][row], reference, atol=1e-6)
+    assert np.abs(reference - plain_logprobs(lm)).max() > 1e-3  # the budget changes what the model reads

@@ -1,4 +1,4 @@
-"""``prefill``, SparQ's and Quest's choice of how a generate-mode run reads its prompt: select at every
+"""``prefill``, SparQ's, Quest's and the oracle's choice of how a generate-mode run reads its prompt: select at every
 query (the default) or read it exactly and select only while decoding, as the papers' QA runs serve."""
 import numpy as np
 import pytest
@@ -9,7 +9,8 @@ from backend.policies.base import Block
 from backend.engine.runner import compute_traces
 
 
-@pytest.mark.parametrize("spec", ["sparq:budget=6,r=3,prefill=dense", "quest:budget=8,page_size=2,dense_layers=0,prefill=dense"])
+@pytest.mark.parametrize("spec", ["sparq:budget=6,r=3,prefill=dense", "quest:budget=8,page_size=2,dense_layers=0,prefill=dense",
+                                  "oracle:budget=8,prefill=dense"])
 def test_a_dense_prefill_reads_the_prompt_exactly_and_selects_while_decoding(tiny, text_ids, spec):
     """prefill=dense: the prompt's queries read everything (so the first answer token is Full's, and every prompt
     prediction equals Full's), the answer's queries select as before; prefill=select differs from Full there."""
@@ -34,6 +35,9 @@ def test_a_dense_prefill_is_a_prompt_mode_no_op(tiny, text_ids):
                              text_ids, record_layers=())
     np.testing.assert_array_equal(dense.logprobs, select.logprobs)
     assert (dense.stats["alpha"][:, 6:] < 1).all()
+    (dense, select), _ = compute_traces(tiny, ["d", "s"], [parse_spec("oracle:budget=6,prefill=dense"),
+                                                           parse_spec("oracle:budget=6")], text_ids, record_layers=())
+    np.testing.assert_array_equal(dense.logprobs, select.logprobs)
 
 
 def test_a_dense_prompt_block_records_alpha_one_and_dense_transfer():

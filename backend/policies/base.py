@@ -485,6 +485,12 @@ class SelectionPolicy(Policy):
     def select(self, state: State, attn_full: np.ndarray, t: int) -> tuple[State, np.ndarray]:
         raise NotImplementedError
 
+    def reads_prompt_densely(self) -> bool:
+        """Does a generate-mode run read its prompt exactly, the policy selecting from the first answer token on
+        (``prefill="dense"``)? For a policy the engine attends for, it then reads the prompt's blocks as Full
+        does; an attending policy reads them itself (``Block.in_prompt``)."""
+        return False
+
     def select_block(self, state: State, attn_full: np.ndarray, first: int) -> tuple[State, np.ndarray]:
         """``select`` for queries first..first+n-1 in turn: attn_full [H, n, M] -> reads bool [H, n, M]."""
         n_heads, n, total = attn_full.shape
