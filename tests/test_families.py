@@ -247,8 +247,8 @@ def top_k_reference(budget: int):
 
 
 def test_the_oracle_equals_a_top_k_reading_of_transformers_own_attention(lm):
-    """The oracle on every family, against top-k reading written on transformers' eager attention (where a
-    sliding window holds fewer keys than the budget, a query reads the window)."""
+    """The oracle on every family, against top-k reading written on transformers' eager attention (on a
+    sliding-window layer the top keys are chosen within the window, which transformers' mask leaves visible)."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import eager_mask
 
