@@ -73,10 +73,10 @@ def refused(lm: LoadedModel, name: str) -> bool:
     return not POLICIES[name].honours_layer_limits and bool(features.softcap or any(features.windows))
 
 
-def plain_logprobs(lm: LoadedModel) -> np.ndarray:
+def plain_logprobs(lm: LoadedModel, implementation: str = "eager") -> np.ndarray:
     """Log-probs of IDS under the plain model: transformers' own eager attention (soft-capping and windows in
-    the model's code, not KV Lens's)."""
-    lm.model.set_attn_implementation("eager")
+    the model's code, not KV Lens's), or another attention function registered with transformers."""
+    lm.model.set_attn_implementation(implementation)
     try:
         with torch.inference_mode():
             plain = torch.log_softmax(lm.model(torch.tensor([IDS])).logits[0].float(), -1)
@@ -255,13 +255,7 @@ def test_the_oracle_equals_a_top_k_reading_of_transformers_own_attention(lm):
     budget = 6
     AttentionInterface.register("top_k_reference", top_k_reference(budget))
     AttentionMaskInterface.register("top_k_reference", eager_mask)
-    lm.model.set_attn_implementation("top_k_reference")
-    try:
-        with torch.inference_mode():
-            reference = torch.log_softmax(lm.model(torch.tensor([IDS])).logits[0].float(), -1)
-    finally:
-        lm.model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    reference = reference[:-1].gather(-1, torch.tensor(IDS[1:])[:, None])[:, 0].numpy()
+    reference = plain_logprobs(lm, "top_k_reference")
     _, scores, (row,) = score_text(lm, IDS, [POLICIES["oracle"](budget=budget)], chunk=len(IDS))
     np.testing.assert_allclose(scores["logprobs"][row], reference, atol=1e-6)
     assert np.abs(reference - plain_logprobs(lm)).max() > 1e-3  # the budget changes what the model reads
