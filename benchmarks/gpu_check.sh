@@ -11,7 +11,7 @@
 #   task       one RULER sample at 4k (niah_single_1, saved by `task_cost --save-request`, 32 new tokens) under
 #              TASK_POLICIES (default tova,snapkv) at the shipped ratios, on SmolLM2's shape;
 #   kernels    the kernels' table (benchmarks/kernels_bench.py --quick);
-#   selection  SparQ and ReAttention through scaling.py at 8k on Gemma 3 270M's shape.
+#   selection  SparQ and ReAttention through scaling.py at 2k, then 8k, on Gemma 3 270M's shape.
 # The machine it was written for has no network: the packages it lacks travel as wheels in .whl/ (transformers
 # at our pin, lm-eval, diskcache), SmolLM2's tokenizer and the saved requests in .gpu/ (docs/results.md,
 # "On a GPU").
@@ -20,7 +20,7 @@
 set -u
 OUT=${1:-${OUT:-gpu-out}}
 shift || true
-STEPS=${*:-tests profile llama task selection walk}
+STEPS=${*:-tests selection llama kernels}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -61,16 +61,16 @@ for name in $STEPS; do
     profile) models gemma3-270m
              step profile 60 $PY $SCALE --model "$MODELS/gemma3-270m" --lengths 8192 --profile ;;
     llama) models llama-3.2-1b
-           step scaling_llama 65 $PY $SCALE --model "$MODELS/llama-3.2-1b" --lengths 32768 ;;
+           step scaling_llama 120 $PY $SCALE --model "$MODELS/llama-3.2-1b" --lengths 32768 ;;
     llama8k) models llama-3.2-1b
              step scaling_llama8k 70 $PY $SCALE --model "$MODELS/llama-3.2-1b" --lengths 8192 ;;
     task) models smollm2-135m
-          step task_4k 60 $PY -m benchmarks.task_cost --request .gpu/niah_4096_32.json \
+          step task_4k 120 $PY -m benchmarks.task_cost --request .gpu/niah_4096_32.json \
             --model "$MODELS/smollm2-135m" --device cuda --dtype bfloat16 --policies "${TASK_POLICIES:-tova,snapkv}" \
             --seconds 1 --json "$OUT/task.jsonl" ;;
     kernels) step kernels 45 $PY -m benchmarks.kernels_bench --quick ;;
     selection) models gemma3-270m
-               step scaling_selection 35 $PY $SCALE --model "$MODELS/gemma3-270m" --lengths 8192 \
+               step scaling_selection 120 $PY $SCALE --model "$MODELS/gemma3-270m" --lengths 2048,8192 \
                  --policies sparq,reattention ;;
     *) echo "unknown step $name" | tee -a "$LOG" ;;
   esac

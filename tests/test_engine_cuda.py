@@ -119,7 +119,8 @@ def test_the_prompt_path_equals_the_token_loop(lm, name):
         agree = 1.0
     assert agree >= (0.99 if lm.model.dtype == torch.float32 else 0.9), (name, agree)
     np.testing.assert_allclose(s_whole["logprobs"][:max(differ, 0)], s_single["logprobs"][:max(differ, 0)],
-                               atol=atol(lm), err_msg=name)
+                               atol=atol(lm), err_msg=f"{name}: decisions agree in {agree:.1%}, the first query "
+                               f"whose decisions differ is {differ}")
 
 # The running-score rows walk in one launch per layer on the GPU (two: TOVA scores the layer, the others walk
 # their heads apart), each with its own budget; numba walks each alone on the CPU.
