@@ -100,8 +100,8 @@ def test_the_prompt_path_equals_the_token_loop(lm, name):
     single, s_single, _ = score_text(lm, IDS, [policy], chunk=1)
     # On the CPU the two are equal (tests/test_registry.py). On a GPU the keys of a block of 24 queries and of one
     # come from matrix products of different shapes, which cuBLAS sums in different orders: a near-tie may then
-    # break the other way (ReAttention's top 2 of a few candidates did, in float32, on an H100), and change the
-    # log-probs after it. So: the decisions agree almost everywhere, and the log-probs agree up to the first
+    # break the other way (ReAttention's top 2 of a few candidates is such a choice), and change the log-probs
+    # after it. So: the decisions agree almost everywhere, and the log-probs agree up to the first
     # query whose decisions differ (after it they may rightly differ).
     differ = len(IDS)
     if policy.kind in ("eviction", "compression"):  # row 1: the policy's (row 0 is Full's)
