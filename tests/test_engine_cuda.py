@@ -117,7 +117,8 @@ def test_the_prompt_path_equals_the_token_loop(lm, name):
     else:
         agree = 1.0
     assert agree >= (0.99 if lm.model.dtype == torch.float32 else 0.9), (name, agree)
-    np.testing.assert_allclose(s_whole["logprobs"][:max(differ, 0)], s_single["logprobs"][:max(differ, 0)],
+    before = slice(0, max(differ, 0))  # log-probs are [rows, T - 1]: the queries before the first that differs
+    np.testing.assert_allclose(s_whole["logprobs"][:, before], s_single["logprobs"][:, before],
                                atol=atol(lm), err_msg=f"{name}: decisions agree in {agree:.1%}; the first query "
                                f"whose decisions differ: {differ if differ < len(IDS) else 'none'}")
 
