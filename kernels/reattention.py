@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
+_BIG = torch.iinfo(torch.int64).max  # sentinel position, sorts after every real one
+
 
 @dataclass
 class ReAttentionSelection:
@@ -87,6 +89,42 @@ def _check(q, K, span, topk, per_head_k, global_size, local_size):
 # ----------------------------------------------------------------------------- reference
 
 
+def _scores(q, K, repeats=None):
+    """Eq. 2's q . k in float64: [H_kv, V, S] for voters q [H_kv, V, d] and keys K [H_kv, S, d].
+
+    Equal keys get equal scores, so the tie rule holds: a matrix product may round one key's score an ulp apart
+    at different columns (its tiles), so a key that repeats an earlier one (a repeated token's, in the first
+    layer) takes the earlier one's score. ``repeats``: each head's ``_repeats`` of these keys or of more (the
+    ones past S are left out)."""
+    S = K.shape[1]
+    scores = q.double() @ K.double().transpose(-1, -2)
+    for h, (copies, first) in enumerate(repeats if repeats is not None else map(_repeats, K)):
+        inside = copies < S
+        if inside.any():
+            scores[h][:, copies[inside]] = scores[h][:, first[inside]]
+    return scores
+
+
+_MIX = torch.randint(-2 ** 62, 2 ** 62, (4096,), generator=torch.Generator().manual_seed(0)) | 1  # odd multipliers
+
+
+def _repeats(keys):
+    """(positions whose key [S, d] equals an earlier one, the first position holding that key), both [R]: the
+    keys' bits hashed exactly (integer arithmetic), grouped by a stable sort, and neighbours compared."""
+    S, d = keys.shape
+    if S < 2:
+        return keys.new_zeros(0, dtype=torch.long), keys.new_zeros(0, dtype=torch.long)
+    bits = keys.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[keys.element_size()]).long()
+    hashed = (bits * _MIX[:d].to(keys.device)).sum(-1)  # wraps around in int64, the same for equal bits
+    order = torch.sort(hashed, stable=True).indices  # equal keys adjacent, earliest first
+    ordered = keys[order]
+    same = (hashed[order[1:]] == hashed[order[:-1]]) & (ordered[1:] == ordered[:-1]).all(-1)
+    start = torch.cat([torch.ones(1, dtype=torch.bool, device=keys.device), ~same])
+    first = order[start][torch.cumsum(start.long(), 0) - 1]  # each sorted entry's earliest equal key
+    repeat = order != first
+    return order[repeat], first[repeat]
+
+
 def _ranked_top(scores, k):
     """Each row's k best entries, ranked by score descending and, among equal scores, earlier
     position first: the first k of a stable descending sort, without sorting whole rows.
@@ -120,7 +158,7 @@ def reattention_select_reference(q_norope, K_norope, global_size, local_size, sp
 
     # Eq. 2 without positions: every head's scores over the middle segment, in float64.
     qg = q_norope.double().reshape(B, H_kv, G, d)
-    scores = qg @ K_norope[:, :, lo:hi].double().transpose(-1, -2)  # [B, H_kv, G, hi - lo]
+    scores = torch.stack([_scores(qg[b], K_norope[b, :, lo:hi]) for b in range(B)])  # [B, H_kv, G, hi - lo]
     values, indices = _ranked_top(scores, kh)
     head_pos = (indices + lo).reshape(B, H_q, kh)
     head_sc = values.reshape(B, H_q, kh)
@@ -157,6 +195,119 @@ def reattention_select_reference(q_norope, K_norope, global_size, local_size, sp
         head_positions=head_pos,
         head_scores=head_sc,
     )
+
+
+def _vote_and_widen(head_pos, head_sc, H_kv, topk, span, lo, hi):
+    """Vectorised steps 2-3 (vote, widen, merge) on the small nomination lists.
+
+    head_pos / head_sc: [B, H_q, kh] nominations best first (-1 / -inf padding). Same rules as the
+    reference's Python loop: rank by (votes desc, best score desc, position asc). lo, hi: the middle
+    segment, one for all B or a LongTensor [B] each.
+    """
+    B, H_q, kh = head_pos.shape
+    G = H_q // H_kv
+    N, M = B * H_kv, G * kh
+    dev = head_pos.device
+    pos = head_pos.reshape(N, M)
+    sc = head_sc.reshape(N, M)
+    valid = pos >= 0
+    pos_key = torch.where(valid, pos, torch.full_like(pos, _BIG))
+    order = torch.sort(pos_key, dim=1, stable=True).indices  # equal positions become runs
+    ps, ss, vs = pos_key.gather(1, order), sc.gather(1, order), valid.gather(1, order)
+    first = torch.ones_like(vs)
+    first[:, 1:] = ps[:, 1:] != ps[:, :-1]
+    run = torch.cumsum(first.long(), dim=1) - 1  # run index within the row
+    votes = torch.zeros(N, M, dtype=torch.int64, device=dev).scatter_add_(1, run, vs.long())
+    best = torch.full((N, M), float("-inf"), dtype=torch.float64, device=dev)
+    best = best.scatter_reduce(1, run, ss.double(), reduce="amax")
+    rpos = torch.full((N, M), _BIG, dtype=torch.int64, device=dev).scatter(1, run, ps)
+    # Runs are in ascending position; stable sorts from the least to the most significant key.
+    o = torch.sort(best, dim=1, descending=True, stable=True).indices
+    votes, rpos = votes.gather(1, o), rpos.gather(1, o)
+    o = torch.sort(votes, dim=1, descending=True, stable=True).indices
+    votes, rpos = votes.gather(1, o), rpos.gather(1, o)
+    width = min(topk, M)
+    votes, rpos = votes[:, :width], rpos[:, :width]
+    ok = votes > 0
+    centres = torch.full((N, topk), -1, dtype=torch.int64, device=dev)
+    centres[:, :width] = torch.where(ok, rpos, torch.full_like(rpos, -1))
+    vote_out = torch.zeros(N, topk, dtype=torch.int64, device=dev)
+    vote_out[:, :width] = torch.where(ok, votes, torch.zeros_like(votes))
+
+    # Widen each centre to its span, clip to the middle segment, merge duplicates.
+    lo, hi = (torch.as_tensor(x, device=dev).reshape(-1, 1).repeat_interleave(H_kv if torch.is_tensor(x) else 1, 0)
+              for x in (lo, hi))
+    offs = torch.arange(span, device=dev) - span // 2
+    cand = (rpos[:, :, None] + offs).reshape(N, width * span)
+    keep = (ok[:, :, None].expand(N, width, span).reshape(N, -1) & (cand >= lo) & (cand < hi))
+    cand = torch.sort(torch.where(keep, cand, torch.full_like(cand, _BIG)), dim=1).values
+    dup = torch.zeros_like(keep)
+    dup[:, 1:] = cand[:, 1:] == cand[:, :-1]
+    cand = torch.sort(torch.where(dup, torch.full_like(cand, _BIG), cand), dim=1).values
+    counts = (cand != _BIG).sum(1)
+    n_max = int(counts.max()) if N else 0
+    positions = torch.where(cand[:, :n_max] != _BIG, cand[:, :n_max], torch.full_like(cand[:, :n_max], -1))
+    return (positions.reshape(B, H_kv, n_max), counts.reshape(B, H_kv),
+            centres.reshape(B, H_kv, topk), vote_out.reshape(B, H_kv, topk))
+
+
+def reattention_select_chunks(q_norope, K_norope, chunks, first, global_size, local_size, span, topk,
+                              max_scores=None):
+    """Algorithm 1's selection for several chunks of one block at once, as ``reattention_select_reference``
+    selects for each chunk alone: chunk (s, e)'s queries, every head of the group for each, vote over the
+    middle segment of keys 0..e-1.
+
+    Args:
+        q_norope: [H_q, n, d] the block's queries without RoPE, query ``first + i`` in row i.
+        K_norope: [H_kv, M, d] the keys without RoPE (M >= every chunk's end).
+        chunks: [(s, e)] absolute query ranges within the block.
+        max_scores: float64 scores held at once; chunks go through in groups that fit. By default 2^26 on a GPU
+            (few launches) and 2^19 on a CPU, where a chunk's scores then stay in the caches through the ranking's
+            passes: one chunk at a time there at 4k tokens on the default model.
+    Returns bool [C, H_kv, M]: each chunk's selected middle positions.
+    """
+    H_q, _, d = q_norope.shape
+    M = K_norope.shape[1]
+    width = max(e - s for s, e in chunks)
+    if max_scores is None:
+        max_scores = 1 << (26 if K_norope.is_cuda else 19)
+    step = max(1, max_scores // (H_q * width * M))
+    reach = max(_segment(e, global_size, local_size)[1] for _, e in chunks)
+    keys = K_norope[:, :reach].double()  # once for every group, as the equal keys
+    repeats = [_repeats(k) for k in keys]
+    return torch.cat([_select_chunks(q_norope, keys, repeats, M, chunks[i: i + step], first, global_size,
+                                     local_size, span, topk) for i in range(0, len(chunks), step)])
+
+
+def _select_chunks(q_norope, keys, repeats, M, chunks, first, global_size, local_size, span, topk):
+    H_q, _, d = q_norope.shape
+    H_kv = keys.shape[0]
+    G, C, dev = H_q // H_kv, len(chunks), keys.device
+    width = max(e - s for s, e in chunks)
+    bounds = [_segment(e, global_size, local_size) for _, e in chunks]
+    reach = max(h for _, h in bounds)  # no middle goes further: the keys after it are not scored
+    # Each chunk's queries as rows of one batch; a shorter chunk's padding rows repeat its last query and vote not.
+    rows = torch.tensor([[min(s + j, e - 1) - first for j in range(width)] for s, e in chunks], device=dev)
+    real = torch.tensor([[j < e - s for j in range(width)] for s, e in chunks], device=dev)
+    lo = torch.tensor([b[0] for b in bounds], device=dev)
+    hi = torch.tensor([b[1] for b in bounds], device=dev)
+    kh = min(topk, reach)  # a middle shorter than topk nominates all it has: the -inf picks past it vote not
+    if kh == 0:
+        return torch.zeros(C, H_kv, M, dtype=torch.bool, device=dev)
+    # Eq. 2 without positions, in float64: [H_kv, C, G * width, reach], voters ordered (group head, query).
+    q = q_norope.double()[:, rows].reshape(H_kv, G, C, width, d).transpose(1, 2).reshape(H_kv, C * G * width, d)
+    scores = _scores(q, keys[:, :reach], repeats).view(H_kv, C, G * width, reach)
+    position = torch.arange(reach, device=dev)
+    outside = (position < lo[:, None]) | (position >= hi[:, None])  # [C, reach]: not the chunk's middle
+    values, indices = _ranked_top(scores.masked_fill_(outside[:, None, :], float("-inf")), kh)
+    values, indices = values.transpose(0, 1), indices.transpose(0, 1)  # [C, H_kv, G * width, kh]
+    voting = real[:, None, None, :, None].expand(C, H_kv, G, width, kh).reshape(values.shape) & (values > float("-inf"))
+    head_pos = torch.where(voting, indices, -1).reshape(C, H_q * width, kh)
+    head_sc = torch.where(voting, values, float("-inf")).reshape(C, H_q * width, kh)
+    positions, _, _, _ = _vote_and_widen(head_pos, head_sc, H_kv, topk, span, lo, hi)
+    chosen = torch.zeros(C, H_kv, M + 1, dtype=torch.bool, device=dev)
+    chosen.scatter_(-1, torch.where(positions >= 0, positions, M), True)  # -1 pads land in the extra last column
+    return chosen[..., :M]
 
 
 # ----------------------------------------------------------------------------- layout

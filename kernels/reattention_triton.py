@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from kernels.reattention import ReAttentionSelection, _check, reattention_select_reference
+from kernels.reattention import ReAttentionSelection, _check, _vote_and_widen, reattention_select_reference
 
 try:
     import triton
@@ -20,9 +20,6 @@ try:
     HAS_TRITON = True
 except ImportError:  # pragma: no cover
     HAS_TRITON = False
-
-_BIG = torch.iinfo(torch.int64).max  # sentinel position, sorts after every real one
-
 
 # ----------------------------------------------------------------------------- Triton
 
@@ -70,57 +67,6 @@ if HAS_TRITON:
                 tl.store(val_ptr + base + i, tl.where(found, m, float("-inf")))
                 tl.store(pos_ptr + base + i, tl.where(found, p, -1))
                 alive = alive & (offs_s != p)
-
-
-def _vote_and_widen(head_pos, head_sc, H_kv, topk, span, lo, hi):
-    """Vectorised steps 2-3 (vote, widen, merge) on the small nomination lists.
-
-    head_pos / head_sc: [B, H_q, kh] nominations best first (-1 / -inf padding). Same rules as the
-    reference's Python loop: rank by (votes desc, best score desc, position asc).
-    """
-    B, H_q, kh = head_pos.shape
-    G = H_q // H_kv
-    N, M = B * H_kv, G * kh
-    dev = head_pos.device
-    pos = head_pos.reshape(N, M)
-    sc = head_sc.reshape(N, M)
-    valid = pos >= 0
-    pos_key = torch.where(valid, pos, torch.full_like(pos, _BIG))
-    order = torch.sort(pos_key, dim=1, stable=True).indices  # equal positions become runs
-    ps, ss, vs = pos_key.gather(1, order), sc.gather(1, order), valid.gather(1, order)
-    first = torch.ones_like(vs)
-    first[:, 1:] = ps[:, 1:] != ps[:, :-1]
-    run = torch.cumsum(first.long(), dim=1) - 1  # run index within the row
-    votes = torch.zeros(N, M, dtype=torch.int64, device=dev).scatter_add_(1, run, vs.long())
-    best = torch.full((N, M), float("-inf"), dtype=torch.float64, device=dev)
-    best = best.scatter_reduce(1, run, ss.double(), reduce="amax")
-    rpos = torch.full((N, M), _BIG, dtype=torch.int64, device=dev).scatter(1, run, ps)
-    # Runs are in ascending position; stable sorts from the least to the most significant key.
-    o = torch.sort(best, dim=1, descending=True, stable=True).indices
-    votes, rpos = votes.gather(1, o), rpos.gather(1, o)
-    o = torch.sort(votes, dim=1, descending=True, stable=True).indices
-    votes, rpos = votes.gather(1, o), rpos.gather(1, o)
-    width = min(topk, M)
-    votes, rpos = votes[:, :width], rpos[:, :width]
-    ok = votes > 0
-    centres = torch.full((N, topk), -1, dtype=torch.int64, device=dev)
-    centres[:, :width] = torch.where(ok, rpos, torch.full_like(rpos, -1))
-    vote_out = torch.zeros(N, topk, dtype=torch.int64, device=dev)
-    vote_out[:, :width] = torch.where(ok, votes, torch.zeros_like(votes))
-
-    # Widen each centre to its span, clip to the middle segment, merge duplicates.
-    offs = torch.arange(span, device=dev) - span // 2
-    cand = (rpos[:, :, None] + offs).reshape(N, width * span)
-    keep = (ok[:, :, None].expand(N, width, span).reshape(N, -1) & (cand >= lo) & (cand < hi))
-    cand = torch.sort(torch.where(keep, cand, torch.full_like(cand, _BIG)), dim=1).values
-    dup = torch.zeros_like(keep)
-    dup[:, 1:] = cand[:, 1:] == cand[:, :-1]
-    cand = torch.sort(torch.where(dup, torch.full_like(cand, _BIG), cand), dim=1).values
-    counts = (cand != _BIG).sum(1)
-    n_max = int(counts.max()) if N else 0
-    positions = torch.where(cand[:, :n_max] != _BIG, cand[:, :n_max], torch.full_like(cand[:, :n_max], -1))
-    return (positions.reshape(B, H_kv, n_max), counts.reshape(B, H_kv),
-            centres.reshape(B, H_kv, topk), vote_out.reshape(B, H_kv, topk))
 
 
 def reattention_select_triton(q_norope, K_norope, global_size, local_size, span, topk,

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from kernels import reattention, reattention_triton
-from kernels.reattention import reattention_layout, reattention_select_reference, rerotate_positions
+from kernels.reattention import (reattention_layout, reattention_select_chunks, reattention_select_reference,
+                                rerotate_positions)
 from kernels.reattention_triton import reattention_select, reattention_select_triton
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -122,6 +123,31 @@ def test_exact_ties_repeated_keys(impl):
     assert sel.centres.tolist() == [[[10, 11, 21]]]
 
 
+@pytest.mark.parametrize("impl", [pytest.param(reattention_select_reference, id="reference"),
+                                  pytest.param(reattention_select_triton, id="triton", marks=needs_triton)])
+def test_equal_keys_score_equal_wherever_they_sit(impl):
+    """One key repeated every 7 positions over a 704-key middle, 16 query heads per KV head: a plain float64
+    matrix product scores some copies an ulp apart on the CPU (its tiles), and a later copy would win the tie.
+    Only the first two copies may be nominated."""
+    g = torch.Generator().manual_seed(728)
+    q, K = torch.randn(1, 48, 64, generator=g), torch.randn(1, 3, 712, 64, generator=g)
+    for h in range(3):
+        K[0, h, 9::7] = q[0, 16 * h: 16 * (h + 1)].sum(0) * 3  # the best key for the group's heads together
+    sel = impl(q.to(DEV), K.to(DEV), 4, 4, 1, 2)
+    copies = set(range(9, 708, 7))
+    nominated = {p for p in sel.head_positions.flatten().tolist() if p in copies}
+    assert nominated == {9, 16}
+
+
+def test_equal_keys_get_bitwise_equal_scores():
+    """The scores both the reference and the batched chunks call rank (``_scores``)."""
+    g = torch.Generator().manual_seed(728)
+    q, K = torch.randn(3, 16, 64, generator=g), torch.randn(3, 704, 64, generator=g)
+    K[:, 5::7] = K[:, :1]
+    scores = reattention._scores(q.to(DEV), K.to(DEV))  # [H_kv, 16, 704]
+    assert torch.equal(scores[..., 5::7], scores[..., :1].expand(-1, -1, len(range(5, 704, 7))))
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_empty_middle(impl):
     q, K = line_example()
@@ -153,6 +179,41 @@ def test_triton_matches_reference(B, H_q, H_kv, S, d, glob, loc, span, topk, per
     for f in FIELDS:
         assert torch.equal(getattr(got, f), getattr(ref, f)), f
     torch.testing.assert_close(got.head_scores, ref.head_scores, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("H_q,H_kv,first,chunks,glob,loc,span,topk,max_scores", [
+    (9, 3, 20, [(20, 24), (24, 28), (28, 32), (32, 35)], 2, 8, 2, 3, 1 << 24),  # a short last chunk
+    (4, 1, 10, [(10, 14), (14, 18)], 4, 4, 3, 4, 1 << 24),   # the first chunk's middle (2) is under topk (4)
+    (6, 2, 30, [(s, s + 1) for s in range(30, 40)], 3, 5, 1, 2, 500),  # decoding steps, in groups of 2
+])
+def test_chunks_at_once_select_as_each_chunk_alone(H_q, H_kv, first, chunks, glob, loc, span, topk, max_scores):
+    """Every chunk of a block selected in one batched call equals the reference run on each chunk alone, its
+    queries and the group's heads voting together over keys 0..e-1; repeated keys make exact ties."""
+    g = torch.Generator().manual_seed(H_q + first)
+    end = chunks[-1][1]
+    q = torch.randn(H_q, end - first, 16, generator=g)
+    K = torch.randn(H_kv, end + 3, 16, generator=g)  # keys past a chunk's end must not count
+    K[:, 7] = K[:, 5]
+    K[:, 12] = K[:, 5]
+    q, K = q.to(DEV), K.to(DEV)
+    got = reattention_select_chunks(q, K, chunks, first, glob, loc, span, topk, max_scores=max_scores)
+    assert got.shape == (len(chunks), H_kv, end + 3)
+    for c, (s, e) in enumerate(chunks):
+        voters = q[:, s - first: e - first].reshape(1, -1, 16)
+        ref = reattention_select_reference(voters, K[None, :, :e], glob, loc, span, topk)
+        for h in range(H_kv):
+            assert torch.nonzero(got[c, h]).flatten().tolist() == ref.row(0, h).tolist(), (c, h)
+
+
+@needs_triton
+def test_the_kernel_selects_a_decoding_step_as_the_chunks_call_does():
+    """On a GPU a block of one chunk (a decoding step) takes the kernel; its selection, as the policy reads it,
+    equals the batched call's."""
+    from backend.policies.reattention import selected_mask
+    g = torch.Generator().manual_seed(3)
+    q, K = torch.randn(9, 1, 16, generator=g).to(DEV), torch.randn(3, 90, 16, generator=g).to(DEV)
+    kernel = reattention_select_triton(q.reshape(1, 9, 16), K[None], 4, 20, 3, 4, block_s=16)
+    assert torch.equal(selected_mask(kernel, 90), reattention_select_chunks(q, K, [(89, 90)], 89, 4, 20, 3, 4)[0])
 
 
 @needs_triton

@@ -6,7 +6,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from kernels.reattention import reattention_select_reference
+from kernels.reattention import _segment, reattention_select_chunks
 from kernels.reattention_triton import reattention_select
 
 from .base import AttendingPolicy, BlockResult
@@ -83,69 +83,86 @@ class ReAttention(AttendingPolicy):
         return out
 
     def attend_block(self, state, block):
-        n_q_heads, n, dim = block.q.shape
+        chunks = self.chunks(block.first, block.q.shape[1], block.decoding)
+        return state, _attend_rerotated(block, self.chunk_reads(block, chunks), chunks)
+
+    def chunk_reads(self, block, chunks: list[tuple[int, int]]) -> torch.Tensor:
+        """bool [C, H_kv, M]: the keys each chunk's queries read: the first ``global_size``, the last ``local``
+        before the chunk's end and the chunk's own, and in the middle the voted spans, or the whole middle where
+        it fits in them. Every chunk of the block is selected in one batched call (kernels/reattention.py); a
+        block of one chunk on a GPU takes the Triton kernel (kernels/reattention_triton.py)."""
         n_kv_heads, total, _ = block.k.shape
-        group = n_q_heads // n_kv_heads
-        out = torch.empty(n, n_q_heads, dim, dtype=block.q.dtype, device=block.q.device)
-        reads = np.zeros((n_kv_heads, n, total), bool)
-        attn = np.zeros((n_kv_heads, n, total), np.float32)
-        for s, e in self.chunks(block.first, n, block.decoding):
-            lo, hi = min(self.global_size, e), max(e - self.local, min(self.global_size, e))
-            chosen = None
-            if hi - lo > self.topk * self.span:  # a middle that fits in the scope is read whole
-                queries = block.q_pre[:, s - block.first: e - block.first]  # [H_q, n_c, d], no RoPE
-                voters = queries.reshape(1, n_kv_heads * group * (e - s), dim)  # the group's heads x queries vote
-                select = reattention_select if voters.is_cuda else reattention_select_reference
-                chosen = select(voters, block.k_pre[None, :, :e], self.global_size, self.local, self.span, self.topk)
-            middles = [torch.arange(lo, hi) if chosen is None else chosen.row(0, h).cpu() for h in range(n_kv_heads)]
-            kept, valid = _padded([torch.cat([torch.arange(lo), m, torch.arange(hi, e)]) for m in middles])
-            rows = slice(s - block.first, e - block.first)
-            out[rows], cell_reads, cell_attn = _attend_rerotated(block, kept, valid, s, e, group)
-            for h in range(n_kv_heads):
-                cells = np.ix_(np.arange(rows.start, rows.stop), kept[h, valid[h]].numpy())
-                reads[h][cells] = cell_reads[h][:, valid[h]]
-                attn[h][cells] = cell_attn[h][:, valid[h]]
-        return state, BlockResult(out=out, reads=reads, attn=attn)
+        device = block.k.device
+        bounds = [(e, *_segment(e, self.global_size, self.local)) for _, e in chunks]
+        position = torch.arange(total, device=device)
+        end, lo, hi = (torch.tensor(column, device=device)[:, None] for column in zip(*bounds))
+        fits = torch.tensor([h - l <= self.topk * self.span for _, l, h in bounds], device=device)[:, None]
+        keep = (position < lo) | ((position >= hi) & (position < end)) | ((position >= lo) & (position < hi) & fits)
+        keep = keep[:, None].expand(-1, n_kv_heads, -1).clone()
+        voting = [c for c, (_, l, h) in enumerate(bounds) if h - l > self.topk * self.span]
+        if len(voting) == 1 and block.k.is_cuda:  # a decoding step on a GPU: the kernel, without the [H_q, M] scores
+            (s, e), = [chunks[c] for c in voting]
+            voters = block.q_pre[:, s - block.first: e - block.first].reshape(1, -1, block.q_pre.shape[-1])
+            keep[voting[0]] |= selected_mask(reattention_select(voters, block.k_pre[None, :, :e], self.global_size,
+                                                                self.local, self.span, self.topk), total)
+        elif voting:
+            keep[voting] |= reattention_select_chunks(block.q_pre, block.k_pre, [chunks[c] for c in voting],
+                                                      block.first, self.global_size, self.local, self.span, self.topk)
+        return keep
 
 
-def _padded(kept: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per KV head kept positions (merged spans make the lists differ in length) as [H_kv, L] with a
-    validity mask; padding repeats position 0 and is never read."""
-    width = max(len(k) for k in kept)
-    padded = torch.zeros(len(kept), width, dtype=torch.long)
-    valid = torch.zeros(len(kept), width, dtype=torch.bool)
-    for h, k in enumerate(kept):
-        padded[h, :len(k)] = k
-        valid[h, :len(k)] = True
-    return padded, valid
+def selected_mask(selection, total: int) -> torch.Tensor:
+    """bool [H_kv, total]: the middle positions a selection of one query set (batch row 0) chose."""
+    positions = selection.positions[0]
+    rows = torch.where(positions >= 0, positions, total)  # the -1 padding lands in an extra last column
+    mask = torch.zeros(positions.shape[0], total + 1, dtype=torch.bool, device=positions.device)
+    return mask.scatter_(-1, rows, True)[:, :total]
 
 
-def _attend_rerotated(block, kept: torch.Tensor, valid: torch.Tensor, s: int, e: int, group: int):
-    """Queries s..e-1 attend, every KV head at once, to their head's kept keys in order, rotated to
-    positions 0..L_h-1 (Eq. 3); each query sits at its own key's place in that list.
+def _attend_rerotated(block, keep: torch.Tensor, chunks: list[tuple[int, int]]) -> BlockResult:
+    """Each chunk's queries attend, every chunk and KV head at once, to their head's kept keys in order,
+    rotated to positions 0..L-1 (Eq. 3); each query sits at its own key's place in that list.
 
-    Returns the output [e - s, H_q, d] and, per KV head, what each query read (bool) and its mean
-    attention over the group's heads, both [H_kv, e - s, L] numpy.
+    keep: bool [C, H_kv, M] on the block's device. Returns the output [n, H_q, d] and, per KV head, what each
+    query read (bool) and its mean attention over the group's heads, both [H_kv, n, M] numpy.
     """
-    n_kv_heads, width = kept.shape
-    n_c, dim = e - s, block.q_pre.shape[-1]
-    device = block.q.device
-    heads, at = torch.arange(n_kv_heads, device=device)[:, None], kept.to(device)
-    keys = block.rope(block.k_pre[heads, at],
-                      torch.arange(width, device=device))  # [H_kv, L, d]: valid entries first, at 0..L_h-1
-    positions = torch.arange(s, e)
-    own = valid.sum(1)[:, None] - (e - positions)[None, :]  # [H_kv, n_c]: each query's own key
-    q_pre = block.q_pre[:, s - block.first: e - block.first].reshape(n_kv_heads, group, n_c, dim)
-    q = block.rope(q_pre.transpose(0, 1).reshape(group, n_kv_heads * n_c, dim), own.flatten().to(device))
-    q = q.reshape(group, n_kv_heads, n_c, dim).transpose(0, 1)  # [H_kv, G, n_c, d]
-    visible = valid[:, None, :] & (kept[:, None, :] <= positions[None, :, None])  # causal within the chunk
+    n_chunks, n_kv_heads, total = keep.shape
+    n_q_heads, n, dim = block.q_pre.shape
+    group, device = n_q_heads // n_kv_heads, keep.device
+    width = int(keep.sum(-1).max())
+    position = torch.arange(total, device=device)
+    # A head's kept positions ascending, padded with `total`; the padding is never read.
+    at = torch.sort(torch.where(keep, position, total), dim=-1).values[..., :width]  # [C, H_kv, L]
+    valid, at = at < total, at.clamp(max=total - 1)
+    heads = torch.arange(n_kv_heads, device=device)[None, :, None]
+    keys = block.rope(block.k_pre[heads, at].reshape(n_chunks * n_kv_heads, width, dim),
+                      torch.arange(width, device=device)).view(n_chunks, n_kv_heads, width, dim)
+    values = block.v[heads, at]  # [C, H_kv, L, d]
+    # Each chunk's queries; a shorter chunk's padding rows repeat its last query and are dropped at the end.
+    rows = max(e - s for s, e in chunks)
+    t = torch.tensor([[min(s + j, e - 1) for j in range(rows)] for s, e in chunks], device=device)  # [C, n_c]
+    real = torch.tensor([[j < e - s for j in range(rows)] for s, e in chunks], device=device)
+    own = (keep.cumsum(-1) - 1).gather(-1, t[:, None, :].expand(-1, n_kv_heads, -1))  # [C, H_kv, n_c]
+    q_pre = block.q_pre[:, t - block.first].view(n_kv_heads, group, n_chunks, rows, dim)
+    q = block.rope(q_pre.permute(1, 2, 0, 3, 4).reshape(group, -1, dim), own.flatten())
+    # [C, H_kv, G * n_c, d]: a chunk's group of query heads against its KV head's keys, one matrix product each.
+    q = q.view(group, n_chunks, n_kv_heads, rows, dim).permute(1, 2, 0, 3, 4).reshape(n_chunks, n_kv_heads, -1, dim)
+    visible = valid[:, :, None, :] & (at[:, :, None, :] <= t[:, None, :, None])  # [C, H_kv, n_c, L]: causal
     if block.window is not None:  # a sliding-window layer: keys the model's window has passed are not read
-        visible = visible & (kept[:, None, :] > positions[None, :, None] - block.window)
-    logits = q @ keys[:, None].transpose(-1, -2) * block.scaling
+        visible = visible & (at[:, :, None, :] > t[:, None, :, None] - block.window)
+    logits = (q @ keys.transpose(-1, -2) * block.scaling).view(n_chunks, n_kv_heads, group, rows, width)
     if block.softcap is not None:
         logits = torch.tanh(logits / block.softcap) * block.softcap
-    scores = logits.masked_fill(~visible[:, None].to(device), float("-inf"))
-    weights = torch.softmax(scores, dim=-1)  # [H_kv, G, n_c, L]
-    values = block.v[heads, at]  # [H_kv, L, d]
-    out = (weights @ values[:, None]).permute(2, 0, 1, 3).reshape(n_c, n_kv_heads * group, dim)
-    return out, visible.numpy(), weights.mean(1).float().cpu().numpy()
+    weights = torch.softmax(logits.masked_fill(~visible[:, :, None], float("-inf")), dim=-1)  # [C, H_kv, G, n_c, L]
+    mixed = (weights.view(n_chunks, n_kv_heads, -1, width) @ values).view(n_chunks, n_kv_heads, group, rows, dim)
+    out = torch.empty(n, n_q_heads, dim, dtype=block.q.dtype, device=device)
+    out[(t - block.first)[real]] = mixed.permute(0, 3, 1, 2, 4)[real].reshape(-1, n_q_heads, dim).to(out.dtype)
+    # What each query read and its group's mean attention, scattered back to positions: [H_kv, n, M].
+    # The padding goes to an extra last column, so it never overwrites a real key's entry.
+    spread = torch.where(valid, at, total)[:, :, None, :].expand(-1, -1, rows, -1)
+    reads = torch.zeros(n_chunks, n_kv_heads, rows, total + 1, dtype=torch.bool, device=device)
+    reads.scatter_(-1, spread, visible)
+    attn = torch.zeros(n_chunks, n_kv_heads, rows, total + 1, dtype=torch.float32, device=device)
+    attn.scatter_(-1, spread, weights.mean(2).float().masked_fill(~visible, 0))
+    reads, attn = (x[..., :total].permute(1, 0, 2, 3)[:, real].cpu().numpy() for x in (reads, attn))
+    return BlockResult(out=out, reads=reads, attn=attn)

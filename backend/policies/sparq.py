@@ -8,7 +8,7 @@ import torch
 from kernels.sparq import sparq_attention_block, sparq_transfer_bytes
 from kernels.sparq_triton import sparq_attention
 
-from .base import AttendingPolicy, BlockResult, check_prefill, dense_attention
+from .base import AttendingPolicy, Block, BlockResult, check_prefill, dense_attention
 from .registry import register
 
 
@@ -68,10 +68,11 @@ class SparQ(AttendingPolicy):
             raise ValueError(f"sparq: r must be <= the model's head size {head_dim}, got r={self.r}")
 
     def attend_block(self, state, block):
-        """On a GPU the Triton kernels, one decode-shaped call per query that fits its cache in the budget and
-        one for the rest (kernels/sparq_triton.py); elsewhere, and on a GPU for a layer the kernels cannot take (a
-        scale other than the paper's, a sliding window, soft-capping), the whole block in one torch call
-        (kernels/sparq.py): the same algorithm, tests/test_sparq_policy.py holds them equal."""
+        """On a GPU the Triton kernels, one decode-shaped call for the block's queries past the budget
+        (kernels/sparq_triton.py; those within it read their whole cache exactly); elsewhere, and on a GPU for a
+        layer the kernels cannot take (a scale other than the paper's, a sliding window, soft-capping), the whole
+        block in one torch call (kernels/sparq.py): the same algorithm, tests/test_sparq_policy.py holds them
+        equal."""
         if self.prefill == "dense" and block.in_prompt:
             return state, self.attend_densely(block)
         n_q_heads, n, dim = block.q.shape
@@ -112,43 +113,47 @@ class SparQ(AttendingPolicy):
                           for t in steps)], np.float64)
 
     def attend_rows(self, block, attend) -> BlockResult:
-        """The block as decode steps through ``attend`` (the kernels' signature): queries that fit their whole
-        cache in the budget read everything (alpha = 1), one call each; the later ones share one call, each
-        row reading its own prefix of the cache (``lengths``)."""
+        """The block as decode steps through ``attend`` (the kernels' signature). The queries that fit their whole
+        cache in the budget read everything (alpha = 1): exact attention, all of them at once. The later ones share
+        one call, each row reading its own prefix of the cache (``lengths``). The figures recorded beside (exact
+        attention, agreement) are computed where the block is, and copied once."""
         n_q_heads, n, dim = block.q.shape
         n_kv_heads, total, _ = block.k.shape
-        group = n_q_heads // n_kv_heads
+        group, device = n_q_heads // n_kv_heads, block.q.device
         steps = torch.arange(block.first, block.first + n)
-        counts = torch.arange(1, total + 1, device=block.v.device)[None, :, None]
-        running_mean = block.v.cumsum(1) / counts  # [H_kv, M, d]: mean of V over positions 0..t
-        short = steps < self.budget
-        calls = [[i] for i in torch.nonzero(short).flatten().tolist()] + [torch.nonzero(~short).flatten().tolist()]
-        out = torch.empty(n, n_q_heads, dim, dtype=block.q.dtype, device=block.q.device)
+        short = int((steps < self.budget).sum())  # the block's first queries: each reads its whole cache
+        out = torch.empty(n, n_q_heads, dim, dtype=block.q.dtype, device=device)
         reads = np.zeros((n_kv_heads, n, total), bool)
         attn = np.zeros((n_kv_heads, n, total), np.float32)
-        alpha = np.zeros((n, n_q_heads), np.float32)
-        agreement = np.zeros((n, n_kv_heads), np.float32)
-        for rows in filter(None, calls):
-            t = steps[rows]
-            length = int(t.max()) + 1
-            keys = block.k[None, :, :length].expand(len(rows), -1, -1, -1)
-            values = block.v[None, :, :length].expand(len(rows), -1, -1, -1)
-            means = running_mean[:, t].transpose(0, 1)
+        alpha = np.ones((n, n_q_heads), np.float32)
+        agreement = np.ones((n, n_kv_heads), np.float32)
+        if short:
+            length = block.first + short
+            head = Block(q=block.q[:, :short], k=block.k[:, :length], v=block.v[:, :length], first=block.first,
+                         scaling=block.scaling)
+            out[:short], reads[:, :short, :length], attn[:, :short, :length] = dense_attention(head)
+        if short < n:
+            rows = slice(short, n)
+            t = steps[rows].to(device)
+            counts = torch.arange(1, total + 1, device=device)[None, :, None]
+            means = (block.v.cumsum(1) / counts)[:, t].transpose(0, 1)  # mean of V over positions 0..t
             query = block.q[:, rows].transpose(0, 1)  # [m, H_q, d]
+            keys = block.k[None].expand(n - short, -1, -1, -1)
+            values = block.v[None].expand(n - short, -1, -1, -1)
             res = attend(query, keys, values, means, self.budget, self.r, self.window, lengths=t + 1)
             out[rows] = res.out
-            chosen = np.zeros((len(rows), n_kv_heads, length), bool)
-            np.put_along_axis(chosen, res.positions.cpu().numpy(), True, axis=-1)
-            reads[:, rows, :length] = chosen.transpose(1, 0, 2)
-            exists = torch.arange(length)[None, :] <= t[:, None].cpu()  # [m, length]
-            logits = query.view(-1, n_kv_heads, group, dim) @ block.k[:, :length].transpose(-1, -2) * block.scaling
-            exact = torch.softmax(logits.double().cpu().masked_fill(~exists[:, None, None], float("-inf")), -1)
-            mass = exact * torch.from_numpy(chosen)[:, :, None]
-            attn[:, rows, :length] = (mass / mass.sum(-1, keepdim=True)).mean(2).numpy().transpose(1, 0, 2)
-            approx = res.scores.cpu().view(-1, n_kv_heads, group, length).sum(2)
-            # A call's rows either read their whole cache (one row, length <= budget) or `budget` tokens.
-            agreement[rows] = _topk_agreement(approx, exact.sum(2), min(self.budget, length))
+            chosen = torch.zeros(n - short, n_kv_heads, total, dtype=torch.bool, device=device)
+            chosen.scatter_(-1, res.positions, True)
+            exists = torch.arange(total, device=device)[None, :] <= t[:, None]  # [m, total]
+            logits = query.view(-1, n_kv_heads, group, dim) @ block.k.transpose(-1, -2) * block.scaling
+            exact = torch.softmax(logits.double().masked_fill(~exists[:, None, None], float("-inf")), -1)
+            mass = exact * chosen[:, :, None]
+            share = (mass / mass.sum(-1, keepdim=True)).mean(2)  # [m, H_kv, total]
+            approx = res.scores.view(-1, n_kv_heads, group, total).sum(2)
+            agreement[rows] = _topk_agreement(approx, exact.sum(2), self.budget)
             alpha[rows] = res.alpha.float().cpu().numpy()
+            reads[:, rows] = chosen.cpu().numpy().transpose(1, 0, 2)
+            attn[:, rows] = share.float().cpu().numpy().transpose(1, 0, 2)
         stats = {"alpha": alpha, "topk_agreement": agreement, "transfer_bytes": self._transfer(steps, dim, n_kv_heads)}
         return BlockResult(out=out, reads=reads, attn=attn, stats=stats)
 
@@ -172,4 +177,4 @@ def _topk_agreement(approx: torch.Tensor, exact: torch.Tensor, k: int) -> np.nda
     top_approx = torch.topk(approx, k, dim=-1).indices
     top_exact = torch.topk(exact, k, dim=-1).indices
     hits = (top_approx[..., :, None] == top_exact[..., None, :]).any(-1).sum(-1)
-    return (hits.double() / k).numpy().astype(np.float32)
+    return (hits.double() / k).cpu().numpy().astype(np.float32)
