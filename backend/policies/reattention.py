@@ -3,7 +3,6 @@ the selected cache renumbered 0..L-1, so the attention scope stays small however
 from dataclasses import dataclass
 from typing import ClassVar
 
-import numpy as np
 import torch
 
 from kernels.reattention import _segment, reattention_select_chunks
