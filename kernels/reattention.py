@@ -63,7 +63,7 @@ class ReAttentionSelection:
         return self.positions[b, h, : int(self.counts[b, h])]
 
 
-def _segment(S, global_size, local_size):
+def middle_segment(S, global_size, local_size):
     """Middle segment [lo, hi): after the global prefix, before the local suffix."""
     if global_size < 0 or local_size < 0:
         raise ValueError("global_size and local_size must be >= 0")
@@ -82,7 +82,7 @@ def _check(q, K, span, topk, per_head_k, global_size, local_size):
         raise ValueError("span, topk and per_head_k must be >= 1")
     B, H_q, d = q.shape
     H_kv, S = K.shape[1], K.shape[2]
-    lo, hi = _segment(S, global_size, local_size)
+    lo, hi = middle_segment(S, global_size, local_size)
     return B, H_q, d, H_kv, H_q // H_kv, lo, hi, min(per_head_k if per_head_k is not None else topk, hi - lo)
 
 
@@ -272,7 +272,7 @@ def reattention_select_chunks(q_norope, K_norope, chunks, first, global_size, lo
     if max_scores is None:
         max_scores = 1 << (26 if K_norope.is_cuda else 19)
     step = max(1, max_scores // (H_q * width * M))
-    reach = max(_segment(e, global_size, local_size)[1] for _, e in chunks)
+    reach = max(middle_segment(e, global_size, local_size)[1] for _, e in chunks)
     keys = K_norope[:, :reach].double()  # once for every group, as the equal keys
     repeats = [_repeats(k) for k in keys]
     return torch.cat([_select_chunks(q_norope, keys, repeats, M, chunks[i: i + step], first, global_size,
@@ -284,7 +284,7 @@ def _select_chunks(q_norope, keys, repeats, M, chunks, first, global_size, local
     H_kv = keys.shape[0]
     G, C, dev = H_q // H_kv, len(chunks), keys.device
     width = max(e - s for s, e in chunks)
-    bounds = [_segment(e, global_size, local_size) for _, e in chunks]
+    bounds = [middle_segment(e, global_size, local_size) for _, e in chunks]
     reach = max(h for _, h in bounds)  # no middle goes further: the keys after it are not scored
     # Each chunk's queries as rows of one batch; a shorter chunk's padding rows repeat its last query and vote not.
     rows = torch.tensor([[min(s + j, e - 1) - first for j in range(width)] for s, e in chunks], device=dev)
@@ -328,7 +328,7 @@ def reattention_layout(selected_row, S, global_size, local_size):
     selected_row: ascending middle positions of one (batch row, KV head), e.g. ``sel.row(b, h)``.
     Returns (original positions [L] int64, new positions 0..L-1 [L] int64).
     """
-    lo, hi = _segment(S, global_size, local_size)
+    lo, hi = middle_segment(S, global_size, local_size)
     dev = selected_row.device
     original = torch.cat([torch.arange(lo, device=dev), selected_row.to(torch.int64),
                           torch.arange(hi, S, device=dev)])

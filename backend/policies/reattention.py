@@ -5,7 +5,7 @@ from typing import ClassVar
 
 import torch
 
-from kernels.reattention import _segment, reattention_select_chunks
+from kernels.reattention import middle_segment, reattention_select_chunks
 from kernels.reattention_triton import reattention_select
 
 from .base import AttendingPolicy, BlockResult
@@ -92,7 +92,7 @@ class ReAttention(AttendingPolicy):
         block of one chunk on a GPU takes the Triton kernel (kernels/reattention_triton.py)."""
         n_kv_heads, total, _ = block.k.shape
         device = block.k.device
-        bounds = [(e, *_segment(e, self.global_size, self.local)) for _, e in chunks]
+        bounds = [(e, *middle_segment(e, self.global_size, self.local)) for _, e in chunks]
         position = torch.arange(total, device=device)
         end, lo, hi = (torch.tensor(column, device=device)[:, None] for column in zip(*bounds))
         fits = torch.tensor([h - l <= self.topk * self.span for _, l, h in bounds], device=device)[:, None]
