@@ -62,6 +62,13 @@ class ReAttentionSelection:
         """Selected positions of batch row ``b``, KV head ``h`` (ascending)."""
         return self.positions[b, h, : int(self.counts[b, h])]
 
+    def mask(self, b: int, total: int) -> torch.Tensor:
+        """bool [H_kv, total]: the positions batch row ``b`` selected, per KV head."""
+        positions = self.positions[b]
+        at = torch.where(positions >= 0, positions, total)  # the -1 padding lands in an extra last column
+        mask = torch.zeros(positions.shape[0], total + 1, dtype=torch.bool, device=positions.device)
+        return mask.scatter_(-1, at, True)[:, :total]
+
 
 def middle_segment(S, global_size, local_size):
     """Middle segment [lo, hi): after the global prefix, before the local suffix."""
@@ -266,8 +273,7 @@ def reattention_select_chunks(q_norope, K_norope, chunks, first, global_size, lo
             passes: one chunk at a time there at 4k tokens on the default model.
     Returns bool [C, H_kv, M]: each chunk's selected middle positions.
     """
-    H_q, _, d = q_norope.shape
-    M = K_norope.shape[1]
+    H_q, M = q_norope.shape[0], K_norope.shape[1]
     width = max(e - s for s, e in chunks)
     if max_scores is None:
         max_scores = 1 << (26 if K_norope.is_cuda else 19)

@@ -207,13 +207,12 @@ def test_chunks_at_once_select_as_each_chunk_alone(H_q, H_kv, first, chunks, glo
 
 @needs_triton
 def test_the_kernel_selects_a_decoding_step_as_the_chunks_call_does():
-    """On a GPU a block of one chunk (a decoding step) takes the kernel; its selection, as the policy reads it,
-    equals the batched call's."""
-    from backend.policies.reattention import selected_mask
+    """On a GPU a block of one chunk (a decoding step) takes the kernel; its selection, read as a mask as the
+    policy reads it, equals the batched call's."""
     g = torch.Generator().manual_seed(3)
     q, K = torch.randn(9, 1, 16, generator=g).to(DEV), torch.randn(3, 90, 16, generator=g).to(DEV)
     kernel = reattention_select_triton(q.reshape(1, 9, 16), K[None], 4, 20, 3, 4, block_s=16)
-    assert torch.equal(selected_mask(kernel, 90), reattention_select_chunks(q, K, [(89, 90)], 89, 4, 20, 3, 4)[0])
+    assert torch.equal(kernel.mask(0, 90), reattention_select_chunks(q, K, [(89, 90)], 89, 4, 20, 3, 4)[0])
 
 
 @needs_triton

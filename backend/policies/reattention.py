@@ -95,27 +95,20 @@ class ReAttention(AttendingPolicy):
         bounds = [(e, *middle_segment(e, self.global_size, self.local)) for _, e in chunks]
         position = torch.arange(total, device=device)
         end, lo, hi = (torch.tensor(column, device=device)[:, None] for column in zip(*bounds))
-        fits = torch.tensor([h - l <= self.topk * self.span for _, l, h in bounds], device=device)[:, None]
-        keep = (position < lo) | ((position >= hi) & (position < end)) | ((position >= lo) & (position < hi) & fits)
+        fits = [h - l <= self.topk * self.span for _, l, h in bounds]  # a middle the spans would cover is read whole
+        whole = torch.tensor(fits, device=device)[:, None]
+        keep = (position < lo) | ((position >= hi) & (position < end)) | ((position >= lo) & (position < hi) & whole)
         keep = keep[:, None].expand(-1, n_kv_heads, -1).clone()
-        voting = [c for c, (_, l, h) in enumerate(bounds) if h - l > self.topk * self.span]
+        voting = [c for c, fit in enumerate(fits) if not fit]
         if len(voting) == 1 and block.k.is_cuda:  # a decoding step on a GPU: the kernel, without the [H_q, M] scores
             (s, e), = [chunks[c] for c in voting]
             voters = block.q_pre[:, s - block.first: e - block.first].reshape(1, -1, block.q_pre.shape[-1])
-            keep[voting[0]] |= selected_mask(reattention_select(voters, block.k_pre[None, :, :e], self.global_size,
-                                                                self.local, self.span, self.topk), total)
+            keep[voting[0]] |= reattention_select(voters, block.k_pre[None, :, :e], self.global_size, self.local,
+                                                  self.span, self.topk).mask(0, total)
         elif voting:
             keep[voting] |= reattention_select_chunks(block.q_pre, block.k_pre, [chunks[c] for c in voting],
                                                       block.first, self.global_size, self.local, self.span, self.topk)
         return keep
-
-
-def selected_mask(selection, total: int) -> torch.Tensor:
-    """bool [H_kv, total]: the middle positions a selection of one query set (batch row 0) chose."""
-    positions = selection.positions[0]
-    rows = torch.where(positions >= 0, positions, total)  # the -1 padding lands in an extra last column
-    mask = torch.zeros(positions.shape[0], total + 1, dtype=torch.bool, device=positions.device)
-    return mask.scatter_(-1, rows, True)[:, :total]
 
 
 def _attend_rerotated(block, keep: torch.Tensor, chunks: list[tuple[int, int]]) -> BlockResult:
