@@ -258,6 +258,24 @@ def _vote_and_widen(head_pos, head_sc, H_kv, topk, span, lo, hi):
             centres.reshape(B, H_kv, topk), vote_out.reshape(B, H_kv, topk))
 
 
+def chunk_groups(costs, limit):
+    """Consecutive chunks in groups that are computed as one batch: [(start, stop)] over ``costs``, each chunk's
+    (rows, columns). A batch pads every chunk to its most rows and most columns, so a group holds as many
+    chunks as keep ``len * rows * columns`` within ``limit``; a chunk over it alone goes alone. A prompt's
+    opening chunk (Algorithm 1's global + local, thousands of queries) thus never pads the 16-query chunks
+    after it to its own size."""
+    groups, start, rows, columns = [], 0, 0, 0
+    for i, (r, c) in enumerate(costs):
+        rows_with, columns_with = max(rows, r), max(columns, c)
+        if i > start and (i - start + 1) * rows_with * columns_with > limit:
+            groups.append((start, i))
+            start, rows_with, columns_with = i, r, c
+        rows, columns = rows_with, columns_with
+    if costs:
+        groups.append((start, len(costs)))
+    return groups
+
+
 def reattention_select_chunks(q_norope, K_norope, chunks, first, global_size, local_size, span, topk,
                               max_scores=None):
     """Algorithm 1's selection for several chunks of one block at once, as ``reattention_select_reference``
@@ -268,21 +286,20 @@ def reattention_select_chunks(q_norope, K_norope, chunks, first, global_size, lo
         q_norope: [H_q, n, d] the block's queries without RoPE, query ``first + i`` in row i.
         K_norope: [H_kv, M, d] the keys without RoPE (M >= every chunk's end).
         chunks: [(s, e)] absolute query ranges within the block.
-        max_scores: float64 scores held at once; chunks go through in groups that fit. By default 2^26 on a GPU
-            (few launches) and 2^19 on a CPU, where a chunk's scores then stay in the caches through the ranking's
-            passes: one chunk at a time there at 4k tokens on the default model.
+        max_scores: float64 scores held at once; chunks go through in groups that fit (``chunk_groups``). By
+            default 2^26 on a GPU (few launches) and 2^19 on a CPU, where a chunk's scores then stay in the
+            caches through the ranking's passes: one chunk at a time there at 4k tokens on the default model.
     Returns bool [C, H_kv, M]: each chunk's selected middle positions.
     """
-    H_q, M = q_norope.shape[0], K_norope.shape[1]
-    width = max(e - s for s, e in chunks)
+    H_q = q_norope.shape[0]
     if max_scores is None:
         max_scores = 1 << (26 if K_norope.is_cuda else 19)
-    step = max(1, max_scores // (H_q * width * M))
-    reach = max(middle_segment(e, global_size, local_size)[1] for _, e in chunks)
-    keys = K_norope[:, :reach].double()  # once for every group, as the equal keys
+    reaches = [middle_segment(e, global_size, local_size)[1] for _, e in chunks]
+    keys = K_norope[:, :max(reaches)].double()  # once for every group, as the equal keys
     repeats = [_repeats(k) for k in keys]
-    return torch.cat([_select_chunks(q_norope, keys, repeats, M, chunks[i: i + step], first, global_size,
-                                     local_size, span, topk) for i in range(0, len(chunks), step)])
+    groups = chunk_groups([(H_q * (e - s), reach) for (s, e), reach in zip(chunks, reaches)], max_scores)
+    return torch.cat([_select_chunks(q_norope, keys, repeats, K_norope.shape[1], chunks[a:b], first, global_size,
+                                     local_size, span, topk) for a, b in groups])
 
 
 def _select_chunks(q_norope, keys, repeats, M, chunks, first, global_size, local_size, span, topk):

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kernels import reattention, reattention_triton
-from kernels.reattention import (reattention_layout, reattention_select_chunks, reattention_select_reference,
-                                rerotate_positions)
+from kernels.reattention import (chunk_groups, reattention_layout, reattention_select_chunks,
+                                reattention_select_reference, rerotate_positions)
 from kernels.reattention_triton import reattention_select, reattention_select_triton
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -185,6 +185,7 @@ def test_triton_matches_reference(B, H_q, H_kv, S, d, glob, loc, span, topk, per
     (9, 3, 20, [(20, 24), (24, 28), (28, 32), (32, 35)], 2, 8, 2, 3, 1 << 24),  # a short last chunk
     (4, 1, 10, [(10, 14), (14, 18)], 4, 4, 3, 4, 1 << 24),   # the first chunk's middle (2) is under topk (4)
     (6, 2, 30, [(s, s + 1) for s in range(30, 40)], 3, 5, 1, 2, 500),  # decoding steps, in groups of 2
+    (9, 3, 0, [(0, 10), (10, 14), (14, 18), (18, 21)], 2, 8, 2, 3, 1079),  # the opening, then in groups of 2 and 1
 ])
 def test_chunks_at_once_select_as_each_chunk_alone(H_q, H_kv, first, chunks, glob, loc, span, topk, max_scores):
     """Every chunk of a block selected in one batched call equals the reference run on each chunk alone, its
@@ -203,6 +204,15 @@ def test_chunks_at_once_select_as_each_chunk_alone(H_q, H_kv, first, chunks, glo
         ref = reattention_select_reference(voters, K[None, :, :e], glob, loc, span, topk)
         for h in range(H_kv):
             assert torch.nonzero(got[c, h]).flatten().tolist() == ref.row(0, h).tolist(), (c, h)
+
+
+def test_chunk_groups_pad_no_chunk_to_a_wider_ones_size():
+    opening, chunk = (2644, 3000), (16, 500)  # (rows, columns): a prompt's opening chunk, then 16-query chunks
+    assert chunk_groups([opening, chunk, chunk, chunk], 16 * 500 * 2) == [(0, 1), (1, 3), (3, 4)]
+    assert chunk_groups([chunk, chunk, opening], 16 * 500 * 2) == [(0, 2), (2, 3)]  # over the limit, alone
+    assert chunk_groups([chunk, (4, 900), chunk], 16 * 900 * 3) == [(0, 3)]  # padded: 3 x 16 rows x 900 columns
+    assert chunk_groups([chunk, (4, 900), chunk], 16 * 900 * 3 - 1) == [(0, 2), (2, 3)]
+    assert chunk_groups([], 10) == []
 
 
 @needs_triton

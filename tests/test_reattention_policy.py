@@ -111,3 +111,18 @@ def test_prompt_path_cuts_its_own_chunks_whatever_the_runner_chunk(tiny, text_id
     b, s_b, _ = score_text(tiny, text_ids, [policy], chunk=len(text_ids))
     np.testing.assert_array_equal(a.selected(1), b.selected(1))
     np.testing.assert_array_equal(s_a["logprobs"], s_b["logprobs"])
+
+
+def test_chunks_attended_in_groups_equal_the_block_at_once(tiny, text_ids, monkeypatch):
+    """A block's chunks attend in groups that bound the padded logits (a prompt's opening chunk is hundreds of
+    queries, the rest 16): one chunk a group gives what the whole block at once gives."""
+    import backend.policies.reattention as reattention
+
+    policy = ReAttention(budget=20, global_size=2, span=3, topk=2, chunk=4)
+    whole = len(text_ids)
+    monkeypatch.setattr(reattention, "ATTEND_ELEMENTS", {"cpu": 1 << 40, "cuda": 1 << 40})
+    a, s_a, _ = score_text(tiny, text_ids, [policy], chunk=whole)
+    monkeypatch.setattr(reattention, "ATTEND_ELEMENTS", {"cpu": 1, "cuda": 1})
+    b, s_b, _ = score_text(tiny, text_ids, [policy], chunk=whole)
+    np.testing.assert_array_equal(a.selected(1), b.selected(1))
+    np.testing.assert_allclose(s_a["logprobs"], s_b["logprobs"], atol=1e-6)

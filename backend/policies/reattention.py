@@ -3,13 +3,19 @@ the selected cache renumbered 0..L-1, so the attention scope stays small however
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 
-from kernels.reattention import middle_segment, reattention_select_chunks
+from kernels.reattention import chunk_groups, middle_segment, reattention_select_chunks
 from kernels.reattention_triton import reattention_select
 
 from .base import AttendingPolicy, BlockResult
 from .registry import register
+
+
+# Elements of a group of chunks' attention (its logits, and its read maps over the cache) computed at once: on
+# a CPU a few of the 16-query chunks at a time, on a GPU a block's chunks in few launches.
+ATTEND_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 26}
 
 
 @register
@@ -112,14 +118,29 @@ class ReAttention(AttendingPolicy):
 
 
 def _attend_rerotated(block, keep: torch.Tensor, chunks: list[tuple[int, int]]) -> BlockResult:
-    """Each chunk's queries attend, every chunk and KV head at once, to their head's kept keys in order,
-    rotated to positions 0..L-1 (Eq. 3); each query sits at its own key's place in that list.
+    """Each chunk's queries attend to their head's kept keys in order, rotated to positions 0..L-1 (Eq. 3);
+    each query sits at its own key's place in that list. The chunks go in groups (``chunk_groups``), every
+    chunk and KV head of a group at once: a group's logits and read maps stay within ``ATTEND_ELEMENTS``.
 
     keep: bool [C, H_kv, M] on the block's device. Returns the output [n, H_q, d] and, per KV head, what each
     query read (bool) and its mean attention over the group's heads, both [H_kv, n, M] numpy.
     """
+    n_kv_heads, total = keep.shape[1:]
+    n_q_heads = block.q_pre.shape[0]
+    widths = keep.sum(-1).amax(-1).tolist()
+    costs = [(e - s, n_q_heads * width + n_kv_heads * total) for (s, e), width in zip(chunks, widths)]
+    limit = ATTEND_ELEMENTS["cuda" if keep.is_cuda else "cpu"]
+    out = torch.empty(block.q.shape[1], n_q_heads, block.q.shape[-1], dtype=block.q.dtype, device=keep.device)
+    parts = [_attend_group(block, keep[a:b], chunks[a:b], out) for a, b in chunk_groups(costs, limit)]
+    return BlockResult(out=out, reads=np.concatenate([r for r, _ in parts], axis=1),
+                       attn=np.concatenate([a for _, a in parts], axis=1))
+
+
+def _attend_group(block, keep: torch.Tensor, chunks: list[tuple[int, int]], out: torch.Tensor):
+    """``_attend_rerotated`` for one group of consecutive chunks: their queries' rows of ``out`` written, and
+    their (reads, attn), [H_kv, n_group, M] numpy, returned."""
     n_chunks, n_kv_heads, total = keep.shape
-    n_q_heads, n, dim = block.q_pre.shape
+    n_q_heads, _, dim = block.q_pre.shape
     group, device = n_q_heads // n_kv_heads, keep.device
     width = int(keep.sum(-1).max())
     position = torch.arange(total, device=device)
@@ -147,7 +168,6 @@ def _attend_rerotated(block, keep: torch.Tensor, chunks: list[tuple[int, int]]) 
         logits = torch.tanh(logits / block.softcap) * block.softcap
     weights = torch.softmax(logits.masked_fill(~visible[:, :, None], float("-inf")), dim=-1)  # [C, H_kv, G, n_c, L]
     mixed = (weights.view(n_chunks, n_kv_heads, -1, width) @ values).view(n_chunks, n_kv_heads, group, rows, dim)
-    out = torch.empty(n, n_q_heads, dim, dtype=block.q.dtype, device=device)
     out[(t - block.first)[real]] = mixed.permute(0, 3, 1, 2, 4)[real].reshape(-1, n_q_heads, dim).to(out.dtype)
     # What each query read and its group's mean attention, scattered back to positions: [H_kv, n, M].
     # The padding goes to an extra last column, so it never overwrites a real key's entry.
@@ -156,5 +176,4 @@ def _attend_rerotated(block, keep: torch.Tensor, chunks: list[tuple[int, int]]) 
     reads.scatter_(-1, spread, visible)
     attn = torch.zeros(n_chunks, n_kv_heads, rows, total + 1, dtype=torch.float32, device=device)
     attn.scatter_(-1, spread, weights.mean(2).float().masked_fill(~visible, 0))
-    reads, attn = (x[..., :total].permute(1, 0, 2, 3)[:, real].cpu().numpy() for x in (reads, attn))
-    return BlockResult(out=out, reads=reads, attn=attn)
+    return tuple(x[..., :total].permute(1, 0, 2, 3)[:, real].cpu().numpy() for x in (reads, attn))
