@@ -126,11 +126,11 @@ def _attend_rerotated(block, keep: torch.Tensor, chunks: list[tuple[int, int]]) 
     query read (bool) and its mean attention over the group's heads, both [H_kv, n, M] numpy.
     """
     n_kv_heads, total = keep.shape[1:]
-    n_q_heads = block.q_pre.shape[0]
+    n_q_heads, n, dim = block.q_pre.shape
     widths = keep.sum(-1).amax(-1).tolist()
     costs = [(e - s, n_q_heads * width + n_kv_heads * total) for (s, e), width in zip(chunks, widths)]
     limit = ATTEND_ELEMENTS["cuda" if keep.is_cuda else "cpu"]
-    out = torch.empty(block.q.shape[1], n_q_heads, block.q.shape[-1], dtype=block.q.dtype, device=keep.device)
+    out = torch.empty(n, n_q_heads, dim, dtype=block.q.dtype, device=keep.device)
     parts = [_attend_group(block, keep[a:b], chunks[a:b], out) for a, b in chunk_groups(costs, limit)]
     return BlockResult(out=out, reads=np.concatenate([r for r, _ in parts], axis=1),
                        attn=np.concatenate([a for _, a in parts], axis=1))
