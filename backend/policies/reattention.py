@@ -14,7 +14,7 @@ from .registry import register
 
 
 # Elements of a group of chunks' attention (its logits, and its read maps over the cache) computed at once: on
-# a CPU a block's 16-query chunks in one or a few batches (one at 4k tokens on the default model), on a GPU in
+# a CPU a block's 16-query chunks in one to three batches at 4k tokens on the default model, on a GPU in
 # few launches.
 ATTEND_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 26}
 
