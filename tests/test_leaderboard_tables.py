@@ -1,4 +1,4 @@
-"""The task leaderboards' grades of docs/results.md, made from the shipped summaries by benchmarks.leaderboard_tables."""
+"""The task leaderboards' grades of docs/results.md, made from the shipped summaries (benchmarks.leaderboard_tables)."""
 from pathlib import Path
 
 import pandas as pd
