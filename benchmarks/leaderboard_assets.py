@@ -20,6 +20,13 @@ import pandas as pd
 from backend.experiments.leaderboard import COLUMNS, averaged, summarize
 
 SAMPLE = ["model", "task", "length", "setting", "sample"]
+# Answers and references are text even where every one looks like a number (" 8284194."): read as floats, a run
+# whose answers are all numbers would differ from the shipped file's text and fail the check of Full's answers.
+TEXT = {"answer": str, "references": str}
+
+
+def read_leaderboard(path) -> pd.DataFrame:
+    return pd.read_csv(path, keep_default_na=False, na_values=[""], dtype=TEXT)
 
 
 def merge(frames: list[pd.DataFrame]) -> pd.DataFrame:
@@ -35,7 +42,7 @@ def main() -> int:
     parser.add_argument("inputs", nargs="+", help="leaderboard.csv files of one model")
     parser.add_argument("--out", default="assets/leaderboards")
     args = parser.parse_args()
-    df = merge([pd.read_csv(path, keep_default_na=False, na_values=[""]) for path in args.inputs])
+    df = merge([read_leaderboard(path) for path in args.inputs])
     models = df["model"].unique()
     if len(models) != 1:
         print(f"error: one model per shipped leaderboard, got {', '.join(models)}", file=sys.stderr)

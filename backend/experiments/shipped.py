@@ -34,7 +34,9 @@ def _read_csv(path: Path, columns: list[str]) -> pd.DataFrame:
     try:
         if path.stat().st_size > MAX_FILE_BYTES:
             raise ShippedFileError(f"{name} is larger than {MAX_FILE_BYTES // 2**20} MB.")
-        df = pd.read_csv(path, encoding="utf-8", keep_default_na=False, na_values=[""])
+        # an answer stays text even where it looks like a number (" 8284194.", not 8284194.0)
+        df = pd.read_csv(path, encoding="utf-8", keep_default_na=False, na_values=[""],
+                         dtype={"answer": str, "references": str})
     except FileNotFoundError:
         raise ShippedFileError(f"{name} is not shipped here (expected in assets/long_context/).") from None
     except pd.errors.EmptyDataError:
