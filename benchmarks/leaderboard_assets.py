@@ -17,16 +17,15 @@ from pathlib import Path
 
 import pandas as pd
 
-from backend.experiments.leaderboard import COLUMNS, averaged, summarize
+from backend.experiments.leaderboard import COLUMNS, TEXT_COLUMNS, averaged, summarize
 
 SAMPLE = ["model", "task", "length", "setting", "sample"]
-# Answers and references are text even where every one looks like a number (" 8284194."): read as floats, a run
-# whose answers are all numbers would differ from the shipped file's text and fail the check of Full's answers.
-TEXT = {"answer": str, "references": str}
 
 
 def read_leaderboard(path) -> pd.DataFrame:
-    return pd.read_csv(path, keep_default_na=False, na_values=[""], dtype=TEXT)
+    """A ``leaderboard.csv``; its answers stay text, so that a run whose answers are all numbers compares equal to
+    the shipped file's in the check of Full's answers."""
+    return pd.read_csv(path, keep_default_na=False, na_values=[""], dtype=TEXT_COLUMNS)
 
 
 def merge(frames: list[pd.DataFrame]) -> pd.DataFrame:

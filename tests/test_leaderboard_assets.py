@@ -1,5 +1,6 @@
 """Merging task leaderboards into the shipped files (benchmarks.leaderboard_assets)."""
 import pandas as pd
+import pytest
 
 from backend.experiments.leaderboard import COLUMNS
 from backend.experiments.shipped import read_leaderboard_samples
@@ -35,9 +36,5 @@ def test_full_answering_differently_in_two_runs_is_refused(tmp_path):
     first, second = tmp_path / "a.csv", tmp_path / "b.csv"
     pd.DataFrame(_rows({"full": " 8284194."}, "a"), columns=COLUMNS).to_csv(first, index=False)
     pd.DataFrame(_rows({"full": " 828."}, "b"), columns=COLUMNS).to_csv(second, index=False)
-    try:
+    with pytest.raises(ValueError, match="Full answers differently"):
         merge([read_leaderboard(first), read_leaderboard(second)])
-    except ValueError as err:
-        assert "Full answers differently" in str(err)
-    else:
-        raise AssertionError("two different answers of Full were merged")

@@ -22,6 +22,9 @@ from .task_runs import SETTINGS
 
 COLUMNS = ["model", "task", "length", "policy", "ratio", "setting", "sample", "score", "answer", "references",
            "run_id", "spec", "budget", "tokens", "context_tokens"]
+# Answers and references are text even where every one looks like a number (" 8284194.", not 8284194.0): pass as
+# read_csv's dtype wherever a leaderboard is read back.
+TEXT_COLUMNS = {"answer": str, "references": str}
 SUMMARY_COLUMNS = ["model", "task", "length", "setting", "policy", "ratio", "samples", "score", "lo", "hi",
                    "full_score", "full_solves"]
 # Full solves a task at a length when its mean score reaches this; a task it fails is kept out of averages.

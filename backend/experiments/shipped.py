@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .leaderboard import SUMMARY_COLUMNS as LEADERBOARD_COLUMNS
+from .leaderboard import SUMMARY_COLUMNS as LEADERBOARD_COLUMNS, TEXT_COLUMNS
 from .needle import COLUMNS
 from .sweep import SUMMARY_COLUMNS
 
@@ -34,9 +34,7 @@ def _read_csv(path: Path, columns: list[str]) -> pd.DataFrame:
     try:
         if path.stat().st_size > MAX_FILE_BYTES:
             raise ShippedFileError(f"{name} is larger than {MAX_FILE_BYTES // 2**20} MB.")
-        # an answer stays text even where it looks like a number (" 8284194.", not 8284194.0)
-        df = pd.read_csv(path, encoding="utf-8", keep_default_na=False, na_values=[""],
-                         dtype={"answer": str, "references": str})
+        df = pd.read_csv(path, encoding="utf-8", keep_default_na=False, na_values=[""], dtype=TEXT_COLUMNS)
     except FileNotFoundError:
         raise ShippedFileError(f"{name} is not shipped here (expected in assets/long_context/).") from None
     except pd.errors.EmptyDataError:
