@@ -7,7 +7,8 @@ averages over the tasks Full solves) and ``assets/leaderboards/samples/<model>.c
         --out assets/leaderboards
 
 A (task, length, setting, sample, spec) in several inputs is kept from the first; Full's answer to a sample
-must be the same in every input (else the runs would not be comparable).
+must be the same in every input (else the runs would not be comparable). The rows are written sorted by sample,
+policy and ratio, so that a re-run which changes no answer leaves the shipped files as they were.
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def merge(frames: list[pd.DataFrame]) -> pd.DataFrame:
     full = df[df["policy"] == "full"].groupby(["model", "task", "length", "sample"])["answer"].nunique()
     if (full > 1).any():
         raise ValueError(f"Full answers differently in two runs of the sample {full[full > 1].index[0]}")
-    return df.drop_duplicates(subset=[*SAMPLE, "spec"], keep="first").reset_index(drop=True)
+    kept = df.drop_duplicates(subset=[*SAMPLE, "spec"], keep="first")
+    return kept.sort_values([*SAMPLE, "policy", "ratio", "spec"], kind="stable").reset_index(drop=True)
 
 
 def main() -> int:

@@ -38,3 +38,17 @@ def test_full_answering_differently_in_two_runs_is_refused(tmp_path):
     pd.DataFrame(_rows({"full": " 828."}, "b"), columns=COLUMNS).to_csv(second, index=False)
     with pytest.raises(ValueError, match="Full answers differently"):
         merge([read_leaderboard(first), read_leaderboard(second)])
+
+
+def test_a_rerun_that_changes_no_answer_leaves_the_merged_rows_as_they_were(tmp_path):
+    shipped, rerun = tmp_path / "shipped.csv", tmp_path / "rerun.csv"
+    answers = {"full": " 8284194.", "tova:ratio=0.5": " the number", "h2o:ratio=0.5": " 8284194.",
+               "reattention:ratio=0.5": " 82."}
+    pd.DataFrame(_rows(answers, "run"), columns=COLUMNS).to_csv(shipped, index=False)
+    # the re-run holds two of the rows, in another order than the shipped file's
+    pd.DataFrame(_rows({"reattention:ratio=0.5": " 82.", "full": " 8284194."}, "run"), columns=COLUMNS).to_csv(
+        rerun, index=False)
+    once = merge([read_leaderboard(shipped)])
+    again = merge([read_leaderboard(rerun), read_leaderboard(shipped)])
+    assert list(once["policy"]) == ["full", "h2o", "reattention", "tova"]
+    pd.testing.assert_frame_equal(again, once)
