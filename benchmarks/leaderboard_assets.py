@@ -8,7 +8,8 @@ averages over the tasks Full solves) and ``assets/leaderboards/samples/<model>.c
 
 A (task, length, setting, sample, spec) in several inputs is kept from the first; Full's answer to a sample
 must be the same in every input (else the runs would not be comparable). The rows are written sorted by sample,
-policy and ratio, so that a re-run which changes no answer leaves the shipped files as they were.
+policy (Full, then the shipped leaderboard's order, then any other by name) and ratio, so that a re-run which
+changes no answer leaves the shipped files as they were.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from backend.experiments.leaderboard import COLUMNS, TEXT_COLUMNS, averaged, summarize
+from backend.experiments.leaderboard import COLUMNS, SHIPPED_POLICIES, TEXT_COLUMNS, averaged, summarize
 
 SAMPLE = ["model", "task", "length", "setting", "sample"]
 
@@ -35,7 +36,10 @@ def merge(frames: list[pd.DataFrame]) -> pd.DataFrame:
     if (full > 1).any():
         raise ValueError(f"Full answers differently in two runs of the sample {full[full > 1].index[0]}")
     kept = df.drop_duplicates(subset=[*SAMPLE, "spec"], keep="first")
-    return kept.sort_values([*SAMPLE, "policy", "ratio", "spec"], kind="stable").reset_index(drop=True)
+    order = {policy: rank for rank, policy in enumerate(("full", *SHIPPED_POLICIES))}
+    kept = kept.assign(_rank=kept["policy"].map(order).fillna(len(order)))
+    return (kept.sort_values([*SAMPLE, "_rank", "policy", "ratio", "spec"], kind="stable")
+            .drop(columns="_rank").reset_index(drop=True))
 
 
 def main() -> int:

@@ -24,9 +24,9 @@ def test_answers_that_look_like_numbers_stay_text_through_a_merge(tmp_path):
     pd.DataFrame(_rows({"full": " 8284194.", "reattention:ratio=0.5": " 82.", "tova:ratio=0.5": " the number"},
                        "old"), columns=COLUMNS).to_csv(shipped, index=False)
     merged = merge([read_leaderboard(numbers), read_leaderboard(shipped)])
-    assert list(merged["answer"]) == [" 8284194.", " 8284194.", " the number"]
-    # the first input's row of a (sample, spec) is kept: the re-run replaces ReAttention's and Full's
-    assert list(merged["run_id"]) == ["new", "new", "old"]
+    assert list(merged["answer"]) == [" 8284194.", " the number", " 8284194."]
+    # the first input's row of a (sample, spec) is kept: the re-run replaces Full's and ReAttention's
+    assert list(merged["run_id"]) == ["new", "old", "new"]
     # the app reads a shipped file whose answers are all numbers as text too
     merged[merged["policy"] != "tova"].to_csv(tmp_path / "samples.csv", index=False)
     assert list(read_leaderboard_samples(tmp_path / "samples.csv")["answer"]) == [" 8284194.", " 8284194."]
@@ -50,5 +50,5 @@ def test_a_rerun_that_changes_no_answer_leaves_the_merged_rows_as_they_were(tmp_
         rerun, index=False)
     once = merge([read_leaderboard(shipped)])
     again = merge([read_leaderboard(rerun), read_leaderboard(shipped)])
-    assert list(once["policy"]) == ["full", "h2o", "reattention", "tova"]
+    assert list(once["policy"]) == ["full", "h2o", "tova", "reattention"]  # the shipped leaderboard's order
     pd.testing.assert_frame_equal(again, once)

@@ -29,7 +29,7 @@ SUMMARY_COLUMNS = ["model", "task", "length", "setting", "policy", "ratio", "sam
                    "full_score", "full_solves"]
 # Full solves a task at a length when its mean score reaches this; a task it fails is kept out of averages.
 SOLVED = 0.5
-# The policies the shipped leaderboard grades (the issue's list): every kind KV Lens has.
+# The policies the shipped leaderboard grades, in its order: every kind KV Lens has.
 SHIPPED_POLICIES = ("sinks", "streamingllm", "h2o", "tova", "a2sf", "snapkv", "pyramidkv", "adakv", "knorm",
                     "expected_attention", "kvzip", "rkv", "keyformer", "scissorhands", "random", "quest", "sparq",
                     "reattention", "oracle")
