@@ -22,7 +22,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 import gradio as gr
@@ -44,6 +44,7 @@ except SettingError as err:
 from backend import api, texts  # noqa: E402
 from backend.api import LIMITS, RequestError  # noqa: E402
 from backend.experiments import shipped  # noqa: E402
+from backend.experiments.leaderboard import ordered_groups, paired_tests  # noqa: E402
 from backend.experiments.sweep import SWEEP_BUDGETS  # noqa: E402
 from backend.experiments.task_runs import SETTINGS  # noqa: E402
 from backend.experiments.tasks import OFFLINE  # noqa: E402
@@ -52,7 +53,7 @@ from backend.policies import POLICIES  # noqa: E402
 from backend.runs import Run  # noqa: E402
 from backend.traces.store import TraceStore  # noqa: E402
 from viz import panels  # noqa: E402
-from viz.leaderboard import leaderboard_figure, leaderboard_table_html  # noqa: E402
+from viz.leaderboard import leaderboard_figure, leaderboard_table_html, ordered_groups_html  # noqa: E402
 from viz.needle import found_rates, needle_figure, needle_table_html  # noqa: E402
 from viz.sweep import sweep_ci_figure  # noqa: E402
 from viz.tasks import sample_status_html, sample_table_html, why_html  # noqa: E402
@@ -510,7 +511,30 @@ def shipped_leaderboard(model, task, setting, folder: Path | None = None):
     if rows.empty:
         where = f"{str(task)[:80]} (query-{str(setting)[:20]})"
         return None, "", f"**{html.escape(f'The leaderboard of {model} has no rows for {where}.')}**"
-    return leaderboard_figure(rows, str(task)), leaderboard_table_html(rows), ""
+    table = leaderboard_table_html(rows)
+    if task == "average":
+        table += told_apart_html(model, setting, folder)
+    return leaderboard_figure(rows, str(task)), table, ""
+
+
+@lru_cache(maxsize=8)
+def _told_apart(path: str, modified: int, setting: str) -> str:
+    """``told_apart_html`` of one samples file as it was at ``modified`` (its mtime: a merged file is read anew)."""
+    try:
+        samples = shipped.read_leaderboard_samples(Path(path))
+    except shipped.ShippedFileError:
+        return ""
+    return ordered_groups_html(ordered_groups(paired_tests(samples, setting)))
+
+
+def told_apart_html(model, setting, folder: Path | None = None) -> str:
+    """Under the averaged grades: which policies the shipped samples, paired, tell apart at each ratio; empty when
+    the model ships no samples file or it does not read."""
+    files = leaderboard_models(folder)
+    path = files[model].parent / "samples" / files[model].name if model in files else None
+    if path is None or not path.is_file():
+        return ""
+    return _told_apart(str(path), path.stat().st_mtime_ns, str(setting))
 
 
 SAMPLE_TABLE_COLUMNS = ["task", "sample", "policy", "ratio", "score", "answer"]

@@ -6,7 +6,9 @@
 Per model: the tasks and lengths the average is over (those Full solves and the policies ran on, each weighing
 the same; the tasks Full fails are left out) with their samples, then per policy the mean score at each ratio
 with Wilson's 95% interval over all their samples, policies by their mean over the ratios, best first. The app's
-Tasks tab draws the same rows ("average").
+Tasks tab draws the same rows ("average"). Then, where the per-sample rows are shipped beside the summary
+(``samples/<model>.csv``), which policies the samples tell apart, paired (``leaderboard.paired_tests``), as
+groups at each ratio (``leaderboard.ordered_groups``).
 """
 from __future__ import annotations
 
@@ -16,7 +18,14 @@ from pathlib import Path
 
 import pandas as pd
 
-from backend.experiments.shipped import ShippedFileError, leaderboard_files, read_leaderboard
+from backend.experiments.leaderboard import ordered_groups, paired_tests
+from backend.experiments.shipped import ShippedFileError, leaderboard_files, read_leaderboard, read_leaderboard_samples
+
+GROUPS_HEADING = (
+    "Told apart on the same samples: every policy answers the same samples, so each pair is compared sample by "
+    "sample (a sign test over the samples they score differently, Holm's correction over the ratio's pairs, 5%). "
+    "In the grades' order at each ratio, `>` starts a new group at the first policy the samples put below the "
+    "group's first:")
 
 
 def averaged_tasks(df: pd.DataFrame, setting: str) -> str:
@@ -50,6 +59,19 @@ def grade_table(df: pd.DataFrame, setting: str) -> str:
     return "\n".join([f"{count} a cell, over " + averaged_tasks(df, setting) + ".", "", *lines])
 
 
+def groups_table(samples: pd.DataFrame, setting: str) -> str:
+    """Per ratio, how many pairs of policies the samples tell apart and the policies as groups, best first; empty
+    when the setting has no policy rows on a task Full solves."""
+    groups = ordered_groups(paired_tests(samples, setting))
+    if not groups:
+        return ""
+    lines = ["| ratio | pairs told apart | groups, best first |", "|---|---|---|"]
+    for row in groups:
+        ranked = " > ".join(", ".join(group) for group in row["groups"])
+        lines.append(f"| {row['ratio']:g} | {row['pairs_ordered']} of {row['pairs']} | {ranked} |")
+    return "\n".join([GROUPS_HEADING, "", *lines])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="*", help="shipped leaderboards (default: every one in assets/leaderboards)")
@@ -68,6 +90,15 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         table = grade_table(df, args.setting)
         print(f"**{path.stem}**, query-{args.setting}: " + (table if table else "no rows in this setting.") + "\n")
+        samples_path = path.parent / "samples" / path.name
+        if table and samples_path.is_file():
+            try:
+                groups = groups_table(read_leaderboard_samples(samples_path), args.setting)
+            except ShippedFileError as err:
+                print(f"leaderboard_tables: {err}", file=sys.stderr)
+                return 2
+            if groups:
+                print(groups + "\n")
     return 0
 
 

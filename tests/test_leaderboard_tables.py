@@ -1,10 +1,13 @@
-"""The task leaderboards' grades of docs/results.md, made from the shipped summaries (benchmarks.leaderboard_tables)."""
+"""The task leaderboards' grades of docs/results.md, made from the shipped summaries (benchmarks.leaderboard_tables),
+and which policies the shipped samples tell apart, paired (leaderboard.paired_tests and ordered_groups)."""
 from pathlib import Path
 
 import pandas as pd
 
-from backend.experiments.leaderboard import averaged, summarize
-from benchmarks.leaderboard_tables import grade_table, main
+import pytest
+
+from backend.experiments.leaderboard import averaged, holm, ordered_groups, paired_tests, summarize
+from benchmarks.leaderboard_tables import grade_table, groups_table, main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,3 +56,74 @@ def test_results_md_holds_the_grades_of_the_shipped_leaderboards(capsys):
     results = (ROOT / "docs" / "results.md").read_text(encoding="utf-8")
     for table in printed.split("\n\n"):
         assert table in results
+
+
+def _samples(scores: dict[str, list[float]], task: str = "a", full: float = 1.0) -> list[dict]:
+    """One row a sample and policy (ratio 0.5), Full scoring ``full`` on every sample."""
+    rows = []
+    for sample in range(len(next(iter(scores.values())))):
+        base = {"model": "m", "task": task, "length": 1024, "setting": "agnostic", "sample": sample}
+        rows.append({**base, "policy": "full", "ratio": 0.0, "score": full})
+        rows += [{**base, "policy": policy, "ratio": 0.5, "score": values[sample]} for policy, values in scores.items()]
+    return rows
+
+
+def test_holms_correction_by_hand():
+    # Sorted 0.01, 0.03, 0.04 times 3, 2, 1: 0.03, 0.06, 0.04 -> never below the one before: 0.03, 0.06, 0.06.
+    assert holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
+    # 0.5 * 2 = 1.0 first, so 0.9 * 1 rises to it.
+    assert holm([0.5, 0.9]) == pytest.approx([1.0, 1.0])
+    assert holm([]) == []
+
+
+def test_paired_samples_tell_policies_apart_by_a_sign_test_over_the_tasks_full_solves():
+    # Task "a", which Full solves, ten samples. TOVA against Knorm: above on 9, level on 1. H2O against Knorm: above
+    # on 5, below on 1, level on 4. TOVA against H2O: above on 5, level on 5. Task "b", which Full fails, has Knorm
+    # above both on every sample: it is left out. Two-sided sign tests: 9 of 9 -> 2 / 2^9; 5 of 6 -> (1 + 6 + 6 + 1)
+    # / 2^6 = 0.219; 5 of 5 -> 2 / 2^5 = 0.0625.
+    rows = _samples({"tova": [1] * 10, "h2o": [1] * 5 + [0] * 5, "knorm": [0] * 9 + [1]})
+    rows += _samples({"tova": [0] * 10, "h2o": [0] * 10, "knorm": [1] * 10}, task="b", full=0.0)
+    pairs = paired_tests(pd.DataFrame(rows)).set_index(["policy", "other"])
+    # Graded order on "a": TOVA 1.0, H2O 0.5, Knorm 0.1.
+    assert list(pairs.index) == [("tova", "h2o"), ("tova", "knorm"), ("h2o", "knorm")]
+    assert tuple(pairs.loc[("tova", "knorm"), ["above", "below", "same"]]) == (9, 0, 1)
+    assert tuple(pairs.loc[("h2o", "knorm"), ["above", "below", "same"]]) == (5, 1, 4)
+    assert tuple(pairs.loc[("tova", "h2o"), ["above", "below", "same"]]) == (5, 0, 5)
+    assert pairs.loc[("tova", "knorm"), "p"] == pytest.approx(2 / 2**9)
+    assert pairs.loc[("h2o", "knorm"), "p"] == pytest.approx(2 * 7 / 2**6)
+    assert pairs.loc[("tova", "h2o"), "p"] == pytest.approx(2 / 2**5)
+    # Holm over the three: 0.0039 * 3 = 0.012 < 0.05, ordered; 0.0625 * 2 = 0.125 and 0.219 are not.
+    assert list(pairs["ordered"]) == [False, True, False]
+    assert ordered_groups(pairs.reset_index())[0]["groups"] == [["tova", "h2o"], ["knorm"]]
+
+
+def test_a_pair_the_samples_order_against_the_grades_is_not_ordered():
+    # Each task weighs the same in the grades, each sample in the test: on "a" (one sample) TOVA scores 1 and
+    # Knorm 0; on "b" (eight samples) Knorm scores 0.25 above TOVA on each. TOVA's grade (1 + 0) / 2 = 0.5 is above
+    # Knorm's (0 + 0.25) / 2 = 0.125, yet Knorm is above on 8 of 9 samples: p = 2 * 10 / 2^9 = 0.039, not ordered.
+    rows = _samples({"tova": [1.0], "knorm": [0.0]}) + _samples({"tova": [0.0] * 8, "knorm": [0.25] * 8}, task="b")
+    pair = paired_tests(pd.DataFrame(rows)).iloc[0]
+    assert (pair["policy"], pair["above"], pair["below"]) == ("tova", 1, 8)
+    assert pair["p"] == pytest.approx(20 / 2**9)
+    assert not pair["ordered"]
+
+
+def test_groups_start_at_the_first_policy_put_below_the_groups_first():
+    # Order a, b, c, d: a is told apart from c and d, b from d, nothing else. The groups: a's takes b (a ~ b), c
+    # starts one (a > c), and d joins c's (c ~ d), though b > d.
+    told = {("a", "c"), ("a", "d"), ("b", "d")}
+    order = ["a", "b", "c", "d"]
+    pairs = pd.DataFrame([{"model": "m", "setting": "agnostic", "ratio": 0.5, "policy": x, "other": y, "above": 0,
+                           "below": 0, "same": 0, "p": 1.0, "ordered": (x, y) in told}
+                          for i, x in enumerate(order) for y in order[i + 1:]])
+    [row] = ordered_groups(pairs)
+    assert row["groups"] == [["a", "b"], ["c", "d"]]
+    assert (row["pairs"], row["pairs_ordered"]) == (6, 3)
+
+
+def test_the_groups_table_is_markdown_per_ratio():
+    rows = _samples({"tova": [1] * 9, "knorm": [0] * 9})
+    lines = groups_table(pd.DataFrame(rows), "agnostic").splitlines()
+    assert lines[-3:] == ["| ratio | pairs told apart | groups, best first |", "|---|---|---|",
+                          "| 0.5 | 1 of 1 | tova > knorm |"]
+    assert groups_table(pd.DataFrame(rows), "aware") == ""

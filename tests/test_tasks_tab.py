@@ -56,6 +56,24 @@ def test_the_leaderboard_draws_score_against_ratio_a_line_per_policy_and_full_da
     assert "<td>tova</td><td>0.75</td><td>0.25</td>" in table and "ruler_vt" not in table  # the chosen task only
 
 
+def test_the_average_says_which_policies_the_paired_samples_tell_apart(boards):
+    # Nine samples of niah_single_1, which Full solves: tova right on every one, a hostile name on none. A sign test
+    # over 9 of 9 gives p = 2 / 2^9, under 5% with Holm's correction over the one pair: two groups, escaped.
+    rows = ["model,task,length,policy,ratio,setting,sample,score,answer,spec"]
+    for sample in range(9):
+        rows += [f"m,niah_single_1,1024,full,0.0,agnostic,{sample},1.0,a,full",
+                 f"m,niah_single_1,1024,tova,0.5,agnostic,{sample},1.0,a,tova:ratio=0.5",
+                 f'm,niah_single_1,1024,"{HOSTILE}",0.5,agnostic,{sample},0.0,b,x']
+    (boards / "samples").mkdir()
+    (boards / "samples" / "m.csv").write_text("\n".join(rows) + "\n")
+    _, table, note = app.shipped_leaderboard("m", "average", "agnostic")
+    assert note == "" and "Told apart on the same samples" in table
+    assert "<tr><td>0.5</td><td>1 of 1</td><td>tova &gt; &lt;img src=x onerror=alert(1)&gt;</td></tr>" in table
+    assert HOSTILE not in table
+    _, table, _ = app.shipped_leaderboard("m", "niah_single_1", "agnostic")
+    assert "Told apart" not in table  # a task's own view has no groups
+
+
 def test_a_task_full_fails_says_so(boards):
     figure, table, _ = app.shipped_leaderboard("m", "ruler_vt", "agnostic")
     assert "Full fails it" in figure.layout.title.text and "(Full fails it)" in table

@@ -72,3 +72,21 @@ def leaderboard_table_html(summary: pd.DataFrame) -> str:
             body.append(f"<tr><td>{html.escape(str(policy))}</td>{cells}</tr>")
     return (f'<table class="kvlens-leaderboard"><thead><tr><th>policy \\ ratio</th>{head}</tr></thead>'
             f"<tbody>{''.join(body)}</tbody></table>")
+
+
+def ordered_groups_html(groups: list[dict]) -> str:
+    """Which policies the samples tell apart (``leaderboard.ordered_groups``): per ratio, the policies in the
+    grades' order as groups, ``>`` where a group's first is told apart from the next group's, and how many pairs
+    are; every name escaped. Empty without groups."""
+    if not groups:
+        return ""
+    body = []
+    for row in groups:
+        ranked = " &gt; ".join(", ".join(html.escape(str(p)) for p in group) for group in row["groups"])
+        body.append(f"<tr><td>{float(row['ratio']):g}</td><td>{int(row['pairs_ordered'])} of {int(row['pairs'])}"
+                    f"</td><td>{ranked}</td></tr>")
+    return ('<table class="kvlens-leaderboard-groups"><caption>Told apart on the same samples (a sign test per pair '
+            "over the samples they score differently, Holm's correction over a ratio's pairs, 5%): in the grades' "
+            "order, &gt; starts a new group at the first policy the samples put below the group's first."
+            "</caption><thead><tr><th>ratio</th><th>pairs told apart</th><th>groups, best first</th></tr></thead>"
+            f"<tbody>{''.join(body)}</tbody></table>")

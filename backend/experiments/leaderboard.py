@@ -6,7 +6,8 @@ batched generate-mode run with Full (``task_runs.run_sample``), so the grid runn
 (``experiments.grid``) runs the jobs serially or on Ray, resumes from its checkpoint, and replays finished
 runs from the store. ``leaderboard_frame`` joins the jobs' rows into the per-sample table (``COLUMNS``);
 ``summarize`` gives each (model, task, length, setting, policy, ratio) its mean score and interval, beside
-Full's; ``averaged`` gives each policy and ratio its mean over the tasks Full solves.
+Full's; ``averaged`` gives each policy and ratio its mean over the tasks Full solves; ``paired_tests`` says
+which policies the samples, paired, tell apart.
 """
 from __future__ import annotations
 
@@ -112,3 +113,79 @@ def averaged(summary: pd.DataFrame, confidence: float = 0.95) -> pd.DataFrame:
                      "ratio": ratio, "samples": n, "score": mean, "lo": lo, "hi": hi,
                      "full_score": float(part["full_score"].mean()), "full_solves": True})
     return pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
+
+
+PAIR_COLUMNS = ["model", "setting", "ratio", "policy", "other", "above", "below", "same", "p", "ordered"]
+
+
+def holm(pvalues: Sequence[float]) -> list[float]:
+    """Holm's step-down adjustment of p-values tested together: the k-th smallest is multiplied by the number of
+    tests not yet passed, and an adjusted value is never below the one before it."""
+    order = sorted(range(len(pvalues)), key=lambda i: pvalues[i])
+    adjusted, running = [0.0] * len(pvalues), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(pvalues) - rank) * pvalues[i]))
+        adjusted[i] = running
+    return adjusted
+
+
+def paired_tests(samples: pd.DataFrame, setting: str = "agnostic", alpha: float = 0.05) -> pd.DataFrame:
+    """Which policies the samples tell apart, pair by pair at each ratio (``PAIR_COLUMNS``), over the tasks and
+    lengths Full solves, as ``averaged`` grades them.
+
+    Every policy answers the same samples, so two policies are compared sample by sample, far more finely than by
+    whether their intervals overlap: on how many samples ``policy`` (the one graded higher, or first in the grades'
+    order on a tie) scores above ``other``, below it and the same, and the two-sided sign test's p over the samples
+    that differ. ``ordered``: ``policy`` wins, with Holm's correction over every pair at that ratio keeping p under
+    ``alpha``. The grades weigh each task the same and the test each sample, so a pair may also come out the other
+    way (more samples below than above); that is not ``ordered``."""
+    from scipy import stats
+
+    rows = samples[samples["setting"] == setting]
+    full = rows[rows["policy"] == "full"].groupby(["model", "task", "length"])["score"].mean()
+    rows = rows[rows.set_index(["model", "task", "length"]).index.isin(full[full >= SOLVED].index)]
+    if (rows["policy"] == "full").all():
+        return pd.DataFrame(columns=PAIR_COLUMNS)
+    grades = averaged(summarize(rows))
+    grades = grades[grades["policy"] != "full"]
+    pairs = []
+    for (model, ratio), part in grades.groupby(["model", "ratio"], sort=True):
+        order = list(part.sort_values("score", ascending=False, kind="stable")["policy"])
+        cell = rows[(rows["model"] == model) & (rows["ratio"] == ratio) & rows["policy"].isin(order)]
+        # One column a policy, one row a sample (NaN where a policy did not answer it).
+        wide = cell.set_index(["task", "length", "sample", "policy"])["score"].unstack("policy")[order].to_numpy()
+        found = []
+        for i, policy in enumerate(order):
+            for j in range(i + 1, len(order)):
+                a, b = wide[:, i], wide[:, j]
+                both = ~(np.isnan(a) | np.isnan(b))
+                above, below = int((a[both] > b[both] + 1e-9).sum()), int((b[both] > a[both] + 1e-9).sum())
+                p = float(stats.binomtest(above, above + below).pvalue) if above + below else 1.0
+                found.append({"model": model, "setting": setting, "ratio": float(ratio), "policy": policy,
+                              "other": order[j], "above": above, "below": below,
+                              "same": int(both.sum()) - above - below, "p": p})
+        for pair, adjusted in zip(found, holm([pair["p"] for pair in found])):
+            pair["ordered"] = bool(adjusted < alpha and pair["above"] > pair["below"])
+        pairs.extend(found)
+    return pd.DataFrame(pairs, columns=PAIR_COLUMNS)
+
+
+def ordered_groups(pairs: pd.DataFrame) -> list[dict]:
+    """``paired_tests``' verdicts as groups, per (model, setting, ratio): the policies in the grades' order, a new
+    group starting at the first policy the samples order below the current group's first. So each group's first
+    is told apart from the next group's first; policies within a group may be too (``pairs_ordered`` of
+    ``pairs`` are). Each: model, setting, ratio, pairs, pairs_ordered, groups (lists of policies)."""
+    found = []
+    for (model, setting, ratio), part in pairs.groupby(["model", "setting", "ratio"], sort=True):
+        first = part["policy"].iloc[0]
+        order = [first, *part.loc[part["policy"] == first, "other"]]
+        ordered = set(zip(part.loc[part["ordered"], "policy"], part.loc[part["ordered"], "other"]))
+        groups = [[order[0]]]
+        for policy in order[1:]:
+            if (groups[-1][0], policy) in ordered:
+                groups.append([policy])
+            else:
+                groups[-1].append(policy)
+        found.append({"model": model, "setting": setting, "ratio": float(ratio), "pairs": len(part),
+                      "pairs_ordered": int(part["ordered"].sum()), "groups": groups})
+    return found
