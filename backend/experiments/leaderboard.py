@@ -133,12 +133,12 @@ def paired_tests(samples: pd.DataFrame, setting: str = "agnostic", alpha: float 
     """Which policies the samples tell apart, pair by pair at each ratio (``PAIR_COLUMNS``), over the tasks and
     lengths Full solves, as ``averaged`` grades them.
 
-    Every policy answers the same samples, so two policies are compared sample by sample, far more finely than by
-    whether their intervals overlap: on how many samples ``policy`` (the one graded higher, or first in the grades'
-    order on a tie) scores above ``other``, below it and the same, and the two-sided sign test's p over the samples
-    that differ. ``ordered``: ``policy`` wins, with Holm's correction over every pair at that ratio keeping p under
-    ``alpha``. The grades weigh each task the same and the test each sample, so a pair may also come out the other
-    way (more samples below than above); that is not ``ordered``."""
+    Every policy answers the same samples, so two policies are compared sample by sample, a test of the pair where
+    two overlapping or apart intervals are not one: on how many samples ``policy`` (the one graded higher, or first
+    in the grades' order on a tie) scores above ``other``, below it and the same, and the two-sided sign test's p
+    over the samples that differ. ``ordered``: ``policy`` wins, with Holm's correction over every pair at that
+    ratio keeping p under ``alpha``. The grades weigh each task the same and the test each sample, so a pair may
+    also come out the other way (more samples below than above); that is not ``ordered``."""
     from scipy import stats
 
     rows = samples[samples["setting"] == setting]
