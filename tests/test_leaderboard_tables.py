@@ -3,7 +3,6 @@ and which policies the shipped samples tell apart, paired (leaderboard.paired_te
 from pathlib import Path
 
 import pandas as pd
-
 import pytest
 
 from backend.experiments.leaderboard import averaged, holm, ordered_groups, paired_tests, summarize
