@@ -531,7 +531,7 @@ def told_apart_html(model, setting, folder: Path | None = None) -> str:
     """Under the averaged grades: which policies the shipped samples, paired, tell apart at each ratio; empty when
     the model ships no samples file or it does not read."""
     files = leaderboard_models(folder)
-    path = files[model].parent / "samples" / files[model].name if model in files else None
+    path = shipped.samples_file(files[model]) if model in files else None
     if path is None or not path.is_file():
         return ""
     return _told_apart(str(path), path.stat().st_mtime_ns, str(setting))
@@ -544,7 +544,7 @@ def leaderboard_samples(model, task, setting, folder: Path | None = None) -> pd.
     """The shipped answers behind one leaderboard view (every task for "average"), at the lengths a visitor can
     run: a row per sample, policy and ratio. Empty when the model ships none."""
     files = leaderboard_models(folder)
-    path = files[model].parent / "samples" / files[model].name if model in files else None
+    path = shipped.samples_file(files[model]) if model in files else None
     if path is None or not path.is_file():
         return pd.DataFrame(columns=SAMPLE_TABLE_COLUMNS)
     try:

@@ -19,7 +19,8 @@ from pathlib import Path
 import pandas as pd
 
 from backend.experiments.leaderboard import ordered_groups, paired_tests
-from backend.experiments.shipped import ShippedFileError, leaderboard_files, read_leaderboard, read_leaderboard_samples
+from backend.experiments.shipped import (ShippedFileError, leaderboard_files, read_leaderboard,
+                                         read_leaderboard_samples, samples_file)
 
 GROUPS_HEADING = (
     "Told apart on the same samples: every policy answers the same samples, so each pair is compared sample by "
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         table = grade_table(df, args.setting)
         print(f"**{path.stem}**, query-{args.setting}: " + (table if table else "no rows in this setting.") + "\n")
-        samples_path = path.parent / "samples" / path.name
+        samples_path = samples_file(path)
         if table and samples_path.is_file():
             try:
                 groups = groups_table(read_leaderboard_samples(samples_path), args.setting)

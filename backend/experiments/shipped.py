@@ -127,6 +127,11 @@ def read_leaderboard(path: Path) -> pd.DataFrame:
 SAMPLE_COLUMNS = ["model", "task", "length", "policy", "ratio", "setting", "sample", "score", "answer", "spec"]
 
 
+def samples_file(leaderboard: Path) -> Path:
+    """Where the rows per sample behind a shipped leaderboard (``<model>.csv``) lie: ``samples/<model>.csv``."""
+    return Path(leaderboard).parent / "samples" / Path(leaderboard).name
+
+
 def read_leaderboard_samples(path: Path) -> pd.DataFrame:
     """A shipped leaderboard's rows per sample (``samples/<model>.csv``: each policy's answer to each sample and its
     score), or ShippedFileError."""
