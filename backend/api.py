@@ -35,7 +35,8 @@ from .experiments.sweep import MAX_ROWS, SweepResult, sweep as sweep_budgets
 from .limits import Limits, RowPrice, counted, longest_fitting, most_fitting, row_cost, rows_cost
 from .policies import Policy, SpecError, parse_spec
 from .analysis.evidence import Evidence
-from .runs import Run, link_key, put_link, replay_or_compute
+from .policies import Full
+from .runs import Run, link_key, put_link, replay_or_compute, trace_key
 from .traces.store import TraceStore, load_trace
 from .traces.trace import Trace, file_stem
 
@@ -404,6 +405,18 @@ def run(request: RunRequest, store: TraceStore | None, progress: Progress | None
     if store is not None and result.stored:  # a link to traces the store does not hold would be dead
         stored = put_link(store, run_id, request.__dict__, result.keys, result.full_key)
     return dataclasses.replace(result, run_id=run_id, request=request, stored=stored)
+
+
+def trace_keys(request: RunRequest, limits: Limits = LIMITS) -> tuple[list[str], str]:
+    """The store keys ``run`` would put the request's traces under (one per spec, then Full's): the model loads to
+    tokenize, nothing runs. What tells a shipped run (``shipped_runs``) from a stale one."""
+    policies = check_run(request, limits)
+    lm = get_model(request.model, request.device, request.dtype)
+    ids = _tokens(lm, request, policies, limits)
+    record = default_record_layers(lm)
+    keys = [trace_key(lm, ids, p, request.mode, request.max_new_tokens, record)
+            for p in _at_context(request.specs, len(ids))]
+    return keys, trace_key(lm, ids, Full(), request.mode, request.max_new_tokens, record)
 
 
 def sweep(request: SweepRequest, store: TraceStore | None, progress: Progress | None = None,
