@@ -48,12 +48,15 @@ from backend.experiments.leaderboard import ordered_groups, paired_tests  # noqa
 from backend.experiments.sweep import SWEEP_BUDGETS  # noqa: E402
 from backend.experiments.task_runs import SETTINGS  # noqa: E402
 from backend.experiments.tasks import OFFLINE  # noqa: E402
+from backend import shipped_runs  # noqa: E402
+from backend.lessons import FIRST, LESSONS, SHOWCASE  # noqa: E402
 from backend.guard import Admission, RequestGuard  # noqa: E402
 from backend.policies import POLICIES  # noqa: E402
 from backend.runs import Run  # noqa: E402
 from backend.traces.store import TraceStore  # noqa: E402
 from viz import panels  # noqa: E402
-from viz.leaderboard import leaderboard_figure, leaderboard_table_html, ordered_groups_html  # noqa: E402
+from viz.leaderboard import leaderboard_heatmap, leaderboard_table_html, ordered_groups_html  # noqa: E402
+from viz.policy_menu import KINDS, SETS, by_kind, hover_script  # noqa: E402
 from viz.needle import found_rates, needle_figure, needle_table_html  # noqa: E402
 from viz.sweep import sweep_ci_figure  # noqa: E402
 from viz.tasks import sample_status_html, sample_table_html, why_html  # noqa: E402
@@ -86,6 +89,25 @@ TASK_DEFAULT_RATIO = 0.5
 SETTING_LABELS = {"agnostic": "query-agnostic", "aware": "query-aware"}
 PLAY_TICK_S = 0.5  # seconds between Play's frames; a frame takes ~0.1-0.2 s at 8k tokens
 PLAY, PAUSE = "▶ Play", "‖ Pause"
+# The run's views: each tab's id, and the order of render_views' outputs. Only the view in sight is drawn.
+VIEW_OUTPUTS = ("kept", "masks", "reach", "forms", "curves", "tsne", "divergence", "retention")
+VIEW_ORDER = ("heatmap", "reach", "reach_distance", "kept", "curves", "curves_steps", "step_row", "held_forms")
+ALL_VIEWS = "all"
+FIRST_VIEW = "kept"  # an HTML view: the page's first screen draws no plotly figure
+POLICY_KINDS = by_kind(POLICIES)
+EXAMPLE_EVIDENCE = {"needle": "317"}  # the string an example's answer lies in, marked in the views
+DESCRIPTION = ("KV Lens shows what KV-cache eviction, compression and selection policies keep inside a real "
+               "language model: each policy's answer beside the full cache's, and what every query read.")
+SUMMARY_PLACEHOLDER = "<p>Run the policies to see each one's answer beside Full's, and what its query read.</p>"
+# The runs that ship with the app (assets/runs/): in the store, so their links reopen and their requests replay.
+SEEDED = shipped_runs.seed(STORE)
+SHIPPED_IDS = {}
+for _name in shipped_runs.names():
+    try:
+        SHIPPED_IDS[shipped_runs.manifest(_name).run_id] = _name
+    except shipped_runs.ShippedRunError:
+        pass
+FIRST_RUN_ID = next((run_id for run_id, name in SHIPPED_IDS.items() if name == FIRST), None)
 
 
 @dataclasses.dataclass(eq=False)
@@ -178,21 +200,37 @@ def shown(err: Exception) -> gr.Error:
     return gr.Error(html.escape(str(err)), print_exception=False)
 
 
+def reopen(run_id) -> Run:
+    """A run by its id: from the store, or a shipped run from its files (a store that cannot hold them)."""
+    try:
+        return api.reopen(run_id, STORE)
+    except RequestError:
+        if run_id not in SHIPPED_IDS:
+            raise
+    try:
+        return shipped_runs.load(SHIPPED_IDS[run_id], request_type=api.RunRequest)
+    except shipped_runs.ShippedRunError as err:
+        raise RequestError(str(err)) from None
+
+
 def load_run(run_id) -> ShownRun:
     try:
-        return RECENT_RUNS.get(run_id, lambda: api.reopen(run_id, STORE))
+        return RECENT_RUNS.get(run_id, lambda: reopen(run_id))
     except RequestError as err:  # e.g. the run was evicted from the store since
         raise shown(err) from None
 
 
-def render_run(run_id):
-    """The views that depend on the run alone."""
+def render_run(run_id, view=ALL_VIEWS):
+    """The views that depend on the run alone: the summary and the share line always, the divergence and retention
+    views when ``view`` is theirs (or ``ALL_VIEWS``); the others are left as they are."""
     if not run_id:
-        return [None] * 8
+        return [SUMMARY_PLACEHOLDER] + [None] * 7
     shown_run = load_run(run_id)
     run, shares = shown_run.run, shown_run.non_recent_shares
-    return [panels.summary_table(run, shares), *panels.divergence(run),
-            *panels.retention(run, shares, shown_run.pos_lifetimes), panels.share_markdown(run)]
+    divergence = panels.divergence(run) if view in ("divergence", ALL_VIEWS) else [gr.skip()] * 2
+    retention = (panels.retention(run, shares, shown_run.pos_lifetimes) if view in ("retention", ALL_VIEWS)
+                 else [gr.skip()] * 4)
+    return [panels.summary_html(run, shares), *divergence, *retention, panels.share_markdown(run)]
 
 
 def render_heatmap(run_id, layer, head, zoom=False, first_step=0, first_pos=0, size=panels.ZOOM_SIZES[1],
@@ -206,15 +244,27 @@ def render_heatmap(run_id, layer, head, zoom=False, first_step=0, first_pos=0, s
     return panels.heatmaps(run, layer, head, panels.zoom_window(run, zoom, first_step, first_pos, size), step)
 
 
-def render_views(run_id, layer, head, step, alpha, zoom=False, first_step=0, first_pos=0, size=panels.ZOOM_SIZES[1]):
-    """The views that follow the layer, head and step selectors (t-SNE is computed on demand)."""
+def render_views(run_id, layer, head, step, alpha, zoom=False, first_step=0, first_pos=0, size=panels.ZOOM_SIZES[1],
+                 view=ALL_VIEWS):
+    """The views that follow the layer, head and step selectors: the one in sight (``view``; all of them for
+    ``ALL_VIEWS``), the others left as they are until they open (t-SNE is computed on demand)."""
     if not run_id:
         return [None] * 8
     run = load_run(run_id).run
     step = panels.clamp_step(run, step)
-    return [render_heatmap(run_id, layer, head, zoom, first_step, first_pos, size, step), *panels.cache_reach(run, step),
-            panels.kept_tokens(run, step, layer, head), *panels.score_curves(run, layer, head, alpha, step),
-            panels.step_row(run, step, layer, head), panels.held_forms(run, step, head)]
+    wanted = set(VIEW_OUTPUTS) if view == ALL_VIEWS else {view}
+    drawn = {
+        "masks": lambda: {"heatmap": render_heatmap(run_id, layer, head, zoom, first_step, first_pos, size, step),
+                          "step_row": panels.step_row(run, step, layer, head)},
+        "reach": lambda: dict(zip(("reach", "reach_distance"), panels.cache_reach(run, step))),
+        "kept": lambda: {"kept": panels.kept_tokens(run, step, layer, head)},
+        "curves": lambda: dict(zip(("curves", "curves_steps"), panels.score_curves(run, layer, head, alpha, step))),
+        "forms": lambda: {"held_forms": panels.held_forms(run, step, head)},
+    }
+    values = {}
+    for name in wanted & set(drawn):
+        values.update(drawn[name]())
+    return [values.get(output, gr.skip()) for output in VIEW_ORDER]
 
 
 def player(playing: bool) -> list:
@@ -500,9 +550,10 @@ def setting_choices(settings) -> list[tuple[str, str]]:
     return [(SETTING_LABELS.get(s, s), s) for s in settings]
 
 
-def shipped_leaderboard(model, task, setting, folder: Path | None = None):
-    """One shipped leaderboard's figure and table for (task, setting), or None, "" and a one-line message
-    when the file is missing or malformed or holds no such rows."""
+def shipped_leaderboard(model, task, setting, pick=None, folder: Path | None = None):
+    """One shipped leaderboard's figure (a policy x ratio grid, ``pick`` drawn strong, the groups the samples tell
+    apart marked on the average) and table for (task, setting), or None, "" and a one-line message when the file
+    is missing or malformed or holds no such rows."""
     try:
         df = _read_leaderboard(model, folder)
     except shipped.ShippedFileError as err:
@@ -512,29 +563,37 @@ def shipped_leaderboard(model, task, setting, folder: Path | None = None):
         where = f"{str(task)[:80]} (query-{str(setting)[:20]})"
         return None, "", f"**{html.escape(f'The leaderboard of {model} has no rows for {where}.')}**"
     table = leaderboard_table_html(rows)
-    if task == "average":
-        table += told_apart_html(model, setting, folder)
-    return leaderboard_figure(rows, str(task)), table, ""
+    groups = told_apart(model, setting, folder) if task == "average" else []
+    if groups:
+        table += ordered_groups_html(groups)
+    ranked = {float(row["ratio"]): row["groups"] for row in groups}
+    pick = pick if isinstance(pick, str) else None
+    return leaderboard_heatmap(rows, str(task), pick=pick, groups=ranked), table, ""
 
 
 @lru_cache(maxsize=8)
-def _told_apart(path: str, modified: int, setting: str) -> str:
-    """``told_apart_html`` of one samples file as it was at ``modified`` (its mtime: a merged file is read anew)."""
+def _told_apart(path: str, modified: int, setting: str) -> tuple:
+    """``told_apart`` of one samples file as it was at ``modified`` (its mtime: a merged file is read anew)."""
     try:
         samples = shipped.read_leaderboard_samples(Path(path))
     except shipped.ShippedFileError:
-        return ""
-    return ordered_groups_html(ordered_groups(paired_tests(samples, setting)))
+        return ()
+    return tuple(ordered_groups(paired_tests(samples, setting)))
 
 
-def told_apart_html(model, setting, folder: Path | None = None) -> str:
-    """Under the averaged grades: which policies the shipped samples, paired, tell apart at each ratio; empty when
-    the model ships no samples file or it does not read."""
+def told_apart(model, setting, folder: Path | None = None) -> list[dict]:
+    """Which policies the shipped samples, paired, tell apart at each ratio (``leaderboard.ordered_groups``); empty
+    when the model ships no samples file or it does not read."""
     files = leaderboard_models(folder)
     path = shipped.samples_file(files[model]) if model in files else None
     if path is None or not path.is_file():
-        return ""
-    return _told_apart(str(path), path.stat().st_mtime_ns, str(setting))
+        return []
+    return list(_told_apart(str(path), path.stat().st_mtime_ns, str(setting)))
+
+
+def told_apart_html(model, setting, folder: Path | None = None) -> str:
+    """Under the averaged grades: ``told_apart`` as a table, or "" without it."""
+    return ordered_groups_html(told_apart(model, setting, folder))
 
 
 SAMPLE_TABLE_COLUMNS = ["task", "sample", "policy", "ratio", "score", "answer"]
@@ -572,26 +631,30 @@ def on_board_sample(table, setting, board, evt: gr.SelectData):
     return str(row["task"]), sample, setting, names, ratio, model
 
 
-def leaderboard_view(model, folder: Path | None = None):
-    """A shipped model's tasks ("average" first) and settings, then the figure, table and note of its first task
-    in its first setting (no tasks, no settings, no figure and a message when the file is missing or bad)."""
+def leaderboard_view(model, task=None, folder: Path | None = None):
+    """A shipped model's tasks ("average" first), settings and policies, then the figure, table and note of ``task``
+    (default its first) in its first setting (nothing and a message when the file is missing or bad)."""
     try:
         df = _read_leaderboard(model, folder)
     except shipped.ShippedFileError as err:
-        return [], [], None, "", f"**{html.escape(str(err))}**"
+        return [], [], [], None, "", f"**{html.escape(str(err))}**"
     tasks = list(dict.fromkeys(df["task"]))
     tasks = ["average", *(t for t in tasks if t != "average")] if "average" in tasks else tasks
     settings = list(dict.fromkeys(df["setting"]))
-    return tasks, settings, *shipped_leaderboard(model, tasks[0], settings[0], folder)
+    policies = [p for p in dict.fromkeys(df["policy"].astype(str)) if p != "full"]
+    task = task if task in tasks else tasks[0]
+    return tasks, settings, policies, task, *shipped_leaderboard(model, task, settings[0], None, folder)
 
 
-def on_leaderboard_model(model):
-    """Another shipped model: its tasks and settings in the selectors, and its first figure."""
-    tasks, settings, figure, table, note = leaderboard_view(model)
-    return (gr.update(choices=tasks, value=tasks[0] if tasks else None),
+def on_leaderboard_model(model, task=None):
+    """A shipped model (or the tab opening): its tasks, settings and policies in the selectors, and the figure of
+    ``task`` (default its first)."""
+    tasks, settings, policies, *shown = leaderboard_view(model, task)
+    task, figure, table, note = shown if len(shown) == 4 else (None, *shown)
+    return (gr.update(choices=tasks, value=task),
             gr.update(choices=setting_choices(settings), value=settings[0] if settings else None,
                       visible=len(settings) > 1),
-            figure, table, note)
+            gr.update(choices=["(none)", *policies], value="(none)"), figure, table, note)
 
 
 def sample_request(task, sample, setting, names, ratio, model) -> api.SampleRequest:
@@ -700,17 +763,126 @@ def on_export(run_id, layer, head, step, alpha):
     return str(path)
 
 
+def page_head() -> str:
+    """What goes in the page's <head>: its description, and each policy's line and paper on hover."""
+    return f'<meta name="description" content="{html.escape(DESCRIPTION)}">' + hover_script(POLICIES, "#policies")
+
+
+def header_html() -> str:
+    """The page's two lines above the first picture: what KV Lens is, and the lessons (``#lessons``)."""
+    links = " ".join(f'<a href="?lesson={html.escape(name)}">{html.escape(lesson.title)}</a>'
+                     for name, lesson in LESSONS.items())
+    return (f'<p><strong style="font-size:20px">KV Lens</strong> · what KV-cache policies keep inside a real model: '
+            f"each one's answer beside the full cache's, and what its query read.</p>"
+            f'<nav id="lessons" aria-label="Lessons"><strong>Lessons:</strong> {links}</nav>')
+
+
+def about(note: str, open_: bool = False) -> None:
+    """A view's explanation, folded under its tab until asked for."""
+    with gr.Accordion("About this view", open=open_, elem_classes=["kvl-about"]):
+        gr.Markdown(NOTES[note])
+
+
+def example_evidence(sample):
+    """The evidence box for the example clicked: the string its answer lies in, if it has one."""
+    label = sample[0] if isinstance(sample, (list, tuple)) and sample else sample
+    return EXAMPLE_EVIDENCE.get(label, "") if isinstance(label, str) else gr.skip()
+
+
+def merge_kinds(*boxes) -> list[str]:
+    """The policies checked under every kind, in the registry's order: the list the runs read."""
+    checked = {name for box in boxes for name in (box or []) if isinstance(name, str)}
+    return [name for name in POLICY_CHOICES if name in checked]
+
+
+def split_kinds(names) -> list:
+    """The kinds' boxes for a list of policies (a named set, a lesson, a sample's row)."""
+    names = set(names or [])
+    return [[n for n in members if n in names] for members in POLICY_KINDS.values()]
+
+
+def named_set(label) -> list[str]:
+    return list(dict(SETS).get(label, gr.skip()))
+
+
+def _no_lesson() -> list:
+    return [None, gr.Column(visible=False), ""]
+
+
+def _show_run(run_id: str, message: str, at=None, layer="all", head="all") -> list:
+    """run id, status, then the step, layer and head selectors for a run the page opens (``at``: its step, the
+    last by default); RequestError when it cannot be reopened."""
+    run = RECENT_RUNS.get(run_id, lambda: reopen(run_id)).run
+    steps, layers, heads = selectors_for(run)
+    if at is not None:
+        steps = gr.update(maximum=len(run.traces[0].tokens) - 1, value=panels.clamp_step(run, at))
+    return [run_id, message, steps, gr.update(choices=layers["choices"], value=layer),
+            gr.update(choices=heads["choices"], value=head)]
+
+
+def lesson_step(name: str, index: int) -> list:
+    """The page at step ``index`` of lesson ``name``: the narration, the shipped run and its controls, the view in
+    sight, and (for a leaderboard step) the Tasks page on its task. In the order of ``build``'s lesson outputs."""
+    found = LESSONS[name]
+    index = min(max(int(index), 0), len(found.steps) - 1)
+    step = found.steps[index]
+    last = index == len(found.steps) - 1
+    where = f"**{html.escape(found.title)}** · step {index + 1} of {len(found.steps)}"
+    text = f"{where}\n\n{step.text}" + ("\n\n*The end: pick another lesson above.*" if last else "")
+    lesson = [(name, index), gr.Column(visible=True), text]
+    if not step.run:  # a leaderboard step
+        return lesson + [gr.skip()] * 11 + [gr.Tabs(selected="tasks"), step.task or gr.skip()]
+    shipped = SHOWCASE[step.run]
+    run_id = next(i for i, n in SHIPPED_IDS.items() if n == step.run)
+    run = RECENT_RUNS.get(run_id, lambda: reopen(run_id)).run
+    at = panels.answer_step(run) if step.step is None else step.step
+    shown_run = _show_run(run_id, f"Lesson run: {', '.join(shipped.policies)} at budget {shipped.budget}, "
+                                  "shipped with the app (nothing computed).", at, step.layer, step.head)
+    return lesson + shown_run + [shipped.prompt(), list(shipped.policies), shipped.budget, shipped.evidence,
+                                 step.view, gr.Tabs(selected=step.view), gr.Tabs(selected="run-page"), gr.skip()]
+
+
+def on_lesson_move(at, move: int) -> list:
+    """Back or Next in the lesson running."""
+    if not (isinstance(at, (list, tuple)) and len(at) == 2 and at[0] in LESSONS):
+        return _no_lesson() + [gr.skip()] * 13
+    return lesson_step(at[0], int(at[1]) + move)
+
+
+def on_lesson_end():
+    return None, gr.Column(visible=False)
+
+
+def lesson_board(at, model, request: gr.Request = None):
+    """The Tasks page's leaderboard when a lesson step (or ``?tab=tasks``) shows it; else nothing changes."""
+    query = (request.query_params or {}) if request else {}
+    if isinstance(at, (list, tuple)) and len(at) == 2 and at[0] in LESSONS:
+        step = LESSONS[at[0]].steps[min(int(at[1]), len(LESSONS[at[0]].steps) - 1)]
+        if not step.run:
+            return on_leaderboard_model(model, step.task or None)
+    elif query.get("tab") == "tasks":
+        return on_leaderboard_model(model)
+    return [gr.skip()] * 6
+
+
 def on_load(request: gr.Request):
-    """Deep link: ?run=<id> reopens a stored run."""
-    run_id = (request.query_params or {}).get("run", "") if request else ""
-    if not run_id:
-        return None, ""
+    """What the page opens on: ``?lesson=NAME`` a lesson's first step, ``?run=ID`` a stored run, else the shipped
+    first run; ``?tab=tasks`` opens the leaderboard. Reads shipped files and the store only."""
+    query = (request.query_params or {}) if request else {}
+    lesson, run_id = query.get("lesson", ""), query.get("run", "")
+    rest = [gr.skip()] * 6 + [gr.Tabs(selected="tasks") if query.get("tab") == "tasks" else gr.skip(), gr.skip()]
+    if lesson in LESSONS:
+        return lesson_step(lesson, 0)
+    note = "" if not lesson else f"**There is no lesson {html.escape(lesson[:40])!r}.** "
     try:
-        run = api.reopen(run_id, STORE)
+        if run_id:
+            return _no_lesson() + _show_run(run_id, note + "Opened a shared run from the store.") + rest
+        if FIRST_RUN_ID is not None:
+            return _no_lesson() + _show_run(FIRST_RUN_ID, note + "A finished run, shipped with the app: change the "
+                                            "prompt or the policies and press Run.") + rest
     except RequestError as err:
-        return None, f"**{html.escape(str(err))}**"
-    RECENT_RUNS.remember(run)
-    return run.run_id, "Opened a shared run from the store."
+        return _no_lesson() + [None, note + f"**{html.escape(str(err))}**"] + [gr.skip()] * 3 + rest
+    return _no_lesson() + [None, note] + [gr.skip()] * 3 + rest
 
 
 class QuietBlocks(gr.Blocks):
@@ -754,186 +926,203 @@ def unknown_function(body: bytes) -> tuple[int, str] | None:
 def build() -> gr.Blocks:
     # Export zips (in Gradio's cache) are deleted within 20 minutes of their making.
     with QuietBlocks(title="KV Lens", delete_cache=(EXPORT_TTL_S, EXPORT_TTL_S)) as demo:
-        gr.Markdown(NOTES["intro"])
+        gr.HTML(header_html(), elem_id="kvl-header")
         run_id = gr.State(None)
-        with gr.Row():
-            with gr.Column(scale=1, min_width=320):
-                prompt = gr.Textbox(label="Prompt", lines=7, value=EXAMPLES[FIRST_EXAMPLE], elem_id="prompt",
-                                    max_length=LIMITS.text_chars)
-                # Labels only: the page would otherwise carry every text (the long ones are 40k characters).
-                examples = gr.Dataset(components=["textbox"], samples=[[label] for label in EXAMPLES],
-                                      samples_per_page=len(EXAMPLES), label="Examples", elem_id="examples")
-                mode = gr.Radio([("Generate a continuation", "generate"), ("Score the text (teacher-forced)", "prompt")],
-                                value="generate", label="Mode")
-                max_new = gr.Slider(4, LIMITS.new_tokens, value=24, step=4, label="Max new tokens")
-                names = gr.CheckboxGroup(POLICY_CHOICES, value=DEFAULT_POLICIES, label="Policies, side by side",
-                                         elem_id="policies")
-                budget = gr.Slider(4, MAX_BUDGET, value=DEFAULT_BUDGET, step=4,
-                                   label="Budget: cached tokens each query reads", elem_id="budget")
-                with gr.Accordion("Policy parameters", open=False):
-                    sinks = gr.Slider(0, 16, value=4, step=1, label="sinks: attention sinks kept (Window+i)")
-                    alpha = gr.Slider(0.0, 1.0, value=0.1, step=0.05, label="a2sf: forgetting factor alpha")
-                    heads = gr.Radio(["paper default", "head", "layer"], value="paper default",
-                                     label="h2o / tova / a2sf / oracle: decide per KV head or per layer")
-                    custom = gr.Textbox(label="More policies, one spec per line (budget=N tokens, or ratio=R: the "
-                                              "share of the prompt's tokens removed, kvpress's compression ratio)",
-                                        lines=2, placeholder="tova:budget=32,heads=head\nsnapkv:ratio=0.75")
-                    model = gr.Dropdown(list(LIMITS.models), value=api.DEFAULT_MODEL, label="Model",
-                                        info="Hub models load only where the Space has internet.")
-                    evidence = gr.Textbox(label="Evidence: a string of your text that holds the answer, one per line "
-                                                "(marked in the views: when did each policy stop reading it?)",
-                                          lines=1, max_lines=4, elem_id="evidence")
-                run_button = gr.Button("Run", variant="primary", elem_id="run")
-                cost_line = gr.Markdown(elem_id="cost")
-                status = gr.Markdown(elem_id="status")
-            with gr.Column(scale=3):
-                # Before any run the table shows its real headers over no rows (else Gradio's 1, 2, 3).
-                summary = gr.Dataframe(label="Summary (vs Full)", headers=list(panels.SUMMARY_HEADERS),
-                                       interactive=False, elem_id="summary", wrap=True)
+        view = gr.State(FIRST_VIEW)  # the run's view in sight: only it is drawn (the others when they open)
+        lesson = gr.State(None)  # (lesson name, step index) while a lesson runs
+        with gr.Tabs(elem_id="pages") as pages:
+            with gr.Tab("This run", id="run-page", elem_id="run-page"):
+                with gr.Row(elem_id="run-columns"):
+                    with gr.Column(scale=1, min_width=300):
+                        prompt = gr.Textbox(label="Prompt", lines=3, max_lines=8, value=EXAMPLES[FIRST_EXAMPLE],
+                                            elem_id="prompt", max_length=LIMITS.text_chars)
+                        policy_set = gr.Dropdown([label for label, _ in SETS], value=SETS[0][0],
+                                                 label="Policies: a named set, or pick below", elem_id="policy-set")
+                        names = gr.CheckboxGroup(POLICY_CHOICES, value=DEFAULT_POLICIES, visible="hidden",
+                                                 label="Policies, side by side", elem_id="policy-names")
+                        with gr.Accordion("Policies by kind (hover for each one's paper)", open=False,
+                                          elem_id="policies"):
+                            kind_boxes = [gr.CheckboxGroup(members, value=[n for n in DEFAULT_POLICIES if n in members],
+                                                           label=heading, elem_id=f"policies-{kind}")
+                                          for (kind, heading), members in zip(KINDS, POLICY_KINDS.values())]
+                        run_button = gr.Button("Run", variant="primary", elem_id="run")
+                        cost_line = gr.Markdown(elem_id="cost")
+                        status = gr.Markdown(elem_id="status")
+                        # Labels only: the page would otherwise carry every text (the long ones are 40k characters).
+                        examples = gr.Dataset(components=["textbox"], samples=[[label] for label in EXAMPLES],
+                                              samples_per_page=len(EXAMPLES), label="Examples", elem_id="examples")
+                        with gr.Accordion("Budget, mode and parameters", open=False, elem_id="parameters"):
+                            budget = gr.Slider(4, MAX_BUDGET, value=DEFAULT_BUDGET, step=4,
+                                               label="Budget: cached tokens each query reads", elem_id="budget")
+                            mode = gr.Radio([("Generate a continuation", "generate"),
+                                             ("Score the text (teacher-forced)", "prompt")],
+                                            value="generate", label="Mode")
+                            max_new = gr.Slider(4, LIMITS.new_tokens, value=24, step=4, label="Max new tokens")
+                            sinks = gr.Slider(0, 16, value=4, step=1, label="sinks: attention sinks kept (Window+i)")
+                            alpha = gr.Slider(0.0, 1.0, value=0.1, step=0.05, label="a2sf: forgetting factor alpha")
+                            heads = gr.Radio(["paper default", "head", "layer"], value="paper default",
+                                             label="h2o / tova / a2sf / oracle: decide per KV head or per layer")
+                            custom = gr.Textbox(label="More policies, one spec per line (budget=N tokens, or ratio=R: "
+                                                      "the share of the prompt's tokens removed, kvpress's "
+                                                      "compression ratio)",
+                                                lines=2, placeholder="tova:budget=32,heads=head\nsnapkv:ratio=0.75",
+                                                elem_id="custom")
+                            model = gr.Dropdown(list(LIMITS.models), value=api.DEFAULT_MODEL, label="Model",
+                                                info="Hub models load only where the Space has internet.")
+                            evidence = gr.Textbox(label="Evidence: a string of your text that holds the answer, one "
+                                                        "per line (marked in the views: when did each policy stop "
+                                                        "reading it?)", value=EXAMPLE_EVIDENCE.get(FIRST_EXAMPLE, ""),
+                                                  lines=1, max_lines=4, elem_id="evidence")
+                        with gr.Accordion("About KV Lens", open=False):
+                            gr.Markdown(NOTES["intro"])
+                    with gr.Column(scale=3, min_width=320):
+                        with gr.Column(visible=False, elem_id="lesson") as lesson_box:
+                            lesson_text = gr.Markdown(elem_id="lesson-text")
+                            with gr.Row():
+                                lesson_back = gr.Button("◀ Back", elem_id="lesson-back", size="sm", scale=0,
+                                                        min_width=90)
+                                lesson_next = gr.Button("Next ▶", elem_id="lesson-next", size="sm", scale=0,
+                                                        min_width=90, variant="primary")
+                                lesson_end = gr.Button("End the lesson", elem_id="lesson-end", size="sm", scale=0,
+                                                       min_width=120)
+                        summary = gr.HTML(SUMMARY_PLACEHOLDER, elem_id="summary")
+                        with gr.Row():
+                            layer = gr.Dropdown(panels.layer_choices(), value="all", label="Layer", elem_id="layer",
+                                                min_width=90)
+                            head_ = gr.Dropdown(panels.head_choices(), value="all", label="KV head", elem_id="head",
+                                                min_width=90)
+                            step = gr.Slider(0, 64, value=64, step=1, label="Step (the query whose reads the views show)",
+                                             elem_id="step", scale=3)
+                            play = gr.Button(PLAY, elem_id="play", scale=0, min_width=100)
+                        with gr.Accordion("Play's speed, and what it shows", open=False, elem_id="play-options"):
+                            speed = gr.Radio(panels.PLAY_SPEEDS, value="auto", elem_id="play-speed",
+                                             label="Play speed (a tick every half second)")
+                            gr.Markdown(NOTES["play"], elem_id="play-note")
+                        playing = gr.State(False)
+                        timer = gr.Timer(PLAY_TICK_S, active=False)
+                        with gr.Tabs(elem_id="views") as view_tabs:
+                            with gr.Tab("Kept tokens", id="kept") as kept_tab:
+                                about("kept")
+                                kept = gr.HTML(elem_id="kept")
+                            with gr.Tab("Masks", id="masks") as masks_tab:
+                                about("masks")
+                                with gr.Row(equal_height=True):
+                                    zoom = gr.Checkbox(False, label="Zoom: one token per cell", elem_id="zoom",
+                                                       info="Off: the whole text (long texts in bins)")
+                                    zoom_step = gr.Number(0, label="First step (row)", precision=0, minimum=0,
+                                                          elem_id="zoom-step")
+                                    zoom_pos = gr.Number(0, label="First position (column)", precision=0, minimum=0,
+                                                         elem_id="zoom-pos")
+                                    zoom_size = gr.Dropdown(list(panels.ZOOM_SIZES), value=panels.ZOOM_SIZES[1],
+                                                            label="Window (tokens)", elem_id="zoom-size")
+                                step_row = gr.Plot(elem_id="step-row")
+                                heatmap = gr.Plot(elem_id="heatmap")
+                            with gr.Tab("Cache reach", id="reach") as reach_tab:
+                                about("reach")
+                                reach = gr.Plot(elem_id="reach")
+                                reach_distance = gr.Plot(elem_id="reach-distance")
+                            with gr.Tab("Held forms", id="forms") as forms_tab:
+                                about("forms")
+                                held_forms = gr.Plot(elem_id="forms")
+                            with gr.Tab("A2S vs A2SF", id="curves") as curves_tab:
+                                about("curves")
+                                curve_alpha = gr.Slider(0.0, 1.0, value=0.3, step=0.05, label="alpha for A2SF")
+                                curves = gr.Plot(elem_id="curves")
+                                curves_steps = gr.Plot(elem_id="curves-steps")
+                            with gr.Tab("K-cache t-SNE", id="tsne") as tsne_tab:
+                                about("tsne")
+                                with gr.Row():
+                                    tsne_policy = gr.Dropdown(POLICY_CHOICES, value="tova", label="Policy")
+                                    tsne_button = gr.Button("Compute t-SNE")
+                                tsne_plot = gr.Plot(elem_id="tsne")
+                            with gr.Tab("Divergence", id="divergence") as divergence_tab:
+                                about("divergence")
+                                divergence_plot = gr.Plot(elem_id="divergence")
+                                continuations = gr.HTML(elem_id="continuations")
+                            with gr.Tab("Retention", id="retention") as retention_tab:
+                                about("retention")
+                                first_token_plot = gr.Plot(elem_id="first-token")
+                                non_recent_plot = gr.Plot(elem_id="non-recent")
+                                retention_plot = gr.Plot(elem_id="retention")
+                                pos_table = gr.Dataframe(panels.pos_placeholder(),
+                                                         label="Mean lifetime by part of speech", interactive=False)
+            with gr.Tab("Tasks leaderboard", id="tasks", elem_id="tasks-page") as tasks_page:
+                about("tasks", open_=False)
+                boards = list(leaderboard_models())
                 with gr.Row():
-                    layer = gr.Dropdown(panels.layer_choices(), value="all", label="Layer", elem_id="layer")
-                    head = gr.Dropdown(panels.head_choices(), value="all", label="KV head", elem_id="head")
-                    step = gr.Slider(0, 64, value=64, step=1, label="Step (for kept tokens and score curves)",
-                                     elem_id="step")
+                    board = gr.Dropdown(boards, value=boards[0] if boards else None,
+                                        label="Shipped leaderboard (model)", elem_id="leaderboard-model")
+                    board_task = gr.Dropdown([], value=None, label="Task", elem_id="leaderboard-task")
+                    board_setting = gr.Radio([], value=None, label="Setting", elem_id="leaderboard-setting")
+                    board_pick = gr.Dropdown([], value=None, label="Draw one policy strong",
+                                             elem_id="leaderboard-highlight")
+                board_note = gr.Markdown(elem_id="leaderboard-note")
+                board_plot = gr.Plot(elem_id="leaderboard-plot")
+                board_table = gr.HTML(elem_id="leaderboard-table")
+                gr.Markdown("**The answers behind it**: click a row to run that sample here, its evidence "
+                            "marked in the views and each policy's verdict below.")
+                board_samples = gr.Dataframe(pd.DataFrame(columns=SAMPLE_TABLE_COLUMNS), interactive=False,
+                                             max_height=260, elem_id="leaderboard-samples")
+                gr.Markdown(f"**Run one sample**: Full and up to {api.TASK_POLICIES} policies at one "
+                            f"compression ratio answer one sample of a RULER task at "
+                            f"{api.TASK_LENGTHS[0]:,} tokens (the model chosen beside the prompt), as one "
+                            "run: a minute or more on two CPU cores. Its run then shows under This run.")
                 with gr.Row():
-                    play = gr.Button(PLAY, elem_id="play", scale=0, min_width=120)
-                    speed = gr.Radio(panels.PLAY_SPEEDS, value="auto", label="Play speed (a tick every half second)",
-                                     elem_id="play-speed", scale=1)
-                with gr.Accordion("What Play shows", open=False):
-                    gr.Markdown(NOTES["play"], elem_id="play-note")
-                playing = gr.State(False)
-                timer = gr.Timer(PLAY_TICK_S, active=False)
-                with gr.Tabs():
-                    with gr.Tab("Masks"):
-                        gr.Markdown(NOTES["masks"])
-                        with gr.Row(equal_height=True):
-                            zoom = gr.Checkbox(False, label="Zoom: one token per cell", elem_id="zoom",
-                                               info="Off: the whole text (long texts in bins)")
-                            zoom_step = gr.Number(0, label="First step (row)", precision=0, minimum=0,
-                                                  elem_id="zoom-step")
-                            zoom_pos = gr.Number(0, label="First position (column)", precision=0, minimum=0,
-                                                 elem_id="zoom-pos")
-                            zoom_size = gr.Dropdown(list(panels.ZOOM_SIZES), value=panels.ZOOM_SIZES[1],
-                                                    label="Window (tokens)", elem_id="zoom-size")
-                        step_row = gr.Plot(elem_id="step-row")
-                        heatmap = gr.Plot(elem_id="heatmap")
-                    with gr.Tab("Cache reach"):
-                        gr.Markdown(NOTES["reach"])
-                        reach = gr.Plot(elem_id="reach")
-                        reach_distance = gr.Plot(elem_id="reach-distance")
-                    with gr.Tab("Kept tokens"):
-                        gr.Markdown(NOTES["kept"])
-                        kept = gr.HTML(elem_id="kept")
-                    with gr.Tab("Held forms"):
-                        gr.Markdown(NOTES["forms"])
-                        held_forms = gr.Plot(elem_id="forms")
-                    with gr.Tab("A2S vs A2SF"):
-                        gr.Markdown(NOTES["curves"])
-                        curve_alpha = gr.Slider(0.0, 1.0, value=0.3, step=0.05, label="alpha for A2SF")
-                        curves = gr.Plot(elem_id="curves")
-                        curves_steps = gr.Plot(elem_id="curves-steps")
-                    with gr.Tab("K-cache t-SNE"):
-                        gr.Markdown(NOTES["tsne"])
-                        with gr.Row():
-                            tsne_policy = gr.Dropdown(POLICY_CHOICES, value="tova", label="Policy")
-                            tsne_button = gr.Button("Compute t-SNE")
-                        tsne_plot = gr.Plot(elem_id="tsne")
-                    with gr.Tab("Divergence"):
-                        gr.Markdown(NOTES["divergence"])
-                        divergence_plot = gr.Plot(elem_id="divergence")
-                        continuations = gr.HTML(elem_id="continuations")
-                    with gr.Tab("Retention"):
-                        gr.Markdown(NOTES["retention"])
-                        first_token_plot = gr.Plot(elem_id="first-token")
-                        non_recent_plot = gr.Plot(elem_id="non-recent")
-                        retention_plot = gr.Plot(elem_id="retention")
-                        pos_table = gr.Dataframe(panels.pos_placeholder(), label="Mean lifetime by part of speech",
-                                                 interactive=False)
-                    with gr.Tab("Sweep"):
-                        gr.Markdown(NOTES["sweep"])
-                        sweep_button = gr.Button("Compute every budget")
-                        sweep_status = gr.Markdown()
-                        sweep_plot = gr.Plot(elem_id="sweep")
-                    with gr.Tab("Long context"):
-                        gr.Markdown(NOTES["long_context"])
-                        shipped_needle, shipped_sweep, shipped_note = shipped_long_context()
-                        gr.Markdown(shipped_note, elem_id="long-context-note")
-                        gr.Plot(shipped_needle, elem_id="shipped-needle")
-                        gr.Plot(shipped_sweep, elem_id="shipped-sweep")
-                        gr.Markdown(f"**Run a small needle grid**: Full and up to {api.NEEDLE_POLICIES} "
-                                    "policies, depths 0%, 50% and 100%, one seed; at most 6 cells, each half a "
-                                    "minute to two minutes on two CPU cores. The command line runs longer grids.")
-                        with gr.Row():
-                            needle_names = gr.CheckboxGroup([n for n in POLICY_CHOICES if n != "full"],
-                                                            value=NEEDLE_DEFAULT_POLICIES, elem_id="needle-policies",
-                                                            label=f"Policies (up to {api.NEEDLE_POLICIES})")
-                        with gr.Row():
-                            needle_budget = gr.Slider(16, 256, value=NEEDLE_DEFAULT_BUDGET, step=16, label="Budget")
-                            needle_lengths = gr.CheckboxGroup(list(api.NEEDLE_LENGTHS),
-                                                              value=[api.NEEDLE_LENGTHS[0]],
-                                                              label="Context length (tokens)")
-                        needle_button = gr.Button("Run the needle grid", elem_id="needle-run")
-                        needle_status = gr.Markdown(elem_id="needle-status")
-                        needle_plot = gr.Plot(elem_id="needle-grid")
-                        needle_table = gr.HTML(elem_id="needle-table")
-                        gr.Markdown("Click a cell's row to open it as a run, the needle's number marked in the views.")
-                        needle_cells = gr.Dataframe(pd.DataFrame(columns=NEEDLE_CELL_COLUMNS), interactive=False,
-                                                    max_height=240, elem_id="needle-cells")
-                    with gr.Tab("Tasks"):
-                        gr.Markdown(NOTES["tasks"])
-                        boards = list(leaderboard_models())
-                        board_tasks, board_settings, board_figure, board_table, board_note = leaderboard_view(
-                            boards[0] if boards else None)
-                        with gr.Row():
-                            board = gr.Dropdown(boards, value=boards[0] if boards else None,
-                                                label="Shipped leaderboard (model)", elem_id="leaderboard-model")
-                            board_task = gr.Dropdown(board_tasks, value=board_tasks[0] if board_tasks else None,
-                                                     label="Task", elem_id="leaderboard-task")
-                            board_setting = gr.Radio(setting_choices(board_settings),
-                                                     value=board_settings[0] if board_settings else None,
-                                                     label="Setting", visible=len(board_settings) > 1,
-                                                     elem_id="leaderboard-setting")
-                        board_note = gr.Markdown(board_note, elem_id="leaderboard-note")
-                        board_plot = gr.Plot(board_figure, elem_id="leaderboard-plot")
-                        board_table = gr.HTML(board_table, elem_id="leaderboard-table")
-                        gr.Markdown("**The answers behind it**: click a row to run that sample here, its evidence "
-                                    "marked in the views and each policy's verdict below.")
-                        board_samples = gr.Dataframe(
-                            leaderboard_samples(boards[0] if boards else None, board_tasks[0] if board_tasks else None,
-                                                board_settings[0] if board_settings else None),
-                            interactive=False, max_height=260, elem_id="leaderboard-samples")
-                        gr.Markdown(f"**Run one sample**: Full and up to {api.TASK_POLICIES} policies at one "
-                                    f"compression ratio answer one sample of a RULER task at "
-                                    f"{api.TASK_LENGTHS[0]:,} tokens (the model chosen beside the prompt), as one "
-                                    "run: a minute or more on two CPU cores.")
-                        with gr.Row():
-                            task_name = gr.Dropdown(list(OFFLINE), value=OFFLINE[0], label="Task", elem_id="task-name")
-                            task_sample = gr.Slider(0, api.TASK_SAMPLES - 1, value=0, step=1, label="Sample",
-                                                    elem_id="task-sample")
-                            task_setting = gr.Radio(setting_choices(SETTINGS), value=SETTINGS[0], label="Setting",
-                                                    elem_id="task-setting")
-                        with gr.Row():
-                            task_names = gr.CheckboxGroup([n for n in POLICY_CHOICES if n != "full"],
-                                                          value=TASK_DEFAULT_POLICIES, elem_id="task-policies",
-                                                          label=f"Policies (up to {api.TASK_POLICIES})")
-                        task_ratio = gr.Slider(*TASK_RATIOS[:2], value=TASK_DEFAULT_RATIO, step=TASK_RATIOS[2],
-                                               label="Compression ratio (share of the context's KV pairs removed)",
-                                               elem_id="task-ratio")
-                        task_button = gr.Button("Run the sample", elem_id="task-run")
-                        task_status = gr.HTML(elem_id="task-status")
-                        task_table = gr.HTML(elem_id="task-table")
-                    with gr.Tab("Share"):
-                        share = gr.Markdown(elem_id="share")
-                        gr.Markdown("The zip holds every trace (npz arrays + json metadata, as `docs/trace-format.md` "
-                                    "describes) and `figures.html` with the current views; each plot's camera "
-                                    "button saves a PNG.")
-                        export_button = gr.Button("Download traces and figures (zip)")
-                        export_file = gr.File(label="Traces")
+                    task_name = gr.Dropdown(list(OFFLINE), value=OFFLINE[0], label="Task", elem_id="task-name")
+                    task_sample = gr.Slider(0, api.TASK_SAMPLES - 1, value=0, step=1, label="Sample",
+                                            elem_id="task-sample")
+                    task_setting = gr.Radio(setting_choices(SETTINGS), value=SETTINGS[0], label="Setting",
+                                            elem_id="task-setting")
+                with gr.Row():
+                    task_names = gr.CheckboxGroup([n for n in POLICY_CHOICES if n != "full"],
+                                                  value=TASK_DEFAULT_POLICIES, elem_id="task-policies",
+                                                  label=f"Policies (up to {api.TASK_POLICIES})")
+                task_ratio = gr.Slider(*TASK_RATIOS[:2], value=TASK_DEFAULT_RATIO, step=TASK_RATIOS[2],
+                                       label="Compression ratio (share of the context's KV pairs removed)",
+                                       elem_id="task-ratio")
+                task_button = gr.Button("Run the sample", elem_id="task-run")
+                task_status = gr.HTML(elem_id="task-status")
+                task_table = gr.HTML(elem_id="task-table")
+            with gr.Tab("Long context", id="long-context", elem_id="long-context-page") as long_page:
+                about("long_context", open_=False)
+                long_note = gr.Markdown(elem_id="long-context-note")
+                shipped_needle = gr.Plot(elem_id="shipped-needle")
+                shipped_sweep = gr.Plot(elem_id="shipped-sweep")
+                gr.Markdown(f"**Run a small needle grid**: Full and up to {api.NEEDLE_POLICIES} "
+                            "policies, depths 0%, 50% and 100%, one seed; at most 6 cells, each half a "
+                            "minute to two minutes on two CPU cores. The command line runs longer grids.")
+                with gr.Row():
+                    needle_names = gr.CheckboxGroup([n for n in POLICY_CHOICES if n != "full"],
+                                                    value=NEEDLE_DEFAULT_POLICIES, elem_id="needle-policies",
+                                                    label=f"Policies (up to {api.NEEDLE_POLICIES})")
+                with gr.Row():
+                    needle_budget = gr.Slider(16, 256, value=NEEDLE_DEFAULT_BUDGET, step=16, label="Budget")
+                    needle_lengths = gr.CheckboxGroup(list(api.NEEDLE_LENGTHS), value=[api.NEEDLE_LENGTHS[0]],
+                                                      label="Context length (tokens)")
+                needle_button = gr.Button("Run the needle grid", elem_id="needle-run")
+                needle_status = gr.Markdown(elem_id="needle-status")
+                needle_plot = gr.Plot(elem_id="needle-grid")
+                needle_table = gr.HTML(elem_id="needle-table")
+                gr.Markdown("Click a cell's row to open it as a run, the needle's number marked in the views.")
+                needle_cells = gr.Dataframe(pd.DataFrame(columns=NEEDLE_CELL_COLUMNS), interactive=False,
+                                            max_height=240, elem_id="needle-cells")
+            with gr.Tab("Sweep", id="sweep", elem_id="sweep-page"):
+                about("sweep", open_=True)
+                sweep_button = gr.Button("Compute every budget")
+                sweep_status = gr.Markdown()
+                sweep_plot = gr.Plot(elem_id="sweep")
+            with gr.Tab("Share", id="share-page", elem_id="share-page"):
+                share = gr.Markdown(elem_id="share")
+                gr.Markdown("The zip holds every trace (npz arrays + json metadata, as `docs/trace-format.md` "
+                            "describes) and `figures.html` with the current views; each plot's camera "
+                            "button saves a PNG.")
+                export_button = gr.Button("Download traces and figures (zip)")
+                export_file = gr.File(label="Traces")
 
         run_views = [summary, divergence_plot, continuations, first_token_plot, non_recent_plot, retention_plot,
                      pos_table, share]
         views = [heatmap, reach, reach_distance, kept, curves, curves_steps, step_row, held_forms]
-        selectors = [run_id, layer, head, step, curve_alpha]
+        selectors = [run_id, layer, head_, step, curve_alpha]
         zoom_controls = [zoom, zoom_step, zoom_pos, zoom_size]
         run_inputs = [prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model, evidence]
         # The model runs one job at a time ("model"); the views of stored runs share two workers ("views").
@@ -941,65 +1130,98 @@ def build() -> gr.Blocks:
         views_ = {"concurrency_id": "views", "concurrency_limit": 2}
         # The cost line never queues (it only tokenizes): it follows every control that changes the cost, and
         # after a run, whose model may have just loaded (until then the count is an estimate).
-        cost_ = {"queue": False, "show_progress": "hidden", "trigger_mode": "always_last"}
+        # The API's documentation (inlined in every page load) lists the Run button's chain, the tasks, the grids
+        # and the export; the page's other events stay callable but undocumented.
+        hidden = {"api_visibility": "undocumented"}
+        cost_ = {"queue": False, "show_progress": "hidden", "trigger_mode": "always_last", **hidden}
+        quick = {"queue": False, "show_progress": "hidden", **hidden}
+        views_hidden = {**views_, **hidden}
+
+        def draw(event, documented=False):
+            """The run's views after ``event``: the summary and the view in sight."""
+            shown_ = views_ if documented else views_hidden
+            return event.then(render_run, [run_id, view], run_views, **shown_).then(
+                render_views, [*selectors, *zoom_controls, view], views, **shown_)
+
         for control in (prompt, mode, max_new, names, custom, model):
             control.change(on_cost, run_inputs, cost_line, **cost_)
-        for trigger in (run_button.click, budget.change):
-            ran = trigger(on_run, run_inputs, [run_id, status, step, layer, head], validator=check_run,
-                          concurrency_id="model", trigger_mode="always_last")
-            ran.then(render_run, run_id, run_views, **views_).then(render_views, selectors + zoom_controls, views,
-                                                                   **views_)
+        # The policies: the kinds' boxes and the named sets write the one list the runs read (``names``).
+        for box in kind_boxes:
+            box.input(merge_kinds, kind_boxes, names, **quick)
+        policy_set.input(named_set, policy_set, names, **quick)
+        names.change(split_kinds, names, kind_boxes, **quick)
+        for trigger in (run_button.click, budget.input):  # input: a lesson setting the budget runs nothing
+            ran = trigger(on_run, run_inputs, [run_id, status, step, layer, head_], validator=check_run,
+                          concurrency_id="model", trigger_mode="always_last",
+                          **({} if trigger == run_button.click else hidden))
+            draw(ran, documented=trigger == run_button.click)
             ran.then(on_cost, run_inputs, cost_line, **cost_)
-        for control in (layer, head, curve_alpha):
-            control.change(render_views, selectors + zoom_controls, views, **views_)
-        step.release(render_views, selectors + zoom_controls, views, **views_)
+        for control in (layer, head_, curve_alpha):
+            control.change(render_views, [*selectors, *zoom_controls, view], views, **views_hidden)
+        step.release(render_views, [*selectors, *zoom_controls, view], views, **views_hidden)
+        # A view drawn when it opens: only the one in sight is kept up to date.
+        for tab, name in ((kept_tab, "kept"), (masks_tab, "masks"), (reach_tab, "reach"), (forms_tab, "forms"),
+                          (curves_tab, "curves"), (tsne_tab, "tsne"), (divergence_tab, "divergence"),
+                          (retention_tab, "retention")):
+            draw(tab.select(lambda name=name: name, None, view, **quick))
         # The zoom moves only the masks: the other views do not depend on it.
         for control in (zoom, zoom_size):
-            control.change(render_heatmap, [run_id, layer, head, *zoom_controls, step], heatmap, **views_)
+            control.change(render_heatmap, [run_id, layer, head_, *zoom_controls, step], heatmap, **views_hidden)
         for control in (zoom_step, zoom_pos):  # typed numbers count once done (Enter or leaving the box)
             for event in (control.submit, control.blur):
-                event(render_heatmap, [run_id, layer, head, *zoom_controls, step], heatmap, **views_)
+                event(render_heatmap, [run_id, layer, head_, *zoom_controls, step], heatmap, **views_hidden)
         # Play: each tick redraws only what is cheap at 8k tokens; a tick that comes while one is drawn is skipped.
         players = [timer, play, playing]
-        play.click(on_play, [run_id, step, playing, layer, head, curve_alpha, *zoom_controls],
-                   [step, heatmap, curves_steps, *players], **views_)
-        timer.tick(on_tick, [run_id, step, speed, layer, head, curve_alpha, *zoom_controls],
+        play.click(on_play, [run_id, step, playing, layer, head_, curve_alpha, *zoom_controls],
+                   [step, heatmap, curves_steps, *players], **views_hidden)
+        timer.tick(on_tick, [run_id, step, speed, layer, head_, curve_alpha, *zoom_controls],
                    [step, kept, curves, step_row, heatmap, curves_steps, *players], trigger_mode="once",
-                   show_progress="hidden", **views_)
-        examples.click(example_text, examples, prompt, queue=False)
-        tsne_button.click(on_tsne, [run_id, tsne_policy, layer, head], tsne_plot, **views_)
+                   show_progress="hidden", **views_hidden)
+        examples.click(example_text, examples, prompt, queue=False, **hidden).then(example_evidence, examples, evidence,
+                                                                          **quick)
+        tsne_button.click(on_tsne, [run_id, tsne_policy, layer, head_], tsne_plot, **views_)
         sweep_button.click(on_sweep, [prompt, mode, max_new, names, sinks, alpha, heads, model],
                            [sweep_plot, sweep_status], validator=check_sweep, concurrency_id="model")
+        # The experiments draw their shipped results when they first open (the page loads without them).
+        long_page.select(shipped_long_context, None, [shipped_needle, shipped_sweep, long_note], **views_hidden)
         needle_button.click(on_needle, [needle_names, needle_budget, needle_lengths, model],
                             [needle_plot, needle_table, needle_status, needle_cells], validator=check_needle,
                             concurrency_id="model")
-        needle_cells.select(on_needle_cell, [needle_cells, model], [run_id, status, step, layer, head],
-                            concurrency_id="model").then(render_run, run_id, run_views, **views_).then(
-            render_views, selectors + zoom_controls, views, **views_)
-        board.input(on_leaderboard_model, board, [board_task, board_setting, board_plot, board_table, board_note],
-                    **views_).then(leaderboard_samples, [board, board_task, board_setting], board_samples, **views_)
+        draw(needle_cells.select(on_needle_cell, [needle_cells, model], [run_id, status, step, layer, head_],
+                                 concurrency_id="model"))
+        board_outputs = [board_task, board_setting, board_pick, board_plot, board_table, board_note]
+        opened = tasks_page.select(on_leaderboard_model, [board, board_task], board_outputs, **views_hidden)
+        opened.then(leaderboard_samples, [board, board_task, board_setting], board_samples, **views_hidden)
+        board.input(on_leaderboard_model, [board], board_outputs, **views_hidden).then(
+            leaderboard_samples, [board, board_task, board_setting], board_samples, **views_hidden)
         for control in (board_task, board_setting):
-            control.input(shipped_leaderboard, [board, board_task, board_setting],
-                          [board_plot, board_table, board_note], **views_).then(
-                leaderboard_samples, [board, board_task, board_setting], board_samples, **views_)
+            control.input(shipped_leaderboard, [board, board_task, board_setting, board_pick],
+                          [board_plot, board_table, board_note], **views_hidden).then(
+                leaderboard_samples, [board, board_task, board_setting], board_samples, **views_hidden)
+        board_pick.input(shipped_leaderboard, [board, board_task, board_setting, board_pick],
+                         [board_plot, board_table, board_note], **views_hidden)
         # A task sample is a run: it takes the model's slot, then the usual views show it as the Run button's do.
         task_inputs = [task_name, task_sample, task_setting, task_names, task_ratio, model]
-        sampled = task_button.click(on_task_sample, task_inputs,
-                                    [run_id, status, task_status, task_table, step, layer, head],
-                                    validator=check_task_sample, concurrency_id="model")
-        sampled.then(render_run, run_id, run_views, **views_).then(render_views, selectors + zoom_controls, views,
-                                                                   **views_)
+        sample_outputs = [run_id, status, task_status, task_table, step, layer, head_]
+        draw(task_button.click(on_task_sample, task_inputs, sample_outputs, validator=check_task_sample,
+                               concurrency_id="model"))
         # A shipped sample's row: the controls take it, then it runs as the button's sample does.
         picked = board_samples.select(on_board_sample, [board_samples, board_setting, board],
                                       [task_name, task_sample, task_setting, task_names, task_ratio, model],
                                       queue=False)
-        picked.then(on_task_sample, task_inputs, [run_id, status, task_status, task_table, step, layer, head],
-                    concurrency_id="model").then(render_run, run_id, run_views, **views_).then(
-            render_views, selectors + zoom_controls, views, **views_)
+        draw(picked.then(on_task_sample, task_inputs, sample_outputs, concurrency_id="model"))
         export_button.click(on_export, selectors, export_file, **views_)
-        # A page load never waits behind the queue (reopening a link reads the store only).
-        demo.load(on_load, None, [run_id, status], queue=False).then(render_run, run_id, run_views, **views_).then(
-            render_views, selectors + zoom_controls, views, **views_)
+        # A lesson step sets the controls and the views from a shipped run: nothing computes.
+        lesson_outputs = [lesson, lesson_box, lesson_text, run_id, status, step, layer, head_, prompt, names,
+                          budget, evidence, view, view_tabs, pages, board_task]
+        for button, move in ((lesson_back, -1), (lesson_next, 1)):
+            stepped = button.click(lambda at, move=move: on_lesson_move(at, move), lesson, lesson_outputs, **quick)
+            draw(stepped).then(lesson_board, [lesson, board], board_outputs, **views_hidden)
+        lesson_end.click(on_lesson_end, None, [lesson, lesson_box], **quick)
+        # A page load never waits behind the queue: the first run, a lesson and ?run=ID read shipped files or the
+        # store only.
+        loaded = demo.load(on_load, None, lesson_outputs, queue=False, **hidden)
+        draw(loaded).then(lesson_board, [lesson, board], board_outputs, **views_hidden)
         demo.load(on_cost, run_inputs, cost_line, **cost_)
     return demo
 
@@ -1026,7 +1248,7 @@ def launch(**options) -> None:
     # Localhost unless the deployment says otherwise (the Dockerfile and Spaces set GRADIO_SERVER_NAME).
     settings = {"server_name": os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
                 "server_port": int(os.environ.get("GRADIO_SERVER_PORT", "7860")), **options}
-    demo.launch(css_paths=[ROOT / "assets" / "style.css"], max_file_size=1,
+    demo.launch(css_paths=[ROOT / "assets" / "style.css"], max_file_size=1, head=page_head(),
                 app_kwargs={"middleware": [Middleware(RequestGuard, max_body=MAX_BODY, refuse=unknown_function)],
                             "exception_handlers": {FnIndexInferError: unknown_endpoint}}, **settings)
 

@@ -90,3 +90,59 @@ def ordered_groups_html(groups: list[dict]) -> str:
             "order, &gt; starts a new group at the first policy the samples put below the group's first."
             "</caption><thead><tr><th>ratio</th><th>pairs told apart</th><th>groups, best first</th></tr></thead>"
             f"<tbody>{''.join(body)}</tbody></table>")
+
+
+FAINT = "rgba(255,255,255,0.72)"  # laid over the rows not picked, so the picked one stands out
+
+
+def leaderboard_heatmap(summary: pd.DataFrame, task: str | None = None, order: list[str] | None = None,
+                        pick: str | None = None, groups: dict[float, list[list[str]]] | None = None) -> go.Figure:
+    """The grades of one task (``task``; default the first) as a policy x ratio grid, each cell its score (with
+    its sample count on hover), policies top to bottom in ``order`` (default: best mean first). ``pick``: one
+    policy drawn strong, the rest faint. ``groups``: per ratio the groups the samples tell apart (best first);
+    a line under a cell marks where a new group starts in that column. A colour-blind-safe scale (cividis)."""
+    task = task if task is not None else str(summary["task"].iloc[0])
+    rows = summary[(summary["task"] == task) & (summary["policy"] != "full")]
+    lengths = sorted(int(n) for n in rows["length"].unique())
+    columns = sorted({(int(n), float(r)) for n, r in zip(rows["length"], rows["ratio"])})  # a column per length, ratio
+    if order is None:
+        order = list(rows.groupby("policy", sort=False)["score"].mean().sort_values(ascending=False, kind="stable").index)
+    order = [str(p) for p in order if p in set(rows["policy"].astype(str))]
+    cell = {(str(p), int(n), float(r)): (float(v), int(k))
+            for p, n, r, v, k in zip(rows["policy"], rows["length"], rows["ratio"], rows["score"], rows["samples"])}
+    z = [[cell.get((p, *c), (None, 0))[0] for c in columns] for p in order]
+    n = [[cell.get((p, *c), (None, 0))[1] for c in columns] for p in order]
+    ratios = [r for _, r in columns]
+    labels = [plotly_text(p) for p in order]
+    x = [f"{r:g}" if len(lengths) == 1 else f"{n // 1024}k · {r:g}" for n, r in columns]
+    fig = go.Figure(go.Heatmap(
+        z=z, x=x, y=labels, customdata=n, colorscale="Cividis", zmin=0, zmax=1, xgap=2, ygap=2,
+        text=[[("" if v is None else f"{v:.2f}") for v in row] for row in z], texttemplate="%{text}",
+        textfont={"size": 11},
+        colorbar={"title": {"text": "score", "side": "right"}, "thickness": 12},
+        hovertemplate="%{y} at ratio %{x}: %{z:.2f} over %{customdata} samples<extra></extra>"))
+    if pick in order:
+        for i, policy in enumerate(order):
+            if policy != pick:
+                fig.add_shape(type="rect", x0=-0.5, x1=len(ratios) - 0.5, y0=i - 0.5, y1=i + 0.5, line_width=0,
+                              fillcolor=FAINT, layer="above")
+        at = order.index(pick)
+        fig.add_shape(type="rect", x0=-0.5, x1=len(ratios) - 0.5, y0=at - 0.5, y1=at + 0.5,
+                      line={"color": "#C0392B", "width": 3}, fillcolor="rgba(0,0,0,0)", layer="above")
+    for column, ratio in enumerate(ratios if len(lengths) == 1 else []):  # the groups are the average's
+        ranked = (groups or {}).get(ratio) or []
+        for group in ranked[1:]:  # a new group starts at its first policy: a line above that cell
+            first = next((p for p in group if p in order), None)
+            if first is not None:
+                y = order.index(first) - 0.5
+                fig.add_shape(type="line", x0=column - 0.5, x1=column + 0.5, y0=y, y1=y,
+                              line={"color": "#E69F00", "width": 3}, layer="above")
+    full = rows["full_score"].iloc[0] if len(rows) else float("nan")
+    title = _title(summary[summary["task"] == task], task) if len(rows) else task
+    if pd.notna(full):
+        title += f"; Full {float(full):.2f}"
+    return finish(fig, title, height=max(320, 120 + 26 * len(order)),
+                  xaxis={"title": "compression ratio (share of the context's KV pairs removed)"
+                         + ("" if len(lengths) == 1 else ", by context length"), "type": "category",
+                         "side": "top"},
+                  yaxis={"autorange": "reversed", "automargin": True, "type": "category"})

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import html
 import math
+import re
 
 import numpy as np
 import pandas as pd
@@ -32,6 +33,7 @@ from .highlight import MAX_OUTSIDE, WINDOW, continuations_html, kept_tokens_html
 from .reach import distance_figure, reach_figure
 from .retention import first_token_retention_figure, lifetime_by_position_figure, non_recent_share_figure, pos_table
 from .step_row import step_row_figure
+from .story import StoryRow, story_html
 from .sweep import sweep_figure as sweep_plot
 from .tsne import tsne_figure
 
@@ -41,6 +43,7 @@ ORACLE_COLUMN = "Similarity to oracle"
 RUN_COLUMNS = ("Token 0 kept", "Non-recent share", "Decides", "Budget shared")
 SUMMARY_HEADERS = (*(c for c in SUMMARY_COLUMNS if c != ORACLE_COLUMN), *RUN_COLUMNS)
 
+STOP_TOKEN = re.compile(r"(<\|[a-z_]+\|>|<eos>|<end_of_turn>|</s>)\s*$")  # a chat's end-of-turn, not the answer
 TSNE_POINTS = 512  # keys a t-SNE map embeds: both maps take 1-2.6 s at 512 on two cores, 4x that at 1024
 
 ZOOM_SIZES = (64, 128, 256)  # a zoom window's side in tokens: six 256 x 256 panels are ~2.3 MB of JSON
@@ -505,3 +508,38 @@ def share_markdown(run) -> str:
 def sweep_figure(table: pd.DataFrame) -> go.Figure:
     """Perplexity against budget from a sweep's table (backend.experiments.sweep): a line per policy, Full as the topline."""
     return sweep_plot(table)
+
+
+def answer_step(run) -> int:
+    """The query the story's strips show: in generate mode the first one after the prompt (it reads what the
+    policy kept of the prompt, a compressing policy's cache included), else the text's last."""
+    n = len(run.full.tokens)
+    return min(int(run.full.meta["n_prompt"]), n - 1) if run.full.meta["mode"] == "generate" else n - 1
+
+
+def summary_html(run, shares: dict[str, np.ndarray] | None = None) -> str:
+    """The page's first picture: each policy's answer beside Full's and a strip of what its query read at
+    ``answer_step`` (all layers and KV heads, the evidence outlined), then the summary's numbers."""
+    frame = summary_table(run, shares).drop(columns=["Continuation"], errors="ignore")
+    step = answer_step(run)
+    n = max(len(t.tokens) for t in [run.full, *run.traces])
+    size = reads.bin_size(n, ROW_CELLS)
+    colors = policy_colors([t.spec for t in run.traces])
+    generate = run.full.meta["mode"] == "generate"
+    rows = []
+    for trace in [run.full, *run.traces]:
+        at = min(step, len(trace.tokens) - 1)
+        share = reads.read_share_at(trace, *_chosen(trace, "all", "all"), at)
+        answer = STOP_TOKEN.sub("", "".join(_continuation_texts(trace))).strip() if generate else ""
+        if trace is run.full:
+            note, color = "the reference", "#333333"
+        else:
+            diverge = metrics.first_divergence(trace, run.full) if generate else None
+            note = "" if not generate else "same as Full" if diverge is None else f"leaves Full at token {diverge}"
+            color = colors.get(trace.spec, "#444444")
+        rows.append(StoryRow(trace.spec, color, answer, note, reads.binned_row(share, at, size)))
+    evidence = evidence_positions(run)
+    cells = [] if evidence is None else sorted({int(p) // size for p in evidence})
+    caption = (f"What its query read at step {step}" + (" (the answer's first)" if generate else "")
+               + (f", {size} tokens a cell" if size > 1 else ""))
+    return story_html(rows, caption, cells, frame)
