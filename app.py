@@ -48,8 +48,8 @@ from backend.experiments.leaderboard import ordered_groups, paired_tests  # noqa
 from backend.experiments.sweep import SWEEP_BUDGETS  # noqa: E402
 from backend.experiments.task_runs import SETTINGS  # noqa: E402
 from backend.experiments.tasks import OFFLINE  # noqa: E402
-from backend import shipped_runs  # noqa: E402
-from backend.lessons import FIRST, LESSONS, SHOWCASE  # noqa: E402
+from backend.experiments import shipped_runs  # noqa: E402
+from backend.experiments.lessons import FIRST, LESSONS, SHOWCASE  # noqa: E402
 from backend.guard import Admission, RequestGuard  # noqa: E402
 from backend.policies import POLICIES  # noqa: E402
 from backend.runs import Run  # noqa: E402
@@ -637,7 +637,7 @@ def leaderboard_view(model, task=None, folder: Path | None = None):
     try:
         df = _read_leaderboard(model, folder)
     except shipped.ShippedFileError as err:
-        return [], [], [], None, "", f"**{html.escape(str(err))}**"
+        return [], [], [], None, None, "", f"**{html.escape(str(err))}**"
     tasks = list(dict.fromkeys(df["task"]))
     tasks = ["average", *(t for t in tasks if t != "average")] if "average" in tasks else tasks
     settings = list(dict.fromkeys(df["setting"]))
@@ -649,8 +649,7 @@ def leaderboard_view(model, task=None, folder: Path | None = None):
 def on_leaderboard_model(model, task=None):
     """A shipped model (or the tab opening): its tasks, settings and policies in the selectors, and the figure of
     ``task`` (default its first)."""
-    tasks, settings, policies, *shown = leaderboard_view(model, task)
-    task, figure, table, note = shown if len(shown) == 4 else (None, *shown)
+    tasks, settings, policies, task, figure, table, note = leaderboard_view(model, task)
     return (gr.update(choices=tasks, value=task),
             gr.update(choices=setting_choices(settings), value=settings[0] if settings else None,
                       visible=len(settings) > 1),

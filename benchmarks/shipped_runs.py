@@ -13,8 +13,9 @@ import secrets
 import sys
 import time
 
-from backend import api, shipped_runs
-from backend.lessons import SHOWCASE, ShowcaseRun
+from backend import api
+from backend.experiments import shipped_runs
+from backend.experiments.lessons import SHOWCASE, ShowcaseRun
 
 
 def request_of(setting: ShowcaseRun) -> api.RunRequest:

@@ -65,7 +65,7 @@ def test_run_reopens_from_its_id_and_exports(tiny_session):
 def test_deep_links_to_nothing_say_so(tiny_session, run_id, message):
     with pytest.raises(RequestError, match=message):
         api.reopen(run_id, tiny_session)
-    returned_id, status = app.on_load(SimpleNamespace(query_params={"run": run_id}))
+    returned_id, status = app.on_load(SimpleNamespace(query_params={"run": run_id}))[3:5]
     assert returned_id is None and message in status
 
 
@@ -74,12 +74,13 @@ def test_deep_link_and_views_render_a_stored_run(tiny_session):
                                      specs=["tova:budget=6", "oracle:budget=6", "sparq:budget=6,r=4"], mode="prompt"),
                           tiny_session)
     app.RECENT_RUNS.clear()
-    run_id, status = app.on_load(SimpleNamespace(query_params={"run": run.run_id}))
+    run_id, status = app.on_load(SimpleNamespace(query_params={"run": run.run_id}))[3:5]
     assert run_id == run.run_id and "shared run" in status
     summary, divergence, continuations, first_token, non_recent, by_position, pos_table, share = app.render_run(run_id)
     assert {d.name for d in first_token.data} == {"tova:budget=6", "oracle:budget=6", "sparq:budget=6,r=4"}
     assert len(first_token.data[0].y) == 2 and len(non_recent.data) == 3  # per layer of the tiny model
-    assert list(summary["Policy"]) == ["tova:budget=6", "oracle:budget=6", "sparq:budget=6,r=4"]
+    assert [part.split('"')[0] for part in summary.split('<tr data-policy="')[1:]] == [
+        "full", "tova:budget=6", "oracle:budget=6", "sparq:budget=6,r=4"]  # the answers, Full's first
     assert run.run_id in share and "no continuations" in continuations
     heatmap, reach, reach_distance, kept, curves, curves_steps, row, _forms = app.render_views(run_id, "1", "0", 30, 0.3)
     assert len(heatmap.data) == 3 and kept.count("at step 30") == 3 and curves.data and curves_steps.data
@@ -89,9 +90,10 @@ def test_deep_link_and_views_render_a_stored_run(tiny_session):
     zoomed = app.render_heatmap(run_id, "1", "0", True, 2, 1, 64)  # the window is moved inside the short text
     assert np.asarray(zoomed.data[0].z).shape == (n, n) and "steps 0–" in zoomed.layout.title.text
     assert app.on_tsne(run_id, "tova", "1", "0").data
-    assert list(summary.columns[-4:]) == ["Token 0 kept", "Non-recent share", "Decides", "Budget shared"]
-    assert list(summary["Decides"]) == ["every step", "before every query", "before every query"]
-    assert "Similarity to oracle" in summary.columns
+    numbers = summary.split('class="kvl-metrics"')[1]
+    assert [h in numbers for h in ("Token 0 kept", "Non-recent share", "Decides", "Budget shared")] == [True] * 4
+    assert numbers.count(">every step<") == 1 and numbers.count(">before every query<") == 2
+    assert "Similarity to oracle" in numbers
     with zipfile.ZipFile(app.on_export(run_id, "all", "all", 5, 0.3)) as z:
         figures = z.read("figures.html").decode()
         assert figures.count("plotly-graph-div") >= 7 and "tova:budget=6" in figures
@@ -113,7 +115,7 @@ def test_a_shown_run_computes_its_slow_views_once(tiny_session, monkeypatch):
     app.RECENT_RUNS.clear()
     first = app.render_run(run.run_id)
     again = app.render_run(run.run_id)
-    assert first[0].equals(again[0]) and first[6].equals(again[6])
+    assert first[0] == again[0] and first[6].equals(again[6])
     app.on_tsne(run.run_id, "tova", "1", "0")
     app.on_tsne(run.run_id, "tova", "1", "0")
     app.on_tsne(run.run_id, "tova", "0", "0")  # another layer: its own embedding
@@ -131,19 +133,18 @@ def test_zoom_controls_become_a_window_inside_the_text():
     assert app.panels.zoom_window(run, True, float("inf"), [], "64") == (0, 0, 64)
 
 
-def test_the_summary_shows_its_column_headers_before_any_run(tiny_session):
-    """Not Gradio's placeholders 1, 2, 3: the columns every run's summary has, and no rows."""
+def test_the_summary_says_what_it_shows_before_any_run_and_its_columns_after(tiny_session):
+    """Before a run the summary says what a run will show; after one, each answer and the numbers' columns."""
     from viz import panels
 
-    summary = next(block for block in app.demo.blocks.values() if getattr(block, "elem_id", None) == "summary")
     config = next(c["props"] for c in app.demo.config["components"] if c["props"].get("elem_id") == "summary")
+    assert config["value"] == app.SUMMARY_PLACEHOLDER == app.render_run(None)[0]
     headers = ["Policy", "Perplexity", "Mean KL to Full (nats)", "Top-1 agreement", "Token 0 kept",
                "Non-recent share", "Decides", "Budget shared"]
-    assert list(panels.SUMMARY_HEADERS) == headers and config["value"]["headers"] == headers
-    shown = summary.postprocess(app.render_run(None)[0])  # what a page with no run shows after its load
-    assert shown.headers == headers and shown.data == []
+    assert list(panels.SUMMARY_HEADERS) == headers
     run = api.run(RunRequest(prompt="the cat sat on the mat", specs=["tova:budget=6"], mode="prompt"), tiny_session)
-    assert list(app.render_run(run.run_id)[0].columns) == headers
+    numbers = app.render_run(run.run_id)[0].split('class="kvl-metrics"')[1]
+    assert [f'<th scope="col">{h}</th>' in numbers for h in headers] == [True] * len(headers)
 
 
 def test_the_part_of_speech_table_says_what_it_waits_for_before_any_run():
@@ -159,7 +160,7 @@ def test_summary_has_no_oracle_column_without_an_oracle(tiny_session):
     run = api.run(RunRequest(prompt="one two three four five six seven eight nine ten",
                                      specs=["tova:budget=6"], mode="prompt"), tiny_session)
     summary = app.render_run(run.run_id)[0]
-    assert "Similarity to oracle" not in summary.columns and "Perplexity" in summary.columns
+    assert "Similarity to oracle" not in summary and "Perplexity" in summary
 
 
 def test_too_long_prompt_is_refused(tiny_session):

@@ -120,7 +120,7 @@ def test_the_cost_line_never_queues_and_follows_the_controls_and_runs():
     events = {d["id"]: d for d in config["dependencies"]}
     cost_events = [d for d in events.values() if [elem_ids[i] for i in d["outputs"]] == ["cost"]]
     assert cost_events and not any(d["queue"] for d in cost_events)
-    assert {"prompt", "policies"} <= {elem_ids.get(target) for d in cost_events for target, _ in d["targets"]}
+    assert {"prompt", "policy-names"} <= {elem_ids.get(target) for d in cost_events for target, _ in d["targets"]}
     after = [events[d["trigger_after"]]["api_name"] for d in cost_events if d.get("trigger_after") is not None]
     # a run may have just loaded the model: the estimate becomes a count (after the button's and the slider's)
     assert len(after) == 2 and all(name.startswith("on_run") for name in after)

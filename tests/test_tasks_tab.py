@@ -42,18 +42,25 @@ def test_a_leaderboard_offers_the_average_first_then_its_tasks_and_settings(boar
     assert list(app.leaderboard_models()) == [app.api.DEFAULT_MODEL, "a-model", "m"]  # the default model's first
     (boards / "a-model.csv").unlink()
     (boards / f"{app.api.DEFAULT_MODEL}.csv").unlink()
-    tasks, settings, figure, table, note = app.leaderboard_view("m")
+    tasks, settings, policies, task, figure, table, note = app.leaderboard_view("m")
     assert tasks == ["average", "niah_single_1", "ruler_vt"] and settings == ["agnostic", "aware"]
+    assert policies == ["tova", "snapkv"] and task == "average"
     assert note == "" and "mean over the tasks Full solves" in figure.layout.title.text
 
 
-def test_the_leaderboard_draws_score_against_ratio_a_line_per_policy_and_full_dashed(boards):
+def test_the_leaderboard_draws_a_policy_by_ratio_grid_and_a_picked_policy_strong(boards):
     figure, table, note = app.shipped_leaderboard("m", "niah_single_1", "aware")
-    assert note == ""
-    assert [trace.name for trace in figure.data] == ["tova", "snapkv"]
-    assert list(figure.data[0].x) == [0.5, 0.75] and list(figure.data[0].y) == [0.75, 0.25]
-    assert figure.layout.shapes[0].line.dash == "dash" and "query-aware" in figure.layout.title.text
+    assert note == "" and len(figure.data) == 1 and figure.data[0].type == "heatmap"
+    assert list(figure.data[0].y) == ["snapkv", "tova"]  # the best mean first
+    assert list(figure.data[0].x) == ["0.5", "0.75"] and [list(r) for r in figure.data[0].z] == [[1.0, 0.5],
+                                                                                               [0.75, 0.25]]
+    assert "query-aware" in figure.layout.title.text and "Full 1.00" in figure.layout.title.text
+    assert not figure.layout.shapes
     assert "<td>tova</td><td>0.75</td><td>0.25</td>" in table and "ruler_vt" not in table  # the chosen task only
+    picked, _, _ = app.shipped_leaderboard("m", "niah_single_1", "aware", "tova")
+    faint = [s for s in picked.layout.shapes if s.fillcolor == "rgba(255,255,255,0.72)"]
+    strong = [s for s in picked.layout.shapes if s.line.color == "#C0392B"]
+    assert len(faint) == 1 and faint[0].y0 == -0.5 and len(strong) == 1 and strong[0].y0 == 0.5  # snapkv faint
 
 
 def test_the_average_says_which_policies_the_paired_samples_tell_apart(boards):
@@ -82,8 +89,8 @@ def test_a_task_full_fails_says_so(boards):
 def test_a_single_setting_hides_the_setting_radio(tmp_path, monkeypatch):
     (tmp_path / "m.csv").write_text(leaderboard_csv(settings=("agnostic",)))
     monkeypatch.setattr(shipped, "LEADERBOARDS", tmp_path)
-    task, setting, figure, table, note = app.on_leaderboard_model("m")
-    assert task["choices"] == ["average", "niah_single_1", "ruler_vt"]
+    task, setting, pick, figure, table, note = app.on_leaderboard_model("m")
+    assert pick["choices"] == ["(none)", "tova", "snapkv"] and task["choices"] == ["average", "niah_single_1", "ruler_vt"]
     assert task["value"] == "average" and setting["value"] == "agnostic" and setting["visible"] is False
     assert figure is not None and note == ""
 
@@ -110,7 +117,7 @@ def test_a_missing_or_malformed_leaderboard_is_one_escaped_line(tmp_path, monkey
         folder.mkdir()
         (folder / "m.csv").write_bytes(content if isinstance(content, bytes) else content.encode())
     monkeypatch.setattr(shipped, "LEADERBOARDS", folder)
-    for figure, table, note in (app.shipped_leaderboard(model, "average", "agnostic"), app.leaderboard_view(model)[2:]):
+    for figure, table, note in (app.shipped_leaderboard(model, "average", "agnostic"), app.leaderboard_view(model)[4:]):
         assert figure is None and table == ""
         assert message in note.replace("&#x27;", "'") and len(note.splitlines()) == 1
         assert "<b>1" not in note  # the file's content reaches the page escaped
@@ -123,7 +130,7 @@ def test_a_task_or_setting_the_file_lacks_is_one_line(boards):
 
 def test_every_shipped_leaderboard_reads_and_draws():
     for path in shipped.leaderboard_files():
-        tasks, settings, figure, table, note = app.leaderboard_view(path.stem)
+        tasks, settings, _, _, figure, table, note = app.leaderboard_view(path.stem)
         assert note == "" and tasks[0] == "average" and set(settings) <= {"agnostic", "aware"}
         rows = shipped.read_leaderboard(path)
         for task, setting in rows[["task", "setting"]].drop_duplicates().itertuples(index=False):
@@ -169,7 +176,7 @@ def test_a_task_sample_runs_through_the_api_and_its_run_reaches_the_usual_views(
     steps = len(run.traces[0].tokens)
     assert step["maximum"] == steps - 1 and step["value"] == steps - 1
     summary = app.render_run(run_id)[0]  # the usual views find the run among the recent ones
-    assert "tova:budget=6" in summary.to_string()
+    assert "tova:budget=6" in summary
 
 
 SAMPLE_REFUSALS = [

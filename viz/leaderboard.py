@@ -141,6 +141,8 @@ def leaderboard_heatmap(summary: pd.DataFrame, task: str | None = None, order: l
     title = _title(summary[summary["task"] == task], task) if len(rows) else task
     if pd.notna(full):
         title += f"; Full {float(full):.2f}"
+        if not bool(rows["full_solves"].iloc[0]):
+            title += ": Full fails it, so no policy is graded on it"
     return finish(fig, title, height=max(320, 120 + 26 * len(order)),
                   xaxis={"title": "compression ratio (share of the context's KV pairs removed)"
                          + ("" if len(lengths) == 1 else ", by context length"), "type": "category",

@@ -18,11 +18,11 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .runs import Run, put_link
-from .traces.store import TraceStore
-from .traces.trace import Trace
+from ..runs import Run, put_link
+from ..traces.store import TraceStore
+from ..traces.trace import Trace
 
-FOLDER = Path(__file__).resolve().parents[1] / "assets" / "runs"
+FOLDER = Path(__file__).resolve().parents[2] / "assets" / "runs"
 NAME = re.compile(r"[a-z][a-z0-9_]*")
 KEY = re.compile(r"[0-9a-f]{16,128}")
 MAX_TRACE_BYTES = 16 * 2**20

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "assets" / "examples"
 LESSON_TEXTS = ROOT / "assets" / "lessons"
 
@@ -192,8 +192,8 @@ def holds(claim: Claim, run=None, leaderboard=None) -> bool:
     shipped summary as a DataFrame)."""
     import numpy as np
 
-    from .analysis import metrics, reads
-    from .analysis.evidence import run_evidence
+    from ..analysis import metrics, reads
+    from ..analysis.evidence import run_evidence
 
     if claim.what == "grade":
         rows = leaderboard[(leaderboard["task"] == claim.task) & (leaderboard["policy"] == claim.policy)
