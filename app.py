@@ -929,6 +929,14 @@ def build() -> gr.Blocks:
         run_id = gr.State(None)
         view = gr.State(FIRST_VIEW)  # the run's view in sight: only it is drawn (the others when they open)
         lesson = gr.State(None)  # (lesson name, step index) while a lesson runs
+        # A lesson's narration, above every page: its steps move between the run's views and the leaderboard.
+        with gr.Column(visible=False, elem_id="lesson") as lesson_box:
+            lesson_text = gr.Markdown(elem_id="lesson-text")
+            with gr.Row():
+                lesson_back = gr.Button("◀ Back", elem_id="lesson-back", size="sm", scale=0, min_width=90)
+                lesson_next = gr.Button("Next ▶", elem_id="lesson-next", size="sm", scale=0, min_width=90,
+                                        variant="primary")
+                lesson_end = gr.Button("End the lesson", elem_id="lesson-end", size="sm", scale=0, min_width=120)
         with gr.Tabs(elem_id="pages") as pages:
             with gr.Tab("This run", id="run-page", elem_id="run-page"):
                 with gr.Row(elem_id="run-columns"):
@@ -975,15 +983,6 @@ def build() -> gr.Blocks:
                         with gr.Accordion("About KV Lens", open=False):
                             gr.Markdown(NOTES["intro"])
                     with gr.Column(scale=3, min_width=320):
-                        with gr.Column(visible=False, elem_id="lesson") as lesson_box:
-                            lesson_text = gr.Markdown(elem_id="lesson-text")
-                            with gr.Row():
-                                lesson_back = gr.Button("◀ Back", elem_id="lesson-back", size="sm", scale=0,
-                                                        min_width=90)
-                                lesson_next = gr.Button("Next ▶", elem_id="lesson-next", size="sm", scale=0,
-                                                        min_width=90, variant="primary")
-                                lesson_end = gr.Button("End the lesson", elem_id="lesson-end", size="sm", scale=0,
-                                                       min_width=120)
                         summary = gr.HTML(SUMMARY_PLACEHOLDER, elem_id="summary")
                         with gr.Row():
                             layer = gr.Dropdown(panels.layer_choices(), value="all", label="Layer", elem_id="layer",

@@ -57,20 +57,45 @@ def page(app_url):
         browser.close()
 
 
+def choose_policies(page, wanted):
+    """Check exactly ``wanted`` among the policies by kind (their fold opened)."""
+    kinds = page.locator("#policies")
+    if not kinds.locator("label").first.is_visible():
+        page.get_by_text("Policies by kind").click()
+    boxes = page.locator("#policies label")
+    boxes.first.wait_for()
+    for i in range(boxes.count()):
+        label = boxes.nth(i)
+        if label.locator("input").is_checked() != (label.inner_text().strip() in wanted):
+            label.click()
+
+
+def open_parameters(page):
+    """The fold holding the budget, the mode and the policies' parameters."""
+    if not page.locator("#budget").is_visible():
+        page.get_by_text("Budget, mode and parameters").click()
+    page.locator("#budget").wait_for()
+
+
+def open_view(page, name):
+    page.locator("#views").get_by_role("tab", name=name).click()
+
+
 def plot_titles(page, elem_id):
     return page.locator(f"#{elem_id} .js-plotly-plot").first.evaluate(
         "el => [el.layout.title && el.layout.title.text, ...(el.layout.annotations || []).map(a => a.text)]")
 
 
 def test_run_three_policies_and_every_view_renders(page, tmp_path):
-    checkboxes = page.locator("#policies label")
-    for i in range(checkboxes.count()):
-        label = checkboxes.nth(i)
-        box = label.locator("input")
-        if box.is_checked() != (label.inner_text().strip() in POLICIES):
-            label.click()
+    choose_policies(page, POLICIES)
     page.locator("#run").click()
+    page.wait_for_function("() => document.querySelector('#status').innerText.includes('3 policies')",
+                           timeout=180_000)
+    open_view(page, "Masks")
     page.wait_for_selector("#heatmap .js-plotly-plot", timeout=180_000)
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('#heatmap .js-plotly-plot')].some(el => "
+        "(el.layout.annotations || []).some(a => a.text.includes('sinks:budget=40')))", timeout=60_000)
 
     titles = " ".join(map(str, plot_titles(page, "heatmap")))
     for name in POLICIES:
@@ -78,48 +103,52 @@ def test_run_three_policies_and_every_view_renders(page, tmp_path):
     summary = page.locator("#summary").inner_text()
     assert all(f"{name}:budget=40" in summary for name in POLICIES)
 
-    page.get_by_role("tab", name="Kept tokens").click()
+    open_view(page, "Kept tokens")
     kept = page.locator("#kept")
+    page.wait_for_function("() => document.querySelector('#kept').innerText.includes('sinks:budget=40')")
     for name in POLICIES:
         assert f"{name}:budget=40" in kept.inner_text()
 
-    page.get_by_role("tab", name="A2S vs A2SF").click()
+    open_view(page, "A2S vs A2SF")
+    page.wait_for_selector("#curves .js-plotly-plot", timeout=60_000)
     assert "A2S vs A2SF" in " ".join(map(str, plot_titles(page, "curves")))
 
-    page.get_by_role("tab", name="Divergence").click()
-    page.wait_for_selector("#divergence .js-plotly-plot")
+    open_view(page, "Divergence")
+    page.wait_for_selector("#divergence .js-plotly-plot", timeout=60_000)
     continuations = page.locator("#continuations").inner_text()
     assert all(f"{name}:budget=40" in continuations for name in POLICIES)
 
-    page.get_by_role("tab", name="Retention").click()
-    page.wait_for_selector("#retention .js-plotly-plot")
+    open_view(page, "Retention")
+    page.wait_for_selector("#retention .js-plotly-plot", timeout=60_000)
 
-    page.get_by_role("tab", name="K-cache t-SNE").click()
+    open_view(page, "K-cache t-SNE")
     page.get_by_role("button", name="Compute t-SNE").click()
     page.wait_for_selector("#tsne .js-plotly-plot", timeout=120_000)
     assert "keys of layer" in " ".join(map(str, plot_titles(page, "tsne")))
 
-    page.get_by_role("tab", name="Masks").click()
+    open_view(page, "Masks")
     page.evaluate("window.scrollTo(0, 0)")
-    # KVLENS_UPDATE_SCREENSHOT=1 refreshes the README's picture; otherwise the tree stays untouched.
-    target = ROOT / "docs" / "screenshot.png" if os.environ.get("KVLENS_UPDATE_SCREENSHOT") else tmp_path / "app.png"
+    target = tmp_path / "app.png"
     page.screenshot(path=str(target), full_page=False)
     assert target.stat().st_size > 50_000  # a rendered page, not a blank one
 
 
 def test_deep_link_reopens_the_run_from_the_store(page, app_url):
-    page.get_by_role("tab", name="Share").click()
+    page.locator("#pages").get_by_role("tab", name="Share").click()
     share = page.locator("#share").inner_text()
     run_id = share.split("Run id:")[1].strip().split()[0]
     other = page.context.browser.new_page()
     other.goto(f"{app_url}?run={run_id}")
-    other.wait_for_selector("#heatmap .js-plotly-plot", timeout=60_000)
+    other.wait_for_function("() => document.querySelector('#summary').innerText.includes('reattention:budget=40')",
+                            timeout=60_000)
     assert "shared run" in other.locator("#status").inner_text()
     assert "reattention:budget=40" in other.locator("#summary").inner_text()
     other.close()
 
 
 def test_switching_layer_and_budget_rerenders(page):
+    page.locator("#pages").get_by_role("tab", name="This run").click()
+    open_view(page, "Masks")
     layer = page.locator("#layer input")
     layer.click()
     page.get_by_role("option", name="0", exact=True).click()
@@ -127,6 +156,7 @@ def test_switching_layer_and_budget_rerenders(page):
         "() => document.querySelector('#heatmap .js-plotly-plot').layout.title.text.includes('layer 0')",
         timeout=60_000)
 
+    open_parameters(page)
     budget = page.locator("#budget input[type=number]")
     budget.fill("16")
     budget.press("Enter")
@@ -137,7 +167,7 @@ def test_switching_layer_and_budget_rerenders(page):
 
 
 def test_a_bad_policy_typed_as_html_is_refused_as_text(page):
-    page.get_by_text("Policy parameters").click()
+    open_parameters(page)
     custom = page.locator("textarea[placeholder^='tova:budget=32']")
     custom.fill("<img src=x onerror=\"document.title='pwned'\">")
     page.locator("#run").click()
@@ -149,7 +179,7 @@ def test_a_bad_policy_typed_as_html_is_refused_as_text(page):
 
 
 def test_long_context_tab_draws_the_shipped_grid_and_refuses_an_oversized_one(page):
-    page.get_by_role("tab", name="Long context").click()
+    page.locator("#pages").get_by_role("tab", name="Long context").click()
     page.wait_for_selector("#shipped-needle .js-plotly-plot", timeout=30_000)
     kinds = page.locator("#shipped-needle .js-plotly-plot").first.evaluate("el => el.data.map(t => t.type)")
     assert kinds and set(kinds) == {"heatmap"}  # one per policy of assets/long_context/needle_grid.csv
@@ -169,7 +199,7 @@ def test_tasks_tab_draws_the_shipped_leaderboard_and_a_clicked_sample_runs_with_
     page = page.context.browser.new_page(viewport={"width": 1920, "height": 1200})
     page.goto(app_url)
     page.wait_for_selector("#run", timeout=60_000)
-    page.get_by_role("tab", name="Tasks").click()
+    page.locator("#pages").get_by_role("tab", name="Tasks leaderboard").click()
     page.wait_for_selector("#leaderboard-plot .js-plotly-plot", timeout=30_000)
     assert "mean over the tasks Full solves" in " ".join(map(str, plot_titles(page, "leaderboard-plot")))
     page.locator("#leaderboard-task input").click()
@@ -186,6 +216,8 @@ def test_tasks_tab_draws_the_shipped_leaderboard_and_a_clicked_sample_runs_with_
             ".includes('query-aware')", timeout=30_000)
 
     # A click on a shipped answer's row (the first: sample 0 under A2SF at ratio 0.25) runs that sample here.
+    page.wait_for_function("() => document.querySelector('#leaderboard-samples').innerText.includes('a2sf')",
+                           timeout=30_000)
     page.locator("#leaderboard-samples [role=gridcell]").nth(2).click()
     page.wait_for_function("() => document.querySelector('#task-status').innerText.includes('score')",
                            timeout=240_000)
@@ -198,9 +230,10 @@ def test_tasks_tab_draws_the_shipped_leaderboard_and_a_clicked_sample_runs_with_
     if os.environ.get("KVLENS_UPDATE_SCREENSHOT"):  # the README's picture of the view
         page.locator("#task-table").screenshot(path=str(ROOT / "docs" / "screenshot-why.png"))
     # The sample's run is the page's run: the summary and the masks show it.
+    page.locator("#pages").get_by_role("tab", name="This run").click()
     page.wait_for_function("() => document.querySelector('#summary').innerText.includes('a2sf:ratio=0.25')",
                            timeout=120_000)
-    page.get_by_role("tab", name="Masks").click()
+    open_view(page, "Masks")
     page.wait_for_function(
         "() => [...document.querySelectorAll('#heatmap .js-plotly-plot')].some(el => "
         "(el.layout.annotations || []).some(a => a.text.includes('a2sf:ratio=0.25')))",
@@ -208,7 +241,7 @@ def test_tasks_tab_draws_the_shipped_leaderboard_and_a_clicked_sample_runs_with_
     # The evidence is marked: a band over its columns in the masks, underlined in the kept tokens.
     assert page.evaluate("() => [...document.querySelectorAll('#heatmap .js-plotly-plot')].some(el => "
                          "(el.layout.shapes || []).some(s => s.type === 'rect' && s.fillcolor === '#D35400'))")
-    page.get_by_role("tab", name="Kept tokens").click()
+    open_view(page, "Kept tokens")
     page.wait_for_selector("#kept .kvl-evidence", timeout=60_000)
     assert "evidence" in page.locator("#kept .kvl-legend").first.inner_text()
     page.close()
@@ -223,13 +256,10 @@ def test_evidence_typed_with_a_prompt_is_marked_and_play_shows_it_leave(page, ap
     page.wait_for_selector("#run", timeout=60_000)
     prompt = "Remember this: the secret code is 48151 and nothing else. " + "Then we walked home. " * 12 + "Code?"
     page.locator("#prompt textarea").fill(prompt)
-    page.get_by_text("Policy parameters").click()
+    open_parameters(page)
     page.locator("#evidence textarea").fill("48151")
-    boxes = page.locator("#policies label")
-    for i in range(boxes.count()):
-        label = boxes.nth(i)
-        if label.locator("input").is_checked() != (label.inner_text().strip() == "tova"):
-            label.click()
+    choose_policies(page, ("tova",))
+    open_view(page, "Masks")
     budget = page.locator("#budget input[type=number]")
     budget.fill("32")
     budget.press("Enter")
@@ -246,9 +276,10 @@ def test_evidence_typed_with_a_prompt_is_marked_and_play_shows_it_leave(page, ap
     page.wait_for_function(
         "() => document.querySelector('#heatmap .js-plotly-plot').layout.title.text.includes('KV head 0')",
         timeout=60_000)
-    page.get_by_role("tab", name="Kept tokens").click()
+    open_view(page, "Kept tokens")
     page.wait_for_selector("#kept .kvl-evidence", timeout=60_000)
     # Play at one step a tick from the start: the kept tokens follow it; note the evidence's state at every frame.
+    page.get_by_text("Play's speed, and what it shows").click()
     page.locator("#play-speed label", has_text="1 step per tick").click()
     page.locator("#play").click()  # from the last step Play starts over at 0
     seen, deadline = [], time.time() + 150
@@ -269,16 +300,13 @@ def test_the_held_forms_tab_draws_the_pruned_channels_and_the_rounded_tokens(pag
     page = page.context.browser.new_page(viewport={"width": 1920, "height": 1200})
     page.goto(app_url)
     page.wait_for_selector("#run", timeout=60_000)
-    boxes = page.locator("#policies label")
-    for i in range(boxes.count()):
-        label = boxes.nth(i)
-        if label.locator("input").is_checked() != (label.inner_text().strip() in ("think", "kivi")):
-            label.click()
+    choose_policies(page, ("think", "kivi"))
+    open_view(page, "Masks")
     page.locator("#run").click()
     page.wait_for_function(
         "() => [...document.querySelectorAll('#heatmap .js-plotly-plot')].some(el => "
         "(el.layout.annotations || []).some(a => a.text.includes('kivi')))", timeout=180_000)
-    page.get_by_role("tab", name="Held forms").click()
+    open_view(page, "Held forms")
     page.wait_for_selector("#forms .js-plotly-plot", timeout=60_000)
     titles = " ".join(map(str, plot_titles(page, "forms")))
     assert "think:budget=40: the keys' relative error" in titles and "key channels kept" in titles

@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.test_browser import app_url, page  # noqa: F401  (fixtures: this module gets its own app and browser)
+from tests.test_browser import app_url, choose_policies, open_parameters, open_view, page  # noqa: F401  (fixtures:
+# this module gets its own app and browser)
 
 EXAMPLE = "needle 8k tokens"
 POLICIES = ("sinks", "h2o", "tova")
@@ -33,12 +34,10 @@ def scored(page):  # noqa: F811
     """The 8k example scored by sinks, H2O and TOVA at budget 256 (moving the budget slider starts the run)."""
     page.locator("#examples").get_by_text(EXAMPLE, exact=True).click()
     page.wait_for_function("() => document.querySelector('#prompt textarea').value.length > 30000", timeout=20_000)
+    open_parameters(page)
     page.get_by_text("Score the text (teacher-forced)").click()
-    checkboxes = page.locator("#policies label")
-    for i in range(checkboxes.count()):
-        label = checkboxes.nth(i)
-        if label.locator("input").is_checked() != (label.inner_text().strip() in POLICIES):
-            label.click()
+    choose_policies(page, POLICIES)
+    open_view(page, "Masks")
     budget = page.locator("#budget input[type=number]")
     budget.fill(str(BUDGET))
     budget.press("Enter")

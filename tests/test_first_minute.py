@@ -1,0 +1,102 @@
+"""What a visitor meets with no click, in a real browser: at 1366x768 and 1440x900 a finished run's answers and
+picture and the Run button in view, every view and page reachable (none in an overflow menu), a summary that does
+not scroll sideways; on a phone a page that does not scroll sideways; each lesson opening by its link and stepping
+through. Its own app process (the fixture of test_browser.py, instantiated for this module)."""
+import shutil
+
+import pytest
+
+from backend.experiments.lessons import LESSONS
+from tests.test_browser import app_url  # noqa: F401  (fixture)
+
+IN_VIEW_JS = """sel => { const r = document.querySelector(sel).getBoundingClientRect();
+    return r.width > 0 && r.height > 0 && r.top >= 0 && r.left >= 0 && r.bottom <= innerHeight && r.right <= innerWidth; }"""
+# Gradio moves the tabs that do not fit into a menu behind a button; every tab must sit in the bar itself.
+TABS_FIT_JS = """sel => [...document.querySelectorAll(sel + ' [role=tab]')].every(t => {
+    const r = t.getBoundingClientRect(); return r.width > 0 && r.right <= innerWidth; })
+    && ![...document.querySelectorAll(sel + ' .overflow-menu, ' + sel + ' .overflow-dropdown')].some(
+        m => m.getBoundingClientRect().width > 0)"""
+SIDEWAYS_JS = """sel => [document.querySelector(sel), ...document.querySelectorAll(sel + ' *')].some(
+    el => el.scrollWidth > el.clientWidth + 1 && ['auto', 'scroll'].includes(getComputedStyle(el).overflowX))"""
+
+
+@pytest.fixture(scope="module")
+def browser():
+    executable = shutil.which("chromium")
+    if executable is None:
+        pytest.skip("Debian's chromium is not installed here: apt-get install chromium")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=executable,
+                                    args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        yield browser
+        browser.close()
+
+
+def opened(browser, url, width, height):
+    page = browser.new_page(viewport={"width": width, "height": height})
+    page.goto(url)
+    page.wait_for_selector("#summary svg.kvl-strip", timeout=60_000)
+    return page
+
+
+@pytest.mark.parametrize("width, height", [(1366, 768), (1440, 900)])
+def test_the_first_screen_shows_a_finished_run_and_run_with_no_click(browser, app_url, width, height):  # noqa: F811
+    page = opened(browser, app_url, width, height)
+    assert page.evaluate(IN_VIEW_JS, "#summary .kvl-story tbody tr:last-child svg")  # the picture, every row of it
+    assert page.evaluate(IN_VIEW_JS, "#run")
+    summary = page.locator("#summary").inner_text()
+    assert "317" in summary and "1234" in summary and "reattention:budget=40" in summary  # the answers, Full's first
+    assert not page.evaluate(SIDEWAYS_JS, "#summary")
+    assert page.evaluate(TABS_FIT_JS, "#pages") and page.evaluate(TABS_FIT_JS, "#views")
+    assert page.locator("#kept .kvl-evidence").count() > 0  # the view in sight: the needle marked
+    # Keyboard users reach Run and every page.
+    page.locator("#prompt textarea").focus()
+    for _ in range(40):
+        page.keyboard.press("Tab")
+        if page.evaluate("document.activeElement && document.activeElement.id === 'run'"):
+            break
+    assert page.evaluate("document.activeElement.id") == "run"
+    page.close()
+
+
+def test_on_a_phone_the_answers_show_and_nothing_scrolls_sideways(browser, app_url):  # noqa: F811
+    page = opened(browser, app_url, 390, 844)
+    assert page.evaluate("document.documentElement.scrollWidth <= innerWidth")
+    assert "317" in page.locator("#summary").inner_text()
+    box = page.locator("#summary svg.kvl-strip").first.bounding_box()
+    assert box["x"] >= 0 and box["x"] + box["width"] <= 390
+    page.close()
+
+
+@pytest.mark.parametrize("name", list(LESSONS))
+def test_each_lesson_opens_by_its_link_and_steps_through(browser, app_url, name):  # noqa: F811
+    lesson = LESSONS[name]
+    page = browser.new_page(viewport={"width": 1366, "height": 768})
+    page.goto(f"{app_url}?lesson={name}")
+    text = page.locator("#lesson")
+    for index, step in enumerate(lesson.steps):
+        page.wait_for_function(f"() => (document.querySelector('#lesson') || {{innerText: ''}}).innerText.includes("
+                               f"'step {index + 1} of {len(lesson.steps)}')", timeout=30_000)
+        assert lesson.title in text.inner_text()
+        if step.run:
+            page.wait_for_function("() => document.querySelector('#summary svg.kvl-strip') !== null", timeout=30_000)
+            assert page.locator("#views [role=tab][aria-selected=true]").inner_text().strip() != ""
+        else:
+            page.wait_for_selector("#leaderboard-plot .js-plotly-plot", timeout=30_000)
+        if index + 1 < len(lesson.steps):
+            page.locator("#lesson-next").click()
+    page.locator("#lesson-back").click()
+    page.wait_for_function(f"() => (document.querySelector('#lesson') || {{innerText: ''}}).innerText.includes("
+                           f"'step {len(lesson.steps) - 1} of')", timeout=30_000)
+    page.close()
+
+
+def test_the_leaderboard_opens_from_its_link(browser, app_url):  # noqa: F811
+    page = browser.new_page(viewport={"width": 1366, "height": 768})
+    page.goto(f"{app_url}?tab=tasks")
+    page.wait_for_selector("#leaderboard-plot .js-plotly-plot", timeout=30_000)
+    kinds = page.locator("#leaderboard-plot .js-plotly-plot").first.evaluate("el => el.data.map(t => t.type)")
+    assert kinds == ["heatmap"]
+    page.close()
