@@ -771,8 +771,8 @@ def header_html() -> str:
     """The page's two lines above the first picture: what KV Lens is, and the lessons (``#lessons``)."""
     links = " ".join(f'<a href="?lesson={html.escape(name)}">{html.escape(lesson.title)}</a>'
                      for name, lesson in LESSONS.items())
-    return (f'<p><strong style="font-size:20px">KV Lens</strong> · what KV-cache policies keep inside a real model: '
-            f"each one's answer beside the full cache's, and what its query read.</p>"
+    return (f'<h1>KV Lens <span>· what KV-cache policies keep inside a real model: each one\'s answer beside '
+            f"the full cache's, and what its query read.</span></h1>"
             f'<nav id="lessons" aria-label="Lessons"><strong>Lessons:</strong> {links}</nav>')
 
 
@@ -1135,11 +1135,16 @@ def build() -> gr.Blocks:
         quick = {"queue": False, "show_progress": "hidden", **hidden}
         views_hidden = {**views_, **hidden}
 
+        plots = [heatmap, step_row, reach, reach_distance, curves, curves_steps, held_forms]
+
         def draw(event, documented=False):
-            """The run's views after ``event``: the summary and the view in sight."""
+            """The run's views after ``event``: the summary and the view in sight. The plots are taken off the page
+            first and drawn anew: plotly cannot redraw four panels as one in place (its axes fail to scale)."""
             shown_ = views_ if documented else views_hidden
-            return event.then(render_run, [run_id, view], run_views, **shown_).then(
-                render_views, [*selectors, *zoom_controls, view], views, **shown_)
+            cleared = event.then(lambda: [gr.update(visible=False)] * len(plots), None, plots, **quick)
+            return cleared.then(render_run, [run_id, view], run_views, **shown_).then(
+                render_views, [*selectors, *zoom_controls, view], views, **shown_).then(
+                lambda: [gr.update(visible=True)] * len(plots), None, plots, **quick)
 
         for control in (prompt, mode, max_new, names, custom, model):
             control.change(on_cost, run_inputs, cost_line, **cost_)

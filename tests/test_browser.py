@@ -139,8 +139,8 @@ def test_deep_link_reopens_the_run_from_the_store(page, app_url):
     run_id = share.split("Run id:")[1].strip().split()[0]
     other = page.context.browser.new_page()
     other.goto(f"{app_url}?run={run_id}")
-    other.wait_for_function("() => document.querySelector('#summary').innerText.includes('reattention:budget=40')",
-                            timeout=60_000)
+    other.wait_for_function("() => (document.querySelector('#summary') || {innerText: ''}).innerText"
+                            ".includes('reattention:budget=40')", timeout=60_000)
     assert "shared run" in other.locator("#status").inner_text()
     assert "reattention:budget=40" in other.locator("#summary").inner_text()
     other.close()
@@ -231,7 +231,7 @@ def test_tasks_tab_draws_the_shipped_leaderboard_and_a_clicked_sample_runs_with_
         page.locator("#task-table").screenshot(path=str(ROOT / "docs" / "screenshot-why.png"))
     # The sample's run is the page's run: the summary and the masks show it.
     page.locator("#pages").get_by_role("tab", name="This run").click()
-    page.wait_for_function("() => document.querySelector('#summary').innerText.includes('a2sf:ratio=0.25')",
+    page.wait_for_function("() => (document.querySelector('#summary') || {innerText: ''}).innerText.includes('a2sf:ratio=0.25')",
                            timeout=120_000)
     open_view(page, "Masks")
     page.wait_for_function(
@@ -266,6 +266,7 @@ def test_evidence_typed_with_a_prompt_is_marked_and_play_shows_it_leave(page, ap
     page.wait_for_function(
         "() => [...document.querySelectorAll('#heatmap .js-plotly-plot')].some(el => "
         "(el.layout.annotations || []).some(a => a.text.includes('tova:budget=32')))", timeout=180_000)
+    assert "1 policies" in page.locator("#status").inner_text() or "1 policy" in page.locator("#status").inner_text()
     page.locator("#layer input").click()
     page.get_by_role("option", name="0", exact=True).last.click()
     page.wait_for_function(

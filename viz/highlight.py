@@ -29,7 +29,7 @@ BOX_STYLE = ("font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monosp
              "line-height: 1.9; white-space: pre-wrap; word-break: break-word; color: #1d1d1d; "
              "background: #ffffff; padding: 10px 12px; border: 1px solid #e3e3e3; border-radius: 6px;")
 LEGEND_STYLE = "font-family: sans-serif; font-size: 12px; color: #444; margin: 0 0 6px 0;"
-GAP_STYLE = "color: #8a8a8a; background: #f3f3f3; border-radius: 3px; padding: 0 4px; font-size: 12px;"
+GAP_STYLE = "color: #6b6b6b; background: #f3f3f3; border-radius: 3px; padding: 0 4px; font-size: 12px;"
 WINDOW = 512  # tokens shown in full around the step
 AFTER_STEP = 32  # of them, how many come after the step (the text that has not arrived yet)
 MAX_OUTSIDE = 256  # kept tokens shown outside the window
@@ -91,7 +91,7 @@ def _token_span(j: int, text: str, s: float, step: int, w: np.ndarray | None, wm
         styles.append(f"background: {_highlight(0.25 + 0.65 * s)}")
     else:
         state = "evicted"
-        styles.append("color: #8a8a8a")
+        styles.append("color: #6b6b6b")
     classes = ["kvl-tok", f"kvl-{state}"]
     if evidence:  # the answer's evidence (analysis/evidence.py): underlined whether kept or not
         classes.append("kvl-evidence")
@@ -176,7 +176,7 @@ def kept_tokens_html(token_texts: Sequence[str], kept: np.ndarray, step: int, we
               + (f"<strong>{_esc(title)}</strong> · " if title else "")
               + f"step {step}: {n_kept} of {step + 1} tokens still read{partial} · "
               f'<span style="background: {_highlight(0.9)}; padding: 0 4px">kept</span> '
-              '<span style="color: #8a8a8a">evicted</span> '
+              '<span style="color: #6b6b6b">evicted</span> '
               '<span style="outline: 2px solid #C0392B; padding: 0 3px">current</span> '
               '<span style="opacity: 0.3">not yet</span>'
               + (f' <span style="{EVIDENCE_STYLE}">evidence</span> ({int(marked[: step + 1].sum())} of '
