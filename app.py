@@ -95,6 +95,7 @@ VIEW_ORDER = ("heatmap", "reach", "reach_distance", "kept", "curves", "curves_st
 ALL_VIEWS = "all"
 FIRST_VIEW = "kept"  # an HTML view: the page's first screen draws no plotly figure
 POLICY_KINDS = by_kind(POLICIES)
+OWN_PICK = "Your own pick (below)"
 EXAMPLE_EVIDENCE = {"needle": "317"}  # the string an example's answer lies in, marked in the views
 DESCRIPTION = ("KV Lens shows what KV-cache eviction, compression and selection policies keep inside a real "
                "language model: each policy's answer beside the full cache's, and what every query read.")
@@ -795,13 +796,15 @@ def merge_kinds(*boxes) -> list[str]:
 
 
 def split_kinds(names) -> list:
-    """The kinds' boxes for a list of policies (a named set, a lesson, a sample's row)."""
-    names = set(names or [])
-    return [[n for n in members if n in names] for members in POLICY_KINDS.values()]
+    """The kinds' boxes for a list of policies (a named set, a lesson, a sample's row), then the named set it is
+    (or ``OWN_PICK``)."""
+    chosen = set(names or [])
+    named = next((label for label, members in SETS if set(members) == chosen), OWN_PICK)
+    return [[n for n in members if n in chosen] for members in POLICY_KINDS.values()] + [named]
 
 
-def named_set(label) -> list[str]:
-    return list(dict(SETS).get(label, gr.skip()))
+def named_set(label):
+    return list(dict(SETS)[label]) if label in dict(SETS) else gr.skip()
 
 
 def _no_lesson() -> list:
@@ -943,7 +946,7 @@ def build() -> gr.Blocks:
                     with gr.Column(scale=1, min_width=300):
                         prompt = gr.Textbox(label="Prompt", lines=3, max_lines=8, value=EXAMPLES[FIRST_EXAMPLE],
                                             elem_id="prompt", max_length=LIMITS.text_chars)
-                        policy_set = gr.Dropdown([label for label, _ in SETS], value=SETS[0][0],
+                        policy_set = gr.Dropdown([label for label, _ in SETS] + [OWN_PICK], value=SETS[0][0],
                                                  label="Policies: a named set, or pick below", elem_id="policy-set")
                         names = gr.CheckboxGroup(POLICY_CHOICES, value=DEFAULT_POLICIES, visible="hidden",
                                                  label="Policies, side by side", elem_id="policy-names")
@@ -1152,7 +1155,7 @@ def build() -> gr.Blocks:
         for box in kind_boxes:
             box.input(merge_kinds, kind_boxes, names, **quick)
         policy_set.input(named_set, policy_set, names, **quick)
-        names.change(split_kinds, names, kind_boxes, **quick)
+        names.change(split_kinds, names, [*kind_boxes, policy_set], **quick)
         for trigger in (run_button.click, budget.input):  # input: a lesson setting the budget runs nothing
             ran = trigger(on_run, run_inputs, [run_id, status, step, layer, head_], validator=check_run,
                           concurrency_id="model", trigger_mode="always_last",

@@ -36,6 +36,7 @@ def serve() -> tuple[subprocess.Popen, str]:
     for _ in range(240):
         try:
             urllib.request.urlopen(url, timeout=2)
+            time.sleep(30)  # the model loads in the background at start: measure the page, not the loading
             return proc, url
         except OSError:
             time.sleep(0.5)
@@ -59,7 +60,9 @@ def lighthouse(url: str, binary: str) -> dict:
             "page_kib": audits["total-byte-weight"]["numericValue"] / 1024,
             "lcp_s": audits["largest-contentful-paint"]["numericValue"] / 1000,
             "tbt_ms": audits["total-blocking-time"]["numericValue"],
-            "accessibility_failed": failed}
+            "accessibility_failed": failed,
+            "shifted": [item.get("node", {}).get("selector", "")[:80]
+                        for item in audits.get("layout-shifts", {}).get("details", {}).get("items", [])][:5]}
 
 
 def axe(url: str) -> dict:

@@ -2,12 +2,16 @@
 picture and the Run button in view, every view and page reachable (none in an overflow menu), a summary that does
 not scroll sideways; on a phone a page that does not scroll sideways; each lesson opening by its link and stepping
 through. Its own app process (the fixture of test_browser.py, instantiated for this module)."""
+import os
 import shutil
+from pathlib import Path
 
 import pytest
 
 from backend.experiments.lessons import LESSONS
 from tests.test_browser import app_url  # noqa: F401  (fixture)
+
+ROOT = Path(__file__).resolve().parents[1]
 
 IN_VIEW_JS = """sel => { const r = document.querySelector(sel).getBoundingClientRect();
     return r.width > 0 && r.height > 0 && r.top >= 0 && r.left >= 0 && r.bottom <= innerHeight && r.right <= innerWidth; }"""
@@ -51,6 +55,8 @@ def test_the_first_screen_shows_a_finished_run_and_run_with_no_click(browser, ap
     assert not page.evaluate(SIDEWAYS_JS, "#summary")
     assert page.evaluate(TABS_FIT_JS, "#pages") and page.evaluate(TABS_FIT_JS, "#views")
     assert page.locator("#kept .kvl-evidence").count() > 0  # the view in sight: the needle marked
+    if os.environ.get("KVLENS_UPDATE_SCREENSHOT") and width == 1366:  # the README's picture of the first screen
+        page.screenshot(path=str(ROOT / "docs" / "screenshot.png"))
     # Keyboard users reach Run and every page.
     page.locator("#prompt textarea").focus()
     for _ in range(40):
