@@ -807,19 +807,61 @@ def named_set(label):
     return list(dict(SETS)[label]) if label in dict(SETS) else gr.skip()
 
 
+FIRST_STATUS = "A finished run, shipped with the app: change the prompt or the policies and press Run."
+
+
+@dataclasses.dataclass(frozen=True)
+class FirstScreen:
+    """What the page is built showing, so a visitor sees it with no request: the shipped first run's id, status,
+    summary and last step (its view in sight, below the fold, follows the page)."""
+
+    run_id: str | None = None
+    status: str = ""
+    summary: str = SUMMARY_PLACEHOLDER
+    last_step: int = 64
+
+
+def first_screen() -> FirstScreen:
+    """The shipped first run drawn once as the page is built (a fifth of a second); the placeholder without it."""
+    if FIRST_RUN_ID is None:
+        return FirstScreen()
+    try:
+        shown_run = load_run(FIRST_RUN_ID)
+    except gr.Error:
+        return FirstScreen()
+    run = shown_run.run
+    last = len(run.traces[0].tokens) - 1
+    return FirstScreen(FIRST_RUN_ID, FIRST_STATUS, panels.summary_html(run, shown_run.non_recent_shares), last)
+
+
+def unless_first_screen(render):
+    """``render`` after a page load, except on the plain page: it was built showing the first run."""
+    def rendered(*args, request: gr.Request = None):
+        query = (request.query_params or {}) if request else {}
+        if FIRST_RUN_ID is not None and not query.get("lesson") and not query.get("run"):
+            return [gr.skip()] * 8  # render_run's outputs
+        return render(*args)
+    rendered.__name__ = render.__name__
+    return rendered
+
+
 def _no_lesson() -> list:
     return [None, gr.Column(visible=False), ""]
 
 
-def _show_run(run_id: str, message: str, at=None, layer="all", head="all") -> list:
+def _show_run(run_id: str, message: str, at=None, layer="all", head="all", fresh=False) -> list:
     """run id, status, then the step, layer and head selectors for a run the page opens (``at``: its step, the
-    last by default); RequestError when it cannot be reopened."""
+    last by default); RequestError when it cannot be reopened. On a ``fresh`` page, selectors that already hold
+    what the run needs are left alone (a change would draw the views twice)."""
     run = RECENT_RUNS.get(run_id, lambda: reopen(run_id)).run
     steps, layers, heads = selectors_for(run)
     if at is not None:
         steps = gr.update(maximum=len(run.traces[0].tokens) - 1, value=panels.clamp_step(run, at))
-    return [run_id, message, steps, gr.update(choices=layers["choices"], value=layer),
-            gr.update(choices=heads["choices"], value=head)]
+    selectors = []
+    for update, value, default in ((layers, layer, panels.layer_choices()), (heads, head, panels.head_choices())):
+        same = fresh and value == "all" and update["choices"] == default
+        selectors.append(gr.skip() if same else gr.update(choices=update["choices"], value=value))
+    return [run_id, message, steps, *selectors]
 
 
 def lesson_step(name: str, index: int) -> list:
@@ -878,10 +920,9 @@ def on_load(request: gr.Request):
     note = "" if not lesson else f"**There is no lesson {html.escape(lesson[:40])!r}.** "
     try:
         if run_id:
-            return _no_lesson() + _show_run(run_id, note + "Opened a shared run from the store.") + rest
-        if FIRST_RUN_ID is not None:
-            return _no_lesson() + _show_run(FIRST_RUN_ID, note + "A finished run, shipped with the app: change the "
-                                            "prompt or the policies and press Run.") + rest
+            return _no_lesson() + _show_run(run_id, note + "Opened a shared run from the store.", fresh=True) + rest
+        if FIRST_RUN_ID is not None:  # the page was built showing it (``first_screen``)
+            return _no_lesson() + [gr.skip(), note + FIRST_STATUS if note else gr.skip()] + [gr.skip()] * 3 + rest
     except RequestError as err:
         return _no_lesson() + [None, note + f"**{html.escape(str(err))}**"] + [gr.skip()] * 3 + rest
     return _no_lesson() + [None, note] + [gr.skip()] * 3 + rest
@@ -929,7 +970,8 @@ def build() -> gr.Blocks:
     # Export zips (in Gradio's cache) are deleted within 20 minutes of their making.
     with QuietBlocks(title="KV Lens", delete_cache=(EXPORT_TTL_S, EXPORT_TTL_S)) as demo:
         gr.HTML(header_html(), elem_id="kvl-header")
-        run_id = gr.State(None)
+        first = first_screen()
+        run_id = gr.State(first.run_id)
         view = gr.State(FIRST_VIEW)  # the run's view in sight: only it is drawn (the others when they open)
         lesson = gr.State(None)  # (lesson name, step index) while a lesson runs
         # A lesson's narration, above every page: its steps move between the run's views and the leaderboard.
@@ -948,7 +990,7 @@ def build() -> gr.Blocks:
                                             elem_id="prompt", max_length=LIMITS.text_chars)
                         policy_set = gr.Dropdown([label for label, _ in SETS] + [OWN_PICK], value=SETS[0][0],
                                                  label="Policies: a named set, or pick below", elem_id="policy-set")
-                        names = gr.CheckboxGroup(POLICY_CHOICES, value=DEFAULT_POLICIES, visible="hidden",
+                        names = gr.CheckboxGroup(POLICY_CHOICES, value=DEFAULT_POLICIES, visible=False,
                                                  label="Policies, side by side", elem_id="policy-names")
                         with gr.Accordion("Policies by kind (hover for each one's paper)", open=False,
                                           elem_id="policies"):
@@ -957,7 +999,7 @@ def build() -> gr.Blocks:
                                           for (kind, heading), members in zip(KINDS, POLICY_KINDS.values())]
                         run_button = gr.Button("Run", variant="primary", elem_id="run")
                         cost_line = gr.Markdown(elem_id="cost")
-                        status = gr.Markdown(elem_id="status")
+                        status = gr.Markdown(first.status, elem_id="status")
                         # Labels only: the page would otherwise carry every text (the long ones are 40k characters).
                         examples = gr.Dataset(components=["textbox"], samples=[[label] for label in EXAMPLES],
                                               samples_per_page=len(EXAMPLES), label="Examples", elem_id="examples")
@@ -986,13 +1028,14 @@ def build() -> gr.Blocks:
                         with gr.Accordion("About KV Lens", open=False):
                             gr.Markdown(NOTES["intro"])
                     with gr.Column(scale=3, min_width=320):
-                        summary = gr.HTML(SUMMARY_PLACEHOLDER, elem_id="summary")
+                        summary = gr.HTML(first.summary, elem_id="summary")
                         with gr.Row():
                             layer = gr.Dropdown(panels.layer_choices(), value="all", label="Layer", elem_id="layer",
                                                 min_width=90)
                             head_ = gr.Dropdown(panels.head_choices(), value="all", label="KV head", elem_id="head",
                                                 min_width=90)
-                            step = gr.Slider(0, 64, value=64, step=1, label="Step (the query whose reads the views show)",
+                            step = gr.Slider(0, first.last_step, value=first.last_step, step=1,
+                                             label="Step (the query whose reads the views show)",
                                              elem_id="step", scale=3)
                             play = gr.Button(PLAY, elem_id="play", scale=0, min_width=100)
                         with gr.Accordion("Play's speed, and what it shows", open=False, elem_id="play-options"):
@@ -1227,7 +1270,10 @@ def build() -> gr.Blocks:
         # A page load never waits behind the queue: the first run, a lesson and ?run=ID read shipped files or the
         # store only.
         loaded = demo.load(on_load, None, lesson_outputs, queue=False, **hidden)
-        draw(loaded).then(lesson_board, [lesson, board], board_outputs, **views_hidden)
+        # The summary comes with the page; the view in sight (below the fold) follows it.
+        drawn = loaded.then(unless_first_screen(render_run), [run_id, view], run_views, **views_hidden).then(
+            render_views, [*selectors, *zoom_controls, view], views, **views_hidden)
+        drawn.then(lesson_board, [lesson, board], board_outputs, **views_hidden)
         demo.load(on_cost, run_inputs, cost_line, **cost_)
     return demo
 
@@ -1254,7 +1300,10 @@ def launch(**options) -> None:
     # Localhost unless the deployment says otherwise (the Dockerfile and Spaces set GRADIO_SERVER_NAME).
     settings = {"server_name": os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
                 "server_port": int(os.environ.get("GRADIO_SERVER_PORT", "7860")), **options}
+    # The footer keeps the API docs and Gradio's credit (its settings button's icon repeats its label to a screen
+    # reader).
     demo.launch(css_paths=[ROOT / "assets" / "style.css"], max_file_size=1, head=page_head(),
+                footer_links=["api", "gradio"],
                 app_kwargs={"middleware": [Middleware(RequestGuard, max_body=MAX_BODY, refuse=unknown_function)],
                             "exception_handlers": {FnIndexInferError: unknown_endpoint}}, **settings)
 

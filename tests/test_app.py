@@ -134,11 +134,13 @@ def test_zoom_controls_become_a_window_inside_the_text():
 
 
 def test_the_summary_says_what_it_shows_before_any_run_and_its_columns_after(tiny_session):
-    """Before a run the summary says what a run will show; after one, each answer and the numbers' columns."""
+    """The page is built showing the shipped first run's answers; without a run the summary says what a run will
+    show; after one, each answer and the numbers' columns."""
     from viz import panels
 
     config = next(c["props"] for c in app.demo.config["components"] if c["props"].get("elem_id") == "summary")
-    assert config["value"] == app.SUMMARY_PLACEHOLDER == app.render_run(None)[0]
+    assert "317" in config["value"] and "reattention:budget=40" in config["value"]
+    assert app.render_run(None)[0] == app.SUMMARY_PLACEHOLDER
     headers = ["Policy", "Perplexity", "Mean KL to Full (nats)", "Top-1 agreement", "Token 0 kept",
                "Non-recent share", "Decides", "Budget shared"]
     assert list(panels.SUMMARY_HEADERS) == headers

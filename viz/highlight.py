@@ -78,27 +78,28 @@ def _gap(count: int, kept_hidden: int) -> str:
 
 
 EVIDENCE_STYLE = "text-decoration: underline 3px #D35400; text-underline-offset: 3px"
+# The tokens' shared looks, once per view rather than on each of thousands of spans (only a kept token's shade
+# and its attention underline are its own).
+TOKEN_CSS = ("<style>.kvl-tok{border-radius:3px;padding:1px 0}.kvl-future{color:#707070;font-style:italic}.kvl-evicted{color:#6b6b6b}"
+             ".kvl-evidence{text-decoration:underline 3px #D35400;text-underline-offset:3px}"
+             ".kvl-current{outline:2px solid #C0392B;outline-offset:1px}</style>")
 
 
 def _token_span(j: int, text: str, s: float, step: int, w: np.ndarray | None, wmax: float,
                 evidence: bool = False) -> str:
-    styles = ["border-radius: 3px", "padding: 1px 0"]
+    styles = []
     if j > step:
         state = "future"
-        styles.append("opacity: 0.3")
     elif s > 0:
         state = "kept"
-        styles.append(f"background: {_highlight(0.25 + 0.65 * s)}")
+        styles.append(f"background:{_highlight(0.25 + 0.65 * s)}")
     else:
         state = "evicted"
-        styles.append("color: #6b6b6b")
     classes = ["kvl-tok", f"kvl-{state}"]
     if evidence:  # the answer's evidence (analysis/evidence.py): underlined whether kept or not
         classes.append("kvl-evidence")
-        styles.append(EVIDENCE_STYLE)
     if j == step:
         classes.append("kvl-current")
-        styles.append("outline: 2px solid #C0392B; outline-offset: 1px")
     if j > step:
         tip = f"position {j} · not arrived yet"
     elif s >= 1.0:
@@ -112,9 +113,10 @@ def _token_span(j: int, text: str, s: float, step: int, w: np.ndarray | None, wm
     if w is not None and j <= step:
         tip += f" · weight {w[j]:.4g}"
         if wmax > 0 and w[j] > 0:
-            styles.append(f"box-shadow: inset 0 -3px 0 rgba(43,92,138,{min(1.0, w[j] / wmax):.3f})")
+            styles.append(f"box-shadow:inset 0 -3px 0 rgba(43,92,138,{min(1.0, w[j] / wmax):.3f})")
+    style = f' style="{";".join(styles)}"' if styles else ""
     return (f'<span class="{" ".join(classes)}" data-pos="{j}" data-kept="{s:.3g}" '
-            f'title="{_esc(tip)}" style="{"; ".join(styles)}">{_esc(text)}</span>')
+            f'title="{_esc(tip)}"{style}>{_esc(text)}</span>')
 
 
 def kept_tokens_html(token_texts: Sequence[str], kept: np.ndarray, step: int, weights: np.ndarray | None = None,
@@ -178,12 +180,13 @@ def kept_tokens_html(token_texts: Sequence[str], kept: np.ndarray, step: int, we
               f'<span style="background: {_highlight(0.9)}; padding: 0 4px">kept</span> '
               '<span style="color: #6b6b6b">evicted</span> '
               '<span style="outline: 2px solid #C0392B; padding: 0 3px">current</span> '
-              '<span style="opacity: 0.3">not yet</span>'
+              '<span style="color: #707070; font-style: italic">not yet</span>'
               + (f' <span style="{EVIDENCE_STYLE}">evidence</span> ({int(marked[: step + 1].sum())} of '
                  f'{int(marked.sum())} arrived, {int((marked & (share > 0))[: step + 1].sum())} kept)'
                  if marked.any() else "")
               + '</div>')
-    return f'<div class="kvl-text">{legend}<div class="kvl-box" style="{BOX_STYLE}">{"".join(parts)}</div></div>'
+    return (f'<div class="kvl-text">{TOKEN_CSS}{legend}<div class="kvl-box" style="{BOX_STYLE}">{"".join(parts)}'
+            '</div></div>')
 
 
 def continuations_html(rows: Sequence[Mapping], colors: Mapping[str, str] | None = None) -> str:
