@@ -24,6 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from functools import cached_property, lru_cache
 from pathlib import Path
+from types import MappingProxyType
 
 import gradio as gr
 import numpy as np
@@ -101,13 +102,21 @@ DESCRIPTION = ("KV Lens shows what KV-cache eviction, compression and selection 
                "language model: each policy's answer beside the full cache's, and what every query read.")
 SUMMARY_PLACEHOLDER = "<p>Run the policies to see each one's answer beside Full's, and what its query read.</p>"
 # The runs that ship with the app (assets/runs/): in the store, so their links reopen and their requests replay.
-SEEDED = shipped_runs.seed(STORE)
-SHIPPED_IDS = {}
-for _name in shipped_runs.names():
-    try:
-        SHIPPED_IDS[shipped_runs.manifest(_name).run_id] = _name
-    except shipped_runs.ShippedRunError:
-        pass
+shipped_runs.seed(STORE)
+
+
+def shipped_ids() -> dict[str, str]:
+    """Each shipped run's share id -> its name (a malformed manifest is left out)."""
+    found = {}
+    for name in shipped_runs.names():
+        try:
+            found[shipped_runs.manifest(name).run_id] = name
+        except shipped_runs.ShippedRunError:
+            continue
+    return found
+
+
+SHIPPED_IDS = MappingProxyType(shipped_ids())
 FIRST_RUN_ID = next((run_id for run_id, name in SHIPPED_IDS.items() if name == FIRST), None)
 
 
@@ -590,11 +599,6 @@ def told_apart(model, setting, folder: Path | None = None) -> list[dict]:
     if path is None or not path.is_file():
         return []
     return list(_told_apart(str(path), path.stat().st_mtime_ns, str(setting)))
-
-
-def told_apart_html(model, setting, folder: Path | None = None) -> str:
-    """Under the averaged grades: ``told_apart`` as a table, or "" without it."""
-    return ordered_groups_html(told_apart(model, setting, folder))
 
 
 SAMPLE_TABLE_COLUMNS = ["task", "sample", "policy", "ratio", "score", "answer"]

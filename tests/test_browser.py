@@ -139,9 +139,10 @@ def test_deep_link_reopens_the_run_from_the_store(page, app_url):
     run_id = share.split("Run id:")[1].strip().split()[0]
     other = page.context.browser.new_page()
     other.goto(f"{app_url}?run={run_id}")
+    other.wait_for_function("() => (document.querySelector('#status') || {innerText: ''}).innerText"
+                            ".includes('shared run')", timeout=60_000)  # the page is built showing the first run
     other.wait_for_function("() => (document.querySelector('#summary') || {innerText: ''}).innerText"
                             ".includes('reattention:budget=40')", timeout=60_000)
-    assert "shared run" in other.locator("#status").inner_text()
     assert "reattention:budget=40" in other.locator("#summary").inner_text()
     other.close()
 

@@ -161,8 +161,10 @@ def test_every_view_renders_the_compression_policies_and_the_summary_names_their
     specs = ["snapkv:budget=8,window=2", "pyramidkv:budget=8", "adakv:budget=8,scorer=knorm", "knorm:budget=8"]
     run = api.run(api.RunRequest(prompt="the cat sat on the mat and the dog sat on the log", specs=specs,
                                              max_new_tokens=4), app.STORE)
-    summary, *others = app.render_run(run.run_id)
-    assert list(summary["Policy"]) == specs and all(o is not None for o in others)
+    shown, *others = app.render_run(run.run_id)
+    assert all(f'data-policy="{s}"' in shown for s in specs) and all(o is not None for o in others)
+    summary = app.panels.summary_table(app.load_run(run.run_id).run)  # the numbers the page shows under the answers
+    assert list(summary["Policy"]) == specs and all(f">{d}<" in shown for d in summary["Decides"])
     assert all(d.startswith("once after the prompt") for d in summary["Decides"])
     assert list(summary["Budget shared"]) == ["uniform", "pyramid across layers", "head-adaptive", "uniform"]
     heatmap, reach, reach_distance, kept, curves, steps, row, _forms = app.render_views(run.run_id, "all", "all", 10, 0.3)

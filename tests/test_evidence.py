@@ -226,8 +226,8 @@ def test_a_run_names_its_evidence_and_the_views_mark_it(default_lm, tmp_path):
     texts = run.full.meta["token_texts"]
     assert "".join(texts[p] for p in positions).strip() == "48151"
     kept = panels.kept_tokens(run, len(run.full.tokens) - 1, "all", "all", window=8, far=16)
-    assert kept.count("kvl-evidence") == len(positions)  # outside the shown window, still shown (up to far / 2)
-    assert panels.kept_tokens(run, len(run.full.tokens) - 1, "all", "all", window=8, far=6).count("kvl-evidence") == 3
+    assert kept.count(" kvl-evidence") == len(positions)  # outside the shown window, still shown (up to far / 2)
+    assert panels.kept_tokens(run, len(run.full.tokens) - 1, "all", "all", window=8, far=6).count(" kvl-evidence") == 3
     bands = [s for s in panels.heatmaps(run, "0", "all").layout.shapes if s.fillcolor == EVIDENCE_COLOR]
     assert bands and all(s.type == "rect" for s in bands)
     reach_picture, _ = panels.cache_reach(run, len(run.full.tokens) - 1)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "assets" / "examples"
@@ -37,7 +38,7 @@ class ShowcaseRun:
         raise FileNotFoundError(f"no example or lesson text {self.text!r}")
 
 
-SHOWCASE: dict[str, ShowcaseRun] = {
+SHOWCASE: MappingProxyType[str, ShowcaseRun] = MappingProxyType({
     "first": ShowcaseRun("needle", ("sinks", "tova", "a2sf", "reattention"), evidence="317"),
     "window": ShowcaseRun("needle", ("window", "sinks", "streamingllm"), evidence="317"),
     "heavy": ShowcaseRun("needle", ("h2o", "tova", "a2sf"), evidence="317"),
@@ -45,7 +46,7 @@ SHOWCASE: dict[str, ShowcaseRun] = {
     "question_after": ShowcaseRun("needle", ("snapkv", "adakv"), evidence="317"),
     "question_before": ShowcaseRun("needle_question_first", ("snapkv", "adakv"), evidence="317"),
     "held": ShowcaseRun("needle", ("kivi", "cam", "think"), evidence="317"),
-}
+})
 FIRST = "first"
 
 
@@ -92,7 +93,7 @@ def _answer(*claims: tuple[str, str]) -> tuple[Claim, ...]:
     return tuple(Claim("answer", policy, value) for policy, value in claims)
 
 
-LESSONS: dict[str, Lesson] = {lesson.name: lesson for lesson in (
+LESSONS: MappingProxyType[str, Lesson] = MappingProxyType({lesson.name: lesson for lesson in (
     Lesson("window", "Sinks and the window", (
         Step("Full reads the whole diary and answers **317**. Each policy here holds **40 tokens** of the 240. "
              "**window** keeps only the latest 40: the room number, near the start, left its cache long ago, and "
@@ -184,7 +185,7 @@ LESSONS: dict[str, Lesson] = {lesson.name: lesson for lesson in (
              "grid marks where a new group starts. Click a sample's row below to run it here, with its evidence "
              "marked.", view="tasks", task="average"),
     )),
-)}
+)})
 
 
 def holds(claim: Claim, run=None, leaderboard=None) -> bool:
