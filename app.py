@@ -33,6 +33,7 @@ import pydantic
 from gradio.route_utils import FnIndexInferError
 from gradio.utils import get_upload_folder as gradio_upload_folder
 from starlette.middleware import Middleware
+from starlette.middleware.gzip import GZipMiddleware
 from starlette.responses import PlainTextResponse
 
 from backend.environment import SettingError, check_environment, runs_per_address
@@ -1308,7 +1309,9 @@ def launch(**options) -> None:
     # reader).
     demo.launch(css_paths=[ROOT / "assets" / "style.css"], max_file_size=1, head=page_head(),
                 footer_links=["api", "gradio"],
-                app_kwargs={"middleware": [Middleware(RequestGuard, max_body=MAX_BODY, refuse=unknown_function)],
+                # The page inlines its config (300 kB): compressed, it is a seventh of that. Event streams pass as they are.
+                app_kwargs={"middleware": [Middleware(RequestGuard, max_body=MAX_BODY, refuse=unknown_function),
+                                           Middleware(GZipMiddleware, minimum_size=4096)],
                             "exception_handlers": {FnIndexInferError: unknown_endpoint}}, **settings)
 
 
