@@ -98,7 +98,9 @@ ALL_VIEWS = "all"
 FIRST_VIEW = "kept"  # an HTML view: the page's first screen draws no plotly figure
 POLICY_KINDS = by_kind(POLICIES)
 OWN_PICK = "Your own pick (below)"
-EXAMPLE_EVIDENCE = {"needle": "317"}  # the string an example's answer lies in, marked in the views
+# The string an example's answer lies in, marked in the views: as the shipped runs over the examples name it.
+EXAMPLE_EVIDENCE = MappingProxyType({run.text: run.evidence for run in SHOWCASE.values()
+                                     if run.evidence and run.text in EXAMPLES})
 DESCRIPTION = ("KV Lens shows what KV-cache eviction, compression and selection policies keep inside a real "
                "language model: each policy's answer beside the full cache's, and what every query read.")
 SUMMARY_PLACEHOLDER = "<p>Run the policies to see each one's answer beside Full's, and what its query read.</p>"
@@ -106,19 +108,20 @@ SUMMARY_PLACEHOLDER = "<p>Run the policies to see each one's answer beside Full'
 shipped_runs.seed(STORE)
 
 
-def shipped_ids() -> dict[str, str]:
-    """Each shipped run's share id -> its name (a malformed manifest is left out)."""
+def shipped_run_ids() -> dict[str, str]:
+    """Each shipped run's name -> its share id (a malformed manifest is left out)."""
     found = {}
     for name in shipped_runs.names():
         try:
-            found[shipped_runs.manifest(name).run_id] = name
+            found[name] = shipped_runs.manifest(name).run_id
         except shipped_runs.ShippedRunError:
             continue
     return found
 
 
-SHIPPED_IDS = MappingProxyType(shipped_ids())
-FIRST_RUN_ID = next((run_id for run_id, name in SHIPPED_IDS.items() if name == FIRST), None)
+SHIPPED_RUN_IDS = MappingProxyType(shipped_run_ids())
+SHIPPED_NAMES = MappingProxyType({run_id: name for name, run_id in SHIPPED_RUN_IDS.items()})
+FIRST_RUN_ID = SHIPPED_RUN_IDS.get(FIRST)
 
 
 @dataclasses.dataclass(eq=False)
@@ -216,10 +219,10 @@ def reopen(run_id) -> Run:
     try:
         return api.reopen(run_id, STORE)
     except RequestError:
-        if run_id not in SHIPPED_IDS:
+        if run_id not in SHIPPED_NAMES:
             raise
     try:
-        return shipped_runs.load(SHIPPED_IDS[run_id], request_type=api.RunRequest)
+        return shipped_runs.load(SHIPPED_NAMES[run_id], request_type=api.RunRequest)
     except shipped_runs.ShippedRunError as err:
         raise RequestError(str(err)) from None
 
@@ -839,15 +842,12 @@ def first_screen() -> FirstScreen:
     return FirstScreen(FIRST_RUN_ID, FIRST_STATUS, panels.summary_html(run, shown_run.non_recent_shares), last)
 
 
-def unless_first_screen(render):
-    """``render`` after a page load, except on the plain page: it was built showing the first run."""
-    def rendered(*args, request: gr.Request = None):
-        query = (request.query_params or {}) if request else {}
-        if FIRST_RUN_ID is not None and not query.get("lesson") and not query.get("run"):
-            return [gr.skip()] * 8  # render_run's outputs
-        return render(*args)
-    rendered.__name__ = render.__name__
-    return rendered
+def render_run_after_load(run_id, view, request: gr.Request = None):
+    """``render_run`` after a page load, except on the plain page: it was built showing the first run's summary."""
+    query = (request.query_params or {}) if request else {}
+    if FIRST_RUN_ID is not None and not query.get("lesson") and not query.get("run"):
+        return [gr.skip()] * 8
+    return render_run(run_id, view)
 
 
 def _no_lesson() -> list:
@@ -882,7 +882,7 @@ def lesson_step(name: str, index: int) -> list:
     if not step.run:  # a leaderboard step
         return lesson + [gr.skip()] * 11 + [gr.Tabs(selected="tasks"), step.task or gr.skip()]
     shipped = SHOWCASE[step.run]
-    run_id = next(i for i, n in SHIPPED_IDS.items() if n == step.run)
+    run_id = SHIPPED_RUN_IDS[step.run]
     run = RECENT_RUNS.get(run_id, lambda: reopen(run_id)).run
     at = panels.answer_step(run) if step.step is None else step.step
     shown_run = _show_run(run_id, f"Lesson run: {', '.join(shipped.policies)} at budget {shipped.budget}, "
@@ -1276,7 +1276,7 @@ def build() -> gr.Blocks:
         # store only.
         loaded = demo.load(on_load, None, lesson_outputs, queue=False, **hidden)
         # The summary comes with the page; the view in sight (below the fold) follows it.
-        drawn = loaded.then(unless_first_screen(render_run), [run_id, view], run_views, **views_hidden).then(
+        drawn = loaded.then(render_run_after_load, [run_id, view], run_views, **views_hidden).then(
             render_views, [*selectors, *zoom_controls, view], views, **views_hidden)
         drawn.then(lesson_board, [lesson, board], board_outputs, **views_hidden)
         demo.load(on_cost, run_inputs, cost_line, **cost_)

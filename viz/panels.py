@@ -539,7 +539,7 @@ def summary_html(run, shares: dict[str, np.ndarray] | None = None) -> str:
             color = colors.get(trace.spec, "#444444")
         rows.append(StoryRow(trace.spec, color, answer, note, reads.binned_row(share, at, size)))
     evidence = evidence_positions(run)
-    cells = [] if evidence is None else sorted({int(p) // size for p in evidence})
+    cells = [] if evidence is None else evidence_cells(evidence, 0, size, -(-n // size))
     caption = (f"What its query read at step {step}" + (" (the answer's first)" if generate else "")
                + (f", {size} tokens a cell" if size > 1 else ""))
     return story_html(rows, caption, cells, frame)

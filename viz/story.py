@@ -20,8 +20,7 @@ import pandas as pd
 import plotly.colors as pcolors
 
 from . import share_scale
-
-EVIDENCE_COLOR = "#D35400"  # as the masks mark it (heatmap.mark_columns)
+from .heatmap import EVIDENCE_COLOR
 STRIP_HEIGHT = 18
 LEVELS = 32  # distinct ramp colours a strip uses
 
@@ -50,8 +49,9 @@ def _cell_colors(cells: np.ndarray) -> list[str]:
     return colors
 
 
-def strip_svg(cells: np.ndarray, evidence: Sequence[int] = (), label: str = "") -> str:
-    """One row of cells as an SVG that stretches to its box; ``evidence``: cell indices outlined."""
+def strip_svg(cells: np.ndarray, evidence: Sequence[tuple[int, int]] = (), label: str = "") -> str:
+    """One row of cells as an SVG that stretches to its box; ``evidence``: runs of cells ``(first, last)`` outlined
+    (``heatmap.evidence_cells``)."""
     n = max(len(cells), 1)
     rects = []
     colors = _cell_colors(np.asarray(cells, np.float64))
@@ -61,24 +61,14 @@ def strip_svg(cells: np.ndarray, evidence: Sequence[int] = (), label: str = "") 
             rects.append(f'<rect x="{start}" y="0" width="{i - start}" height="1" fill="{colors[start]}"/>')
             start = i
     marks = []
-    for first, last in _runs(sorted(set(int(c) for c in evidence if 0 <= c < n))):
+    for first, last in evidence:
         marks.append(f'<rect x="{first}" y="0" width="{last - first + 1}" height="1" fill="none" '
                      f'stroke="{EVIDENCE_COLOR}" stroke-width="3" vector-effect="non-scaling-stroke"/>')
     return (f'<svg class="kvl-strip" role="img" aria-label="{_esc(label)}" viewBox="0 0 {n} 1" '
             f'preserveAspectRatio="none" width="100%" height="{STRIP_HEIGHT}">{"".join(rects)}{"".join(marks)}</svg>')
 
 
-def _runs(values: list[int]) -> list[tuple[int, int]]:
-    runs: list[tuple[int, int]] = []
-    for v in values:
-        if runs and v == runs[-1][1] + 1:
-            runs[-1] = (runs[-1][0], v)
-        else:
-            runs.append((v, v))
-    return runs
-
-
-def story_html(rows: Sequence[StoryRow], caption: str, evidence_cells: Sequence[int] = (),
+def story_html(rows: Sequence[StoryRow], caption: str, evidence_cells: Sequence[tuple[int, int]] = (),
                metrics: pd.DataFrame | None = None) -> str:
     """The answers and their strips (``rows``, Full's first), then ``metrics`` (one row per policy) when given."""
     body = []
