@@ -821,16 +821,19 @@ FIRST_STATUS = "A finished run, shipped with the app: change the prompt or the p
 @dataclasses.dataclass(frozen=True)
 class FirstScreen:
     """What the page is built showing, so a visitor sees it with no request: the shipped first run's id, status,
-    summary and last step (its view in sight, below the fold, follows the page)."""
+    summary, last step, view in sight and cost line."""
 
     run_id: str | None = None
     status: str = ""
     summary: str = SUMMARY_PLACEHOLDER
     last_step: int = 64
+    kept: str | None = None  # the view in sight (``FIRST_VIEW``) at the last step, all layers and heads
+    cost: str = ""
 
 
 def first_screen() -> FirstScreen:
-    """The shipped first run drawn once as the page is built (a fifth of a second); the placeholder without it."""
+    """The shipped first run drawn once as the page is built (a fifth of a second); the placeholder without it.
+    Its cost line counts the tokens the run counted: the model need not be loaded."""
     if FIRST_RUN_ID is None:
         return FirstScreen()
     try:
@@ -839,7 +842,12 @@ def first_screen() -> FirstScreen:
         return FirstScreen()
     run = shown_run.run
     last = len(run.traces[0].tokens) - 1
-    return FirstScreen(FIRST_RUN_ID, FIRST_STATUS, panels.summary_html(run, shown_run.non_recent_shares), last)
+    try:
+        cost = api.cost(run.request, tokens=run.tokens).line
+    except RequestError as err:
+        cost = str(err)
+    return FirstScreen(FIRST_RUN_ID, FIRST_STATUS, panels.summary_html(run, shown_run.non_recent_shares), last,
+                       panels.kept_tokens(run, last, "all", "all"), html.escape(cost))
 
 
 def render_run_after_load(run_id, view, request: gr.Request = None):
@@ -977,7 +985,10 @@ def build() -> gr.Blocks:
         gr.HTML(header_html(), elem_id="kvl-header")
         first = first_screen()
         run_id = gr.State(first.run_id)
-        view = gr.State(FIRST_VIEW)  # the run's view in sight: only it is drawn (the others when they open)
+        # The run's view in sight: only it is drawn (the others when they open). A box, not a State, so that the
+        # browser sets it when a tab opens and only a change reaches the server: a tab reports itself selected
+        # as the page mounts, and that must not redraw what the page was built showing.
+        view = gr.Textbox(FIRST_VIEW, visible=False, elem_id="view-in-sight")
         lesson = gr.State(None)  # (lesson name, step index) while a lesson runs
         # A lesson's narration, above every page: its steps move between the run's views and the leaderboard.
         with gr.Column(visible=False, elem_id="lesson") as lesson_box:
@@ -1003,7 +1014,7 @@ def build() -> gr.Blocks:
                                                            label=heading, elem_id=f"policies-{kind}")
                                           for (kind, heading), members in zip(KINDS, POLICY_KINDS.values())]
                         run_button = gr.Button("Run", variant="primary", elem_id="run")
-                        cost_line = gr.Markdown(elem_id="cost")
+                        cost_line = gr.Markdown(first.cost, elem_id="cost")
                         status = gr.Markdown(first.status, elem_id="status")
                         # Labels only: the page would otherwise carry every text (the long ones are 40k characters).
                         examples = gr.Dataset(components=["textbox"], samples=[[label] for label in EXAMPLES],
@@ -1049,10 +1060,10 @@ def build() -> gr.Blocks:
                             gr.Markdown(NOTES["play"], elem_id="play-note")
                         playing = gr.State(False)
                         timer = gr.Timer(PLAY_TICK_S, active=False)
-                        with gr.Tabs(elem_id="views") as view_tabs:
+                        with gr.Tabs(selected=FIRST_VIEW, elem_id="views") as view_tabs:
                             with gr.Tab("Kept tokens", id="kept") as kept_tab:
                                 about("kept")
-                                kept = gr.HTML(elem_id="kept")
+                                kept = gr.HTML(first.kept, elem_id="kept")
                             with gr.Tab("Masks", id="masks") as masks_tab:
                                 about("masks")
                                 with gr.Row(equal_height=True):
@@ -1188,11 +1199,12 @@ def build() -> gr.Blocks:
 
         plots = [heatmap, step_row, reach, reach_distance, curves, curves_steps, held_forms]
 
-        def draw(event, documented=False):
-            """The run's views after ``event``: the summary and the view in sight. The plots are taken off the page
-            first and drawn anew: plotly cannot redraw four panels as one in place (its axes fail to scale)."""
+        def draw(then, documented=False):
+            """The run's views, after ``then`` (an event's ``then``, or a trigger): the summary and the view in
+            sight. The plots are taken off the page first and drawn anew: plotly cannot redraw four panels as one
+            in place (its axes fail to scale)."""
             shown_ = views_ if documented else views_hidden
-            cleared = event.then(lambda: [gr.update(visible=False)] * len(plots), None, plots, **quick)
+            cleared = then(lambda: [gr.update(visible=False)] * len(plots), None, plots, **quick)
             return cleared.then(render_run, [run_id, view], run_views, **shown_).then(
                 render_views, [*selectors, *zoom_controls, view], views, **shown_).then(
                 lambda: [gr.update(visible=True)] * len(plots), None, plots, **quick)
@@ -1208,7 +1220,7 @@ def build() -> gr.Blocks:
             ran = trigger(on_run, run_inputs, [run_id, status, step, layer, head_], validator=check_run,
                           concurrency_id="model", trigger_mode="always_last",
                           **({} if trigger == run_button.click else hidden))
-            draw(ran, documented=trigger == run_button.click)
+            draw(ran.then, documented=trigger == run_button.click)
             ran.then(on_cost, run_inputs, cost_line, **cost_)
         for control in (layer, head_, curve_alpha):
             control.change(render_views, [*selectors, *zoom_controls, view], views, **views_hidden)
@@ -1217,7 +1229,8 @@ def build() -> gr.Blocks:
         for tab, name in ((kept_tab, "kept"), (masks_tab, "masks"), (reach_tab, "reach"), (forms_tab, "forms"),
                           (curves_tab, "curves"), (tsne_tab, "tsne"), (divergence_tab, "divergence"),
                           (retention_tab, "retention")):
-            draw(tab.select(lambda name=name: name, None, view, **quick))
+            tab.select(None, None, view, js=f"() => {json.dumps(name)}", **hidden)
+        draw(view.change)
         # The zoom moves only the masks: the other views do not depend on it.
         for control in (zoom, zoom_size):
             control.change(render_heatmap, [run_id, layer, head_, *zoom_controls, step], heatmap, **views_hidden)
@@ -1242,7 +1255,7 @@ def build() -> gr.Blocks:
                             [needle_plot, needle_table, needle_status, needle_cells], validator=check_needle,
                             concurrency_id="model")
         draw(needle_cells.select(on_needle_cell, [needle_cells, model], [run_id, status, step, layer, head_],
-                                 concurrency_id="model"))
+                                 concurrency_id="model").then)
         board_outputs = [board_task, board_setting, board_pick, board_plot, board_table, board_note]
         opened = tasks_page.select(on_leaderboard_model, [board, board_task], board_outputs, **views_hidden)
         opened.then(leaderboard_samples, [board, board_task, board_setting], board_samples, **views_hidden)
@@ -1258,28 +1271,29 @@ def build() -> gr.Blocks:
         task_inputs = [task_name, task_sample, task_setting, task_names, task_ratio, model]
         sample_outputs = [run_id, status, task_status, task_table, step, layer, head_]
         draw(task_button.click(on_task_sample, task_inputs, sample_outputs, validator=check_task_sample,
-                               concurrency_id="model"))
+                               concurrency_id="model").then)
         # A shipped sample's row: the controls take it, then it runs as the button's sample does.
         picked = board_samples.select(on_board_sample, [board_samples, board_setting, board],
                                       [task_name, task_sample, task_setting, task_names, task_ratio, model],
                                       queue=False)
-        draw(picked.then(on_task_sample, task_inputs, sample_outputs, concurrency_id="model"))
+        draw(picked.then(on_task_sample, task_inputs, sample_outputs, concurrency_id="model").then)
         export_button.click(on_export, selectors, export_file, **views_)
         # A lesson step sets the controls and the views from a shipped run: nothing computes.
         lesson_outputs = [lesson, lesson_box, lesson_text, run_id, status, step, layer, head_, prompt, names,
                           budget, evidence, view, view_tabs, pages, board_task]
         for button, move in ((lesson_back, -1), (lesson_next, 1)):
             stepped = button.click(lambda at, move=move: on_lesson_move(at, move), lesson, lesson_outputs, **quick)
-            draw(stepped).then(lesson_board, [lesson, board], board_outputs, **views_hidden)
+            draw(stepped.then).then(lesson_board, [lesson, board], board_outputs, **views_hidden)
         lesson_end.click(on_lesson_end, None, [lesson, lesson_box], **quick)
-        # A page load never waits behind the queue: the first run, a lesson and ?run=ID read shipped files or the
-        # store only.
-        loaded = demo.load(on_load, None, lesson_outputs, queue=False, **hidden)
-        # The summary comes with the page; the view in sight (below the fold) follows it.
+        # The plain page asks nothing of the server: it is built showing the first run (summary, view in sight,
+        # cost). A query (?lesson=, ?run=, ?tab=) reaches the server through a hidden box the browser fills, and
+        # never waits behind the queue: a lesson and ?run=ID read shipped files or the store only.
+        page_query = gr.Textbox("", visible=False, elem_id="page-query")
+        demo.load(None, None, page_query, js="() => window.location.search", **hidden)
+        loaded = page_query.change(on_load, None, lesson_outputs, queue=False, **hidden)
         drawn = loaded.then(render_run_after_load, [run_id, view], run_views, **views_hidden).then(
             render_views, [*selectors, *zoom_controls, view], views, **views_hidden)
         drawn.then(lesson_board, [lesson, board], board_outputs, **views_hidden)
-        demo.load(on_cost, run_inputs, cost_line, **cost_)
     return demo
 
 

@@ -322,13 +322,17 @@ class Cost:
     line: str  # plain text (it may quote a spec): escape it before it becomes HTML
 
 
-def cost(request: RunRequest, limits: Limits = LIMITS) -> Cost:
+def cost(request: RunRequest, limits: Limits = LIMITS, tokens: int | None = None) -> Cost:
     """What ``run`` would charge ``request`` (the same rule: ``limits.rows_cost`` over the same tokens), or
     RequestError for what the run's checks refuse before they count. Never loads a model: with the model
-    loaded the count is exact (a 190 KB prompt tokenizes in a fraction of a second), else estimated."""
+    loaded the count is exact (a 190 KB prompt tokenizes in a fraction of a second), else estimated, unless
+    ``tokens`` gives the prompt's count from a run of this very request (a stored one)."""
     policies = check_run(request, limits)
     lm = loaded_model(request.model, request.device, request.dtype)
-    if lm is None:
+    if lm is None and tokens is not None:
+        n = tokens
+        _check_prompt_tokens(n, limits)
+    elif lm is None:
         n = max(2, -(-len(request.prompt) // CHARS_PER_TOKEN))
         n = n if request.max_tokens is None else min(n, request.max_tokens)
         if n > limits.prompt_tokens:
@@ -341,17 +345,18 @@ def cost(request: RunRequest, limits: Limits = LIMITS) -> Cost:
     if lm is not None:
         _check_context(lm, length)
     spent, limit = rows_cost(policies, length), _row_token_limit(lm, limits, length)
-    line = _cost_line(policies, request, n, length, spent, limit, limits, lm)
+    exact = lm is not None or tokens is not None
+    line = _cost_line(policies, request, n, length, spent, limit, limits, lm, exact)
     return Cost(tokens=n, length=length, rows=len(counted(policies)), row_tokens=spent, limit=limit,
-                fits=spent <= limit, exact=lm is not None, line=line)
+                fits=spent <= limit, exact=exact, line=line)
 
 
 def _cost_line(policies: list[Policy], request: RunRequest, n: int, length: int, spent: int, limit: int,
-               limits: Limits, lm: LoadedModel | None) -> str:
+               limits: Limits, lm: LoadedModel | None, exact: bool) -> str:
     """E.g. "Cost: 3 policies x 8,058 tokens = 24,174 of 32,768 row-tokens.", and what fits when it does not."""
     rows = counted(policies)
-    about = "" if lm is not None else "about "
-    estimated = "" if lm is not None else " (estimated from the characters until the model is loaded)"
+    about = "" if exact else "about "
+    estimated = "" if exact else " (estimated from the characters until the model is loaded)"
     if not rows:
         return f"Cost: Full alone is free (0 of {limit:,} row-tokens)."
     generate = request.mode == "generate"

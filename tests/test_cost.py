@@ -104,6 +104,11 @@ def test_without_the_model_loaded_the_count_is_an_estimate_and_nothing_loads(mon
                               "allowed here (oracle counts 2.93x) (estimated from the characters until the model "
                               "is loaded). What fits: 1 of these 2 policies, or a text of up to about 2,395 tokens.")
 
+    # A stored run of the very request knows its count: exact, still without the model.
+    counted = api.cost(request(prompt="x" * 101), tokens=40)
+    assert counted.exact and counted.line.startswith("Cost: 2 policies x 64 tokens (40 prompt + 24 new) = 128 of")
+    assert "estimated" not in counted.line and models.LOADED == {}
+
 
 def test_the_app_shows_the_line_escaped(tiny_session):
     controls = ["generate", 24, ["tova", "h2o"], 8, 4, 0.1, "paper default"]

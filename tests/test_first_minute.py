@@ -45,6 +45,23 @@ def opened(browser, url, width, height):
     return page
 
 
+def test_the_plain_page_asks_the_server_nothing_as_it_loads(browser, app_url):  # noqa: F811
+    """The first run's summary, view and cost come with the page: no event runs (a tab reporting itself selected
+    as it mounts included), so nothing is drawn twice and the page's main thread stays free."""
+    page = browser.new_page(viewport={"width": 1366, "height": 768})
+    calls = []
+    page.on("request", lambda r: calls.append(r.url) if r.method == "POST" and "gradio_api" in r.url else None)
+    page.goto(app_url)
+    page.wait_for_selector("#kept .kvl-evidence", timeout=60_000)
+    page.wait_for_timeout(2_000)
+    assert calls == []
+    assert page.locator("#cost").inner_text().startswith("Cost: 4 policies x 264 tokens")  # counted, not estimated
+    page.get_by_role("tab", name="Masks").click()  # a view opened by hand is drawn
+    page.wait_for_selector("#heatmap .js-plotly-plot", timeout=60_000)
+    assert calls
+    page.close()
+
+
 @pytest.mark.parametrize("width, height", [(1366, 768), (1440, 900)])
 def test_the_first_screen_shows_a_finished_run_and_run_with_no_click(browser, app_url, width, height):  # noqa: F811
     page = opened(browser, app_url, width, height)
@@ -54,7 +71,7 @@ def test_the_first_screen_shows_a_finished_run_and_run_with_no_click(browser, ap
     assert "317" in summary and "1234" in summary and "reattention:budget=40" in summary  # the answers, Full's first
     assert not page.evaluate(SIDEWAYS_JS, "#summary")
     assert page.evaluate(TABS_FIT_JS, "#pages") and page.evaluate(TABS_FIT_JS, "#views")
-    page.wait_for_selector("#kept .kvl-evidence", timeout=30_000)  # the view in sight follows: the needle marked
+    page.wait_for_selector("#kept .kvl-evidence", timeout=30_000)  # the view in sight: the needle marked
     if os.environ.get("KVLENS_UPDATE_SCREENSHOT") and width == 1366:  # the README's picture of the first screen
         page.screenshot(path=str(ROOT / "docs" / "screenshot.png"))
     # Keyboard users reach Run and every page.
