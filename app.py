@@ -2,9 +2,9 @@
 holds no state: the app keeps the runs it shows and their slow views' results (``RECENT_RUNS``).
 
 A public Space must survive its visitors: requests are checked before they queue for the model
-(``validator=``, outside the model slot), one visitor holds at most one model job (backend.guard),
-uploads are closed and request bodies bounded, every message shown is escaped, exports are deleted
-after download, and the trace store is a cache that may be missing without anything failing.
+(``validator=``, outside the model slot, on every event that runs it: ``model_job``), one visitor holds at most
+one model job (backend.guard), uploads are closed and request bodies bounded, every message shown is escaped,
+exports are deleted after download, and the trace store is a cache that may be missing without anything failing.
 """
 from __future__ import annotations
 
@@ -370,7 +370,8 @@ def _carrier(request: gr.Request | None):
 
 
 def _refuse(message: str, n_inputs: int) -> list:
-    """Validator verdicts that show ``message`` under the first input (the prompt)."""
+    """Validator verdicts that show ``message`` under the first input (the prompt). Left unescaped, unlike a
+    ``gr.Error``'s: the page writes a validator's message as text, so an escaped one would show its entities."""
     return [gr.validate(False, message)] + [gr.validate(True, "")] * (n_inputs - 1)
 
 
@@ -399,6 +400,15 @@ def check_run(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom,
 def check_sweep(prompt, mode, max_new, names, sinks, alpha, heads, model, request: gr.Request = None):
     return _verdicts(lambda: api.check_sweep(sweep_request(prompt, mode, max_new, names, sinks, alpha, heads,
                                                                model)), 8, request)
+
+
+class ClickData(gr.SelectData):
+    """A click on a table's row as Gradio hands it to a handler, or an empty one where a call sends no click data
+    (a raw API call may send none, or anything): its index is then None and the handler asks for a row, where
+    gr.SelectData would fail inside Gradio before the handler, with a traceback in the log."""
+
+    def __init__(self, target, data):
+        super().__init__(target, {"index": None, "value": None, **(data if isinstance(data, dict) else {})})
 
 
 def _leave(request: gr.Request | None) -> None:
@@ -523,15 +533,24 @@ def on_needle(names, budget, lengths, model, request: gr.Request = None, progres
 NEEDLE_CELL_COLUMNS = ["spec", "length", "depth", "found", "answer"]
 
 
-def on_needle_cell(table, model, evt: gr.SelectData, request: gr.Request = None, progress=gr.Progress()):
+def needle_cell(table, evt: ClickData) -> tuple[str, int, float]:
+    """The (spec, length, depth) of the needle cell whose row was clicked, or RequestError."""
+    try:
+        row = pd.DataFrame(table).iloc[int(evt.index[0])]
+        return str(row["spec"]), int(row["length"]), float(row["depth"])
+    except (TypeError, ValueError, IndexError, KeyError):
+        raise RequestError("Pick a cell's row of the table.") from None
+
+
+def check_needle_cell(table, model, evt: ClickData, request: gr.Request = None):
+    return _verdicts(lambda: api.check_needle_cell(*needle_cell(table, evt), model), 2, request)
+
+
+def on_needle_cell(table, model, evt: ClickData, request: gr.Request = None, progress=gr.Progress()):
     """A click on a needle cell's row: that cell as a run of its own, the needle's number marked as its evidence
     in the usual views."""
     try:
-        try:
-            row = pd.DataFrame(table).iloc[int(evt.index[0])]
-            spec, length, depth = str(row["spec"]), int(row["length"]), float(row["depth"])
-        except (TypeError, ValueError, IndexError, KeyError):
-            raise RequestError("Pick a cell's row of the table.") from None
+        spec, length, depth = needle_cell(table, evt)
         run = compute_run(api.needle_request(spec, length, depth, model), progress)
     except RequestError as err:
         raise shown(err) from None
@@ -625,7 +644,7 @@ def leaderboard_samples(model, task, setting, folder: Path | None = None) -> pd.
     return rows[SAMPLE_TABLE_COLUMNS].reset_index(drop=True)
 
 
-def on_board_sample(table, setting, board, evt: gr.SelectData):
+def on_board_sample(table, setting, board, evt: ClickData):
     """A click on a shipped sample's row sets the sample controls to it (its task, sample, setting, policy at its
     ratio) and the model to the leaderboard's, so the next step runs it with its evidence marked."""
     try:
@@ -707,6 +726,19 @@ def on_task_sample(task, sample, setting, names, ratio, model, request: gr.Reque
             sample_table_html(result.table)
             + why_html(result.why, result.evidence.describe() if result.evidence is not None else ""),
             *selectors_for(run))
+
+
+# The events that run the model, each with its validator: the cheap check, then an admission ticket (``_verdicts``)
+# that the event gives back when it ends (``_leave``). ``model_job`` wires every route to them this way, a button's,
+# a chained step's or a row's click alike, so none reaches the model unadmitted.
+MODEL_JOBS = MappingProxyType({on_run: check_run, on_sweep: check_sweep, on_needle: check_needle,
+                               on_needle_cell: check_needle_cell, on_task_sample: check_task_sample})
+MODEL_SLOT = "model"  # the queue's concurrency id of the model's jobs: one at a time
+
+
+def model_job(trigger, fn, inputs, outputs, **options):
+    """``fn`` (one of ``MODEL_JOBS``) on ``trigger``: admitted by its validator, queued for the model's slot."""
+    return trigger(fn, inputs, outputs, validator=MODEL_JOBS[fn], concurrency_id=MODEL_SLOT, **options)
 
 
 def on_tsne(run_id, policy, layer, head):
@@ -1217,9 +1249,8 @@ def build() -> gr.Blocks:
         policy_set.input(named_set, policy_set, names, **quick)
         names.change(split_kinds, names, [*kind_boxes, policy_set], **quick)
         for trigger in (run_button.click, budget.input):  # input: a lesson setting the budget runs nothing
-            ran = trigger(on_run, run_inputs, [run_id, status, step, layer, head_], validator=check_run,
-                          concurrency_id="model", trigger_mode="always_last",
-                          **({} if trigger == run_button.click else hidden))
+            ran = model_job(trigger, on_run, run_inputs, [run_id, status, step, layer, head_],
+                            trigger_mode="always_last", **({} if trigger == run_button.click else hidden))
             draw(ran.then, documented=trigger == run_button.click)
             ran.then(on_cost, run_inputs, cost_line, **cost_)
         for control in (layer, head_, curve_alpha):
@@ -1247,15 +1278,14 @@ def build() -> gr.Blocks:
         examples.click(example_text, examples, prompt, queue=False, **hidden).then(example_evidence, examples, evidence,
                                                                           **quick)
         tsne_button.click(on_tsne, [run_id, tsne_policy, layer, head_], tsne_plot, **views_)
-        sweep_button.click(on_sweep, [prompt, mode, max_new, names, sinks, alpha, heads, model],
-                           [sweep_plot, sweep_status], validator=check_sweep, concurrency_id="model")
+        model_job(sweep_button.click, on_sweep, [prompt, mode, max_new, names, sinks, alpha, heads, model],
+                  [sweep_plot, sweep_status])
         # The experiments draw their shipped results when they first open (the page loads without them).
         long_page.select(shipped_long_context, None, [shipped_needle, shipped_sweep, long_note], **views_hidden)
-        needle_button.click(on_needle, [needle_names, needle_budget, needle_lengths, model],
-                            [needle_plot, needle_table, needle_status, needle_cells], validator=check_needle,
-                            concurrency_id="model")
-        draw(needle_cells.select(on_needle_cell, [needle_cells, model], [run_id, status, step, layer, head_],
-                                 concurrency_id="model").then)
+        model_job(needle_button.click, on_needle, [needle_names, needle_budget, needle_lengths, model],
+                  [needle_plot, needle_table, needle_status, needle_cells])
+        draw(model_job(needle_cells.select, on_needle_cell, [needle_cells, model],
+                       [run_id, status, step, layer, head_]).then)
         board_outputs = [board_task, board_setting, board_pick, board_plot, board_table, board_note]
         opened = tasks_page.select(on_leaderboard_model, [board, board_task], board_outputs, **views_hidden)
         opened.then(leaderboard_samples, [board, board_task, board_setting], board_samples, **views_hidden)
@@ -1270,13 +1300,12 @@ def build() -> gr.Blocks:
         # A task sample is a run: it takes the model's slot, then the usual views show it as the Run button's do.
         task_inputs = [task_name, task_sample, task_setting, task_names, task_ratio, model]
         sample_outputs = [run_id, status, task_status, task_table, step, layer, head_]
-        draw(task_button.click(on_task_sample, task_inputs, sample_outputs, validator=check_task_sample,
-                               concurrency_id="model").then)
+        draw(model_job(task_button.click, on_task_sample, task_inputs, sample_outputs).then)
         # A shipped sample's row: the controls take it, then it runs as the button's sample does.
         picked = board_samples.select(on_board_sample, [board_samples, board_setting, board],
                                       [task_name, task_sample, task_setting, task_names, task_ratio, model],
                                       queue=False)
-        draw(picked.then(on_task_sample, task_inputs, sample_outputs, concurrency_id="model").then)
+        draw(model_job(picked.then, on_task_sample, task_inputs, sample_outputs).then)
         export_button.click(on_export, selectors, export_file, **views_)
         # A lesson step sets the controls and the views from a shipped run: nothing computes.
         lesson_outputs = [lesson, lesson_box, lesson_text, run_id, status, step, layer, head_, prompt, names,

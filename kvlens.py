@@ -131,16 +131,17 @@ class Html(str):
 def run(text: str, policies: Sequence[str] | str, *, budget: int | None = None, ratio: float | None = None,
         mode: str = "prompt", max_new_tokens: int = 64, model: str = DEFAULT_MODEL, chat: bool = True,
         max_tokens: int | None = None, device: str = "cpu", dtype: str = "float32", cache: bool = True,
-        progress: Callable[[float, str], None] | None = None) -> "NotebookRun":
+        evidence: Sequence[str] | str = (), progress: Callable[[float, str], None] | None = None) -> "NotebookRun":
     """Run ``text`` under ``policies`` (specs such as ``tova:budget=64`` or ``snapkv:ratio=0.5``; ``budget`` or
     ``ratio`` sizes those that name neither), Full always computed beside them as the reference.
 
     ``mode``: ``prompt`` scores the text teacher-forced; ``generate`` lets each policy write ``max_new_tokens``
     tokens after the prompt (a chat turn where the model chats and ``chat`` is on). ``max_tokens`` keeps the first
-    tokens of a longer text. ``cache``: replay and keep traces in the command line's store."""
+    tokens of a longer text. ``cache``: replay and keep traces in the command line's store. ``evidence``: strings
+    of the text that hold the answer, marked in the views as the app's evidence box marks them."""
     specs = _sized(policies, budget, ratio)
     request = api.RunRequest(prompt=text, specs=specs, mode=mode, max_new_tokens=max_new_tokens, model=model,
-                             chat=chat, max_tokens=max_tokens, device=device, dtype=dtype)
+                             chat=chat, max_tokens=max_tokens, device=device, dtype=dtype, evidence=evidence)
     try:
         api.check_run(request, LIMITS)  # the store is chosen by the checked specs
         return NotebookRun(api.run(request, _store_for(request.specs, cache), progress, LIMITS))

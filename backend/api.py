@@ -3,10 +3,10 @@ come in here, with one validation and the limits of whoever asks (``limits.Limit
 the machine's from the command line). Without any UI code it checks a request, runs it through the store
 (``runs.replay_or_compute``), gives it a share link, reopens it later, and exports it.
 
-Checks come cheapest first: ``check_run`` / ``check_sweep`` / ``check_needle`` look only at the request
-(sizes, Unicode, policy specs, model name) and never load the model, so a bad request costs microseconds and
-can be refused outside the model slot; ``run`` / ``sweep`` / ``needle_grid`` then load the model, tokenize,
-check the token counts and the cost (tokens x rows, ``limits.Limits``), and run.
+Checks come cheapest first: ``check_run`` / ``check_sweep`` / ``check_needle`` / ``check_needle_cell`` /
+``check_sample`` look only at the request (sizes, Unicode, policy specs, model name) and never load the model, so
+a bad request costs microseconds and can be refused outside the model slot; ``run`` / ``sweep`` / ``needle_grid``
+then load the model, tokenize, check the token counts and the cost (tokens x rows, ``limits.Limits``), and run.
 
 A share link ``?run=<id>`` names a small JSON manifest (the request and the store keys of its traces).
 The id is random, so nobody can test whether someone else ran a guessed prompt; the traces themselves
@@ -132,7 +132,7 @@ def _check_text(request, limits: Limits) -> None:
         raise RequestError(f"Max tokens must be an integer from 2 to {limits.prompt_tokens}.")
     if len(request.prompt) > limits.text_chars and cap is None:
         raise RequestError(f"The prompt is {len(request.prompt):,} characters long; the limit here is "
-                           f"{limits.text_chars:,} characters ({limits.prompt_tokens} tokens).")
+                           f"{limits.text_chars:,} characters and {limits.prompt_tokens_in_words()}.")
     _check_unicode(request.prompt, "The prompt")
     if request.mode not in MODES:
         raise RequestError(f"Unknown mode {str(request.mode)[:40]!r}; choose generate or prompt.")
@@ -590,9 +590,7 @@ def needle_request(spec: str, length, depth, model: str = DEFAULT_MODEL, limits:
     the needle's number, or RequestError: what a click on a grid's cell opens."""
     from .experiments.needle import Cell, haystack
 
-    check_needle([spec], [length], model, limits)
-    if depth not in NEEDLE_DEPTHS:
-        raise RequestError(f"Depths here are {', '.join(map(str, NEEDLE_DEPTHS))}.")
+    check_needle_cell(spec, length, depth, model, limits)
     lm = get_model(model)
     cell = Cell(int(length), float(depth))
     text, _ = haystack(lm, cell)
@@ -600,6 +598,14 @@ def needle_request(spec: str, length, depth, model: str = DEFAULT_MODEL, limits:
                          chat=True, evidence=[cell.number()])
     check_run(request, limits)
     return request
+
+
+def check_needle_cell(spec: str, length, depth, model: str = DEFAULT_MODEL, limits: Limits = LIMITS) -> None:
+    """RequestError unless one cell of a visitor's needle grid may run as a run of its own; cheap (never loads the
+    model), so the app checks a click on a cell before the job queues."""
+    check_needle([spec], [length], model, limits)
+    if depth not in NEEDLE_DEPTHS:
+        raise RequestError(f"Depths here are {', '.join(map(str, NEEDLE_DEPTHS))}.")
 
 
 def check_needle(specs: Sequence[str], lengths: Sequence, model: str, limits: Limits = LIMITS) -> list[dict]:

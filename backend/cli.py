@@ -33,7 +33,7 @@ from .experiments.sweep import (DEFAULT_BUDGETS, DEFAULT_POLICIES, MAX_ROWS, bud
                                 ratio_jobs, split_policies, summarize, write_tables)
 from .experiments.leaderboard import SHIPPED_POLICIES, SHIPPED_RATIOS
 from .experiments.ruler_speeches import STANDINS, task_folder
-from .experiments.tasks import RULER_OFFLINE
+from .experiments.tasks import MAX_SAMPLES, RULER_OFFLINE
 from .traces.trace import file_stem
 
 
@@ -253,8 +253,10 @@ def cmd_needle(args: argparse.Namespace) -> int:
 
 
 def cmd_tasks(args: argparse.Namespace) -> int:
+    from .engine.models import ModelError, model_context
     from .experiments.leaderboard import averaged, leaderboard_frame, summarize, task_jobs, task_specs
     from .experiments.task_runs import SETTINGS
+    from .experiments.tasks import TaskUnavailable, check_tasks
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
@@ -269,16 +271,28 @@ def cmd_tasks(args: argparse.Namespace) -> int:
         raise CliError("--samples must be at least 1")
     if args.first_sample < 0:
         raise CliError("--first-sample must be 0 or more")
+    if args.first_sample + args.samples > MAX_SAMPLES:  # every job is made before the first runs
+        raise CliError(f"--first-sample and --samples: a task has at most {MAX_SAMPLES} samples at a length (0 to "
+                       f"{MAX_SAMPLES - 1}), got {args.first_sample} to {args.first_sample + args.samples - 1}")
     try:
         ratios = parse_ratios(args.ratios)
         specs = task_specs([p for item in args.policy or [DEFAULT_TASK_POLICIES] for p in split_policies(item)],
                            ratios)
-        jobs = [_on_device(job, args) for job in task_jobs(args.model, tasks, lengths, args.samples, specs, settings,
-                                                           chat=args.chat, first=args.first_sample)]
     except SpecError as err:
         raise CliError(str(err)) from None
     except ValueError as err:
         raise CliError(f"--ratios: {err}") from None
+    try:  # before any job loads the model or makes a sample: RULER's generators run on at any length asked
+        check_tasks(tasks, lengths)
+        context = model_context(args.model, args.device, args.dtype)
+    except (TaskUnavailable, ModelError) as err:
+        raise CliError(str(err)) from None
+    if max(lengths) > min(context, LIMITS.prompt_tokens):
+        most = f"{args.model} reads at most {context:,}" if context <= LIMITS.prompt_tokens else \
+            f"the limit here is {LIMITS.prompt_tokens:,}"
+        raise CliError(f"--lengths: {most} tokens, got {max(lengths):,}")
+    jobs = [_on_device(job, args) for job in task_jobs(args.model, tasks, lengths, args.samples, specs, settings,
+                                                       chat=args.chat, first=args.first_sample)]
     out = writable_dir(args.out)
     df = leaderboard_frame(_run_grid(jobs, args, out / "samples.jsonl", "task samples"))
     df.to_csv(out / "leaderboard.csv", index=False)
@@ -461,10 +475,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated lm-eval tasks (default: RULER's offline ones, {','.join(RULER_OFFLINE)}); "
                         f"offline, RULER's essay tasks have stand-ins over the shipped speeches, "
                         f"{','.join(STANDINS)}")
-    p.add_argument("--lengths", default="1024", help="prompt lengths in tokens, as RULER sizes its samples")
-    p.add_argument("--samples", type=int, default=5, help="samples per task and length (the first N)")
+    p.add_argument("--lengths", default="1024",
+                   help="prompt lengths in tokens, as RULER sizes its samples: 64 up to the model's context")
+    p.add_argument("--samples", type=int, default=5,
+                   help=f"samples per task and length (the first N; at most {MAX_SAMPLES}, as many as RULER makes)")
     p.add_argument("--first-sample", type=int, default=0, metavar="K",
-                   help="start at sample K (samples K..K+N-1), to add samples to a leaderboard made before")
+                   help=f"start at sample K (samples K..K+N-1, below {MAX_SAMPLES}), to add samples to a leaderboard "
+                        f"made before")
     p.add_argument("--policy", action="append", metavar="NAMES",
                    help=f"comma-separated policies with parameters but no budget; repeat to add (default: "
                         f"{DEFAULT_TASK_POLICIES})")

@@ -21,6 +21,7 @@ import os
 from dataclasses import dataclass, fields, replace
 
 MODELS_ENV = "KVLENS_MODELS"  # the operator's models for the Space, comma-separated (hub ids or local paths)
+UNBOUNDED_TOKENS = 2 ** 31 - 1  # prompt_tokens where the model's context alone bounds a text (the command line's)
 FLOAT_BYTES = 4  # float32: the command line's default dtype, and what the logits are computed in
 # A row's keys and values, times this: the cache's quarter of spare room, generate mode's fork of the cache (the
 # scoring copy beside the decoding one), the Full row beside the counted ones and the process around them. The
@@ -95,9 +96,16 @@ class Limits:
     def for_machine(cls, environ=os.environ) -> "Limits":
         """The command line's limits: any model, texts up to the model's context, and as many row-tokens as the
         machine's memory holds; ``KVLENS_MAX_<FIELD>`` still overrides."""
-        machine = cls(prompt_tokens=2 ** 31 - 1, text_chars=16 * 2 ** 20, new_tokens=4096, policies=64,
+        machine = cls(prompt_tokens=UNBOUNDED_TOKENS, text_chars=16 * 2 ** 20, new_tokens=4096, policies=64,
                       row_tokens=None, sweep_row_tokens=None, models=None)
         return cls._overridden(machine, environ)
+
+    def prompt_tokens_in_words(self) -> str:
+        """The prompt-token limit as a message says it: "32,768 tokens", or the model's context where that alone
+        bounds a text."""
+        if self.prompt_tokens >= UNBOUNDED_TOKENS:
+            return "as many tokens as the model reads"
+        return f"{self.prompt_tokens:,} tokens"
 
     def row_token_limit(self, price: RowPrice | None, length: int, sweep: bool = False,
                         memory: int | None = None) -> int:

@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -198,3 +199,32 @@ def test_a_gemma_model_whose_layers_all_slide_runs_and_records_its_layers(family
     trace = Trace.load(out / summary["tova:budget=512"]["trace"])
     assert trace.meta["layer_windows"] == [16] * 4 and trace.meta["recorded_layers"] == [0, 2, 3]
     assert trace.keys.shape[:2] == (3, 2) and summary["tova:budget=512"]["kl_to_full"] == pytest.approx(0, abs=1e-6)
+
+
+# Seconds each refusal may take in this process: the lm-eval task names it does not know are looked up in lm-eval's
+# index of its tasks (7 s on two idle cores), the rest at once.
+@pytest.mark.parametrize("args, message, seconds", [
+    (["--samples", "1000000000"], "error: --first-sample and --samples: a task has at most 500 samples at a length "
+                                  "(0 to 499), got 0 to 999999999", 2),
+    (["--first-sample", "499", "--samples", "2"], "got 499 to 500", 2),
+    (["--lengths", "1000000000"], "error: --lengths: smollm2-135m-instruct reads at most 8,192 tokens, got "
+                                  "1,000,000,000", 5),
+    (["--lengths", "1024,100000"], "reads at most 8,192 tokens, got 100,000", 5),
+    (["--tasks", "niah_single_1,no_such_task"], "error: lm-eval has no task 'no_such_task'; the offline tasks are",
+     30),
+    (["--tasks", "ruler_vt", "--lengths", "512"], "error: ruler_vt needs 1024 tokens or more", 2),
+])
+def test_a_task_leaderboard_past_its_bounds_is_refused_before_any_job_is_made(default_lm, tmp_path, monkeypatch,
+                                                                               capsys, args, message, seconds):
+    """``default_lm``: the packaged model's first use converts it (a minute, once per machine), not timed here."""
+    from backend import cli
+    from backend.experiments import leaderboard
+
+    # Neither a job (a billion of them filled gigabytes) nor the model (RULER's generators run on at any length).
+    monkeypatch.setattr(leaderboard, "task_jobs", lambda *a, **k: pytest.fail("jobs made before the checks"))
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the model loaded before the checks"))
+    started = time.monotonic()
+    assert cli.main(["tasks", *args, "--out", str(tmp_path / "o")]) == 2
+    assert time.monotonic() - started < seconds
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: ") and message in line

@@ -74,6 +74,16 @@ def test_a_20_mb_prompt_is_refused_by_its_size_before_tokenizing(monkeypatch, ti
         api.run(request(prompt="x" * 20_000_000), tiny_session)
 
 
+def test_the_text_limits_message_names_real_numbers_on_the_space_and_the_command_line():
+    with pytest.raises(RequestError) as space:
+        api.check_run(request(prompt="x" * (LIMITS.text_chars + 1)), LIMITS)
+    assert str(space.value).endswith("the limit here is 196,608 characters and 32,768 tokens.")
+    with pytest.raises(RequestError) as machine:  # a 17 MB text: the model's context bounds its tokens
+        api.check_run(request(prompt="x" * 17_000_000), Limits.for_machine({}))
+    assert str(machine.value) == ("The prompt is 17,000,000 characters long; the limit here is 16,777,216 "
+                                  "characters and as many tokens as the model reads.")
+
+
 @pytest.mark.parametrize("what, bad, message", [
     ("sparq r above the head size (8 in the tiny model)", request(specs=["sparq:budget=6,r=9"]), "r must be <= the model's head size 8"),
     ("one-token text", request(prompt="a"), "at least 2 tokens"),
@@ -361,4 +371,100 @@ def test_a_control_out_of_range_is_one_line_with_nothing_in_the_log(server, capf
     assert "event: error" in stream, stream
     message = json.loads(stream.split("data:", 1)[1].strip())
     assert message and "\n" not in str(message), message
+    assert "Traceback" not in capfd.readouterr().err
+
+
+# --- Every route to the model is admitted alike; a click without its data is one line -----------------------
+
+COMPUTES = ("compute_run", "compute_sweep", "compute_needle", "compute_sample")  # what runs the model (zerogpu.gpu)
+
+
+def calls_the_model(fn) -> bool:
+    code = getattr(fn, "__code__", None)
+    return getattr(fn, "__module__", None) == "app" and code is not None and bool(set(COMPUTES) & set(code.co_names))
+
+
+# The app's functions that reach the model, read from their code: a new one is found without being listed here.
+RUNNERS = {name for name, fn in vars(app).items() if calls_the_model(fn)}
+NEEDLE_CELLS = {"headers": app.NEEDLE_CELL_COLUMNS, "data": [["tova:budget=64", 512, 0.5, True, "4"]]}
+BOARD_SAMPLES = {"headers": app.SAMPLE_TABLE_COLUMNS, "data": [["niah_single_1", 1, "tova", 0.75, 1.0, "42"]]}
+# A request each runner's validator lets through (the model is held: nothing runs).
+ADMISSIBLE = {
+    "on_run": RAW_RUN,
+    "on_sweep": ["The cat sat.", "prompt", 4, ["tova"], 4, 0.1, "paper default", DEFAULT_MODEL],
+    "on_needle": [["tova"], 64, [512], DEFAULT_MODEL],
+    "on_needle_cell": [NEEDLE_CELLS, DEFAULT_MODEL],
+    "on_task_sample": ["niah_single_1", 0, "agnostic", ["tova"], 0.5, DEFAULT_MODEL],
+}
+CLICK = {"index": [0, 0], "value": "tova:budget=64"}
+
+
+def model_routes() -> list[tuple[int, str]]:
+    """(fn_index, api name) of every event whose function runs the model, whatever triggers it (a button, a
+    chained step, a row's click)."""
+    return [(index, fn.api_name) for index, fn in app.demo.fns.items() if getattr(fn.fn, "__name__", "") in RUNNERS]
+
+
+def test_every_event_that_runs_the_model_is_wired_through_its_admission():
+    assert RUNNERS == {fn.__name__ for fn in app.MODEL_JOBS}  # every function that runs the model has its validator
+    routes = model_routes()
+    assert {"on_task_sample_1", "on_needle_cell", "on_run_1"} < {name for _, name in routes}  # chained, a click
+    for index, _ in routes:
+        fn = app.demo.fns[index]
+        assert fn.validator is app.MODEL_JOBS[fn.fn] and fn.concurrency_id == app.MODEL_SLOT, fn.api_name
+
+
+def queue_join(url: str, index: int, data: list, event_data=None) -> httpx.Response:
+    """One event queued as the page queues it, with the click data a select event carries."""
+    body = {"data": data, "fn_index": index, "session_hash": f"test-{time.time_ns()}", "event_data": event_data,
+            "trigger_id": None}
+    return httpx.post(f"{url}/gradio_api/queue/join", json=body, timeout=30)
+
+
+def test_concurrent_calls_on_every_route_to_the_model_meet_the_per_address_limit(server, monkeypatch):
+    monkeypatch.setattr(app, "ADMISSION", guard.Admission(per_session=1, per_address=2, queue=app.QUEUE_SIZE))
+    release = threading.Event()
+
+    def held(*args, **kwargs):  # the model is busy until every call of a burst has its answer
+        release.wait(timeout=300)
+        raise RequestError("done")
+
+    for name in COMPUTES:
+        monkeypatch.setattr(app, name, held)
+    monkeypatch.setattr(api, "needle_request", lambda *args, **kwargs: None)  # a cell's haystack needs the model
+    admitted = {}
+    for index, name in model_routes():
+        release.clear()
+        fn = app.demo.fns[index].fn.__name__
+        with ThreadPoolExecutor(5) as pool:
+            responses = list(pool.map(lambda _: queue_join(server, index, ADMISSIBLE[fn], CLICK), range(5)))
+        release.set()
+        admitted[name] = sum(r.status_code == 200 for r in responses)
+        refused = [r for r in responses if r.status_code != 200]
+        for response in refused:
+            assert response.status_code == 422, (name, response.text)
+            (message,) = [d["message"] for d in response.json()["detail"] if d["is_valid"] is False]
+            assert message.startswith("Too many runs from your address"), (name, message)
+        deadline = time.monotonic() + 60
+        while len(app.ADMISSION) and time.monotonic() < deadline:  # the admitted calls end and free their slots
+            time.sleep(0.05)
+        assert len(app.ADMISSION) == 0, name
+    assert admitted == {name: 2 for _, name in model_routes()}
+
+
+def test_a_click_without_its_data_is_one_line_with_nothing_in_the_log(server, capfd):
+    tables = {"on_needle_cell": [NEEDLE_CELLS, DEFAULT_MODEL], "on_board_sample": [BOARD_SAMPLES, None, DEFAULT_MODEL]}
+    clicks = [(index, fn.api_name) for index, fn in app.demo.fns.items() if fn.collects_event_data]
+    assert {name for _, name in clicks} == set(tables)  # every select handler: a new one is added above
+    for index, name in clicks:
+        for event_data in (None, "x", {"index": "x"}, {"index": [99, 0]}, {"value": 1}):
+            response = queue_join(server, index, tables[name], event_data)
+            if response.status_code == 422:  # refused by the validator, before the queue
+                (message,) = [d["message"] for d in response.json()["detail"] if d["is_valid"] is False]
+            else:
+                stream = httpx.get(f"{server}/gradio_api/queue/data", timeout=60,
+                                   params={"session_hash": json.loads(response.request.content)["session_hash"]})
+                (line,) = [line for line in stream.text.splitlines() if '"process_completed"' in line]
+                message = json.loads(line.split("data:", 1)[1])["output"]["error"]
+            assert message in ("Pick a cell's row of the table.", "Pick a row of the table."), (name, event_data)
     assert "Traceback" not in capfd.readouterr().err

@@ -1,6 +1,7 @@
 """The notebook API (kvlens.py) and its tutorial: the tutorial runs top to bottom in a fresh kernel, as a reader
 runs it; the API's refusals are the command line's one-line messages; a policy defined in a notebook runs."""
 import json
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -160,3 +161,19 @@ def test_a_sweep_and_a_needle_grid_run_through_the_front_door(tiny_session, monk
     jobs, no_cache = calls[0]
     assert [job["payload"]["specs"] for job in jobs] == [["full", "tova:budget=16"]] * 2 and not no_cache
     assert grid.table.empty
+
+
+def test_a_run_names_its_evidence_as_the_app_does_and_the_views_mark_it(default_loaded, tmp_path, monkeypatch):
+    from backend.traces.store import TraceStore
+
+    monkeypatch.setattr(kvlens, "_store", TraceStore(tmp_path / "store"))
+    text = "The door code is 48151. Keep it to yourself, and open the door with it tonight."
+    marked = kvlens.run(text, "tova", budget=8, evidence=["48151"])
+    plain = kvlens.run(text, "tova", budget=8)
+    assert marked.run.request.evidence == ["48151"] and plain.run.request.evidence == []
+    underlined = re.compile(r'class="kvl-tok [^"]*kvl-evidence')  # a token's classes, not the page's style
+    assert underlined.search(marked.kept_tokens(step=4)) and not underlined.search(plain.kept_tokens(step=4))
+    assert len(marked.masks().layout.shapes) > len(plain.masks().layout.shapes)  # its columns banded
+    assert kvlens.reopen(marked.run_id).run.request.evidence == ["48151"]
+    with pytest.raises(kvlens.KVLensError, match="^Evidence is a list of strings from the text.$"):
+        kvlens.run(text, "tova", budget=8, evidence=[48151])

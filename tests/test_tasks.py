@@ -93,6 +93,16 @@ def test_lm_eval_runs_kvlens_on_a_ruler_task_end_to_end(tiny_dir, store_dir):
     assert len(results["samples"]["niah_single_1"]) == 2
 
 
+def test_a_sample_past_those_the_task_makes_is_one_line(tiny_dir, store_dir):
+    from backend.engine.models import shared_model
+    from backend.experiments.task_runs import run_sample
+    from backend.experiments.tasks import MAX_SAMPLES
+
+    # RULER drops the samples that do not fit: at 512 of the tiny tokenizer's tokens 477 of the 500 are made.
+    with pytest.raises(ValueError, match=r"^niah_single_1 has 477 samples at 512 tokens \(0 to 476\), not sample 499$"):
+        run_sample(shared_model(tiny_dir), "niah_single_1", 512, MAX_SAMPLES - 1, ["full"])
+
+
 def _request(context: str, **gen_kwargs) -> SimpleNamespace:
     """An lm-eval generate_until request: its ``args`` are the context and the generation settings."""
     return SimpleNamespace(args=(context, {"do_sample": False, "until": [], **gen_kwargs}))

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_model
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .allocator import bound_mmap_threshold
 from .attention import ATTN_IMPLEMENTATION
@@ -110,7 +110,7 @@ class LoadedModel:
     @property
     def context(self) -> int:
         """The longest text (prompt and new tokens) the model was trained to read."""
-        return int(getattr(self.model.config, "max_position_embeddings", 0) or 2 ** 31 - 1)
+        return context_of(self.model.config)
 
     @property
     def head_dim(self) -> int:
@@ -129,6 +129,11 @@ class LoadedModel:
                                                            add_generation_prompt=True, tokenize=True,
                                                            return_dict=True)["input_ids"])
         return list(self.tokenizer(text).input_ids)
+
+
+def context_of(config) -> int:
+    """The longest text (prompt and new tokens) a model of this transformers config was trained to read."""
+    return int(getattr(config, "max_position_embeddings", 0) or 2 ** 31 - 1)
 
 
 def cache_dir() -> Path:
@@ -243,6 +248,20 @@ def load_model(name: str = DEFAULT_MODEL, device: str = "cpu", dtype: str = "flo
         return LoadedModel(name=name, model=model, tokenizer=tokenizer, fingerprint=fingerprint, chat=chat)
     except UnsupportedModel as err:  # a family the engine cannot serve, in one line
         raise ModelError(str(err)) from None
+
+
+def model_context(name: str = DEFAULT_MODEL, device: str = "cpu", dtype: str = "float32") -> int:
+    """The longest text ``name`` reads (``context_of``), from its config alone where it is not loaded: what a grid
+    checks its lengths against before any job loads the weights. ModelError as ``load_model``'s."""
+    loaded = loaded_model(name, device, dtype)
+    if loaded is not None:
+        return loaded.context
+    source, _, _ = _source(name)
+    try:
+        config = AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as err:  # a hub id without internet, an unknown architecture
+        raise ModelError(f"could not load {source}: {str(err).strip().splitlines()[0]}") from None
+    return context_of(config)
 
 
 LOADED: dict[str, LoadedModel] = {}  # the models this process has loaded, by name

@@ -228,6 +228,9 @@ def run_sample(lm: LoadedModel, name: str, length: int, index: int, specs: Seque
     from .tasks import tokenizer_source
 
     task = load_task(name, int(length), tokenizer or tokenizer_source(lm))
+    made = len(task.test_docs())
+    if not 0 <= int(index) < made:  # RULER drops the samples that do not fit; another task may make fewer
+        raise ValueError(f"{name} has {made} samples at {length} tokens (0 to {made - 1}), not sample {index}")
     request = lm_eval_request(task, index, lm, chat)
     specs = ["full", *[s for s in specs if parse_spec(s).name != "full"]]
     # The app's layers are recorded (attention rows, keys): a sample's link opens in every view, and the evidence

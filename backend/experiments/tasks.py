@@ -21,6 +21,7 @@ QA): the share of the references found in the answer, ignoring case.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from contextlib import contextmanager
 from functools import lru_cache
 
@@ -32,6 +33,9 @@ OFFLINE = RULER_OFFLINE + ruler_speeches.STANDINS  # what makes its samples with
 # Below these lengths (in the default model's tokens; 512, 640 and 768 tried) lm-eval's generator for
 # ruler_vt runs on without end: its instructions and shortest chain do not fit.
 SHORTEST = {"ruler_vt": 1024}
+# Samples of one task at one length a leaderboard may ask for: RULER's generators (and the stand-ins) make at most
+# 500, numbered from 0 (fewer where some do not fit the length).
+MAX_SAMPLES = 500
 
 
 class TaskUnavailable(RuntimeError):
@@ -79,6 +83,31 @@ def lm_eval_seeds():
         np.random.set_state(numpy_state)
 
 
+def _too_short(name: str, length: int) -> str:
+    return f"{name} needs {SHORTEST[name]} tokens or more; lm-eval's generator does not finish at {length}"
+
+
+def _no_task(name: str) -> str:
+    return f"lm-eval has no task {name!r}; the offline tasks are {', '.join(OFFLINE)}"
+
+
+def check_tasks(names: Sequence[str], lengths: Sequence[int]) -> None:
+    """TaskUnavailable for a task lm-eval does not have or a length its generator does not finish at, before any
+    model loads or sample is made. The offline tasks are known by name; any other is looked up in lm-eval's index
+    of its tasks (several seconds)."""
+    for name in names:
+        if min(lengths) < SHORTEST.get(name, 0):
+            raise TaskUnavailable(_too_short(name, min(lengths)))
+    others = [name for name in dict.fromkeys(names) if name not in OFFLINE]
+    if others:
+        from lm_eval.tasks import TaskManager
+
+        known = set(TaskManager(include_path=str(ruler_speeches.task_folder())).match_tasks(others))
+        for name in others:
+            if name not in known:
+                raise TaskUnavailable(_no_task(name))
+
+
 @lru_cache(maxsize=8)  # making samples takes seconds at 1k tokens and longer at 32k: once per process
 def load_task(name: str, length: int, tokenizer: str):
     """lm-eval's task ``name`` with its samples made at ``length`` tokens by ``tokenizer`` (a local directory or
@@ -86,11 +115,10 @@ def load_task(name: str, length: int, tokenizer: str):
     from datasets.exceptions import DatasetsError
 
     if int(length) < SHORTEST.get(name, 0):
-        raise TaskUnavailable(f"{name} needs {SHORTEST[name]} tokens or more; lm-eval's generator does not "
-                              f"finish at {length}")
+        raise TaskUnavailable(_too_short(name, length))
     manager = _manager(tokenizer, int(length))
     if not manager.match_tasks([name]):
-        raise TaskUnavailable(f"lm-eval has no task {name!r}; the offline tasks are {', '.join(OFFLINE)}")
+        raise TaskUnavailable(_no_task(name))
     try:
         with lm_eval_seeds():
             task = manager.load([name])["tasks"][name]
