@@ -14,6 +14,7 @@ import html
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import sys
@@ -369,10 +370,16 @@ def _carrier(request: gr.Request | None):
     return getattr(getattr(request, "request", None), "state", None)
 
 
+MARKUP_START = re.compile(r"<(?=[A-Za-z/!?])")
+
+
 def _refuse(message: str, n_inputs: int) -> list:
-    """Validator verdicts that show ``message`` under the first input (the prompt). Left unescaped, unlike a
-    ``gr.Error``'s: the page writes a validator's message as text, so an escaped one would show its entities."""
-    return [gr.validate(False, message)] + [gr.validate(True, "")] * (n_inputs - 1)
+    """Validator verdicts that show ``message`` under the first input (the prompt). The page writes a validator's
+    message as text, so HTML entities would show as typed; instead every ``<`` that could open a tag (in a spec
+    or a name the visitor typed) becomes a look-alike, which is inert wherever the message lands and still reads
+    as what was typed."""
+    plain = MARKUP_START.sub("‹", message)
+    return [gr.validate(False, plain)] + [gr.validate(True, "")] * (n_inputs - 1)
 
 
 def _verdicts(check, n_inputs: int, request: gr.Request | None):

@@ -126,6 +126,16 @@ def test_error_messages_shown_on_the_page_are_escaped():
     assert "<img" not in err.message and html.escape("<img src=x onerror=alert(1)>") in err.message
 
 
+def test_validator_messages_carry_no_markup_a_visitor_typed():
+    controls = ("hi there", "prompt", 8, ["tova"], 40, 4, 0.1, "paper default")
+    verdict = app.check_run(*controls, "<script>alert(1)</script>", DEFAULT_MODEL, request=visitor("s-markup"))[0]
+    assert verdict["is_valid"] is False and "unknown policy" in verdict["message"]
+    assert "<" not in verdict["message"] and "‹script>alert(1)‹/script>" in verdict["message"]
+    budget = app.check_run("hi", "prompt", 8, ["tova"], 40, 4, 0.1, "paper default", "tova:budget=0",
+                           DEFAULT_MODEL, request=visitor("s-markup"))[0]
+    assert ">= 1" in budget["message"]  # the app's own comparisons stay as they are
+
+
 def visitor(session: str | None, host: str = "10.0.0.1"):
     """A request as the validator and the run see it: a session, an address, and the HTTP request's state."""
     return SimpleNamespace(session_hash=session, client=SimpleNamespace(host=host),
