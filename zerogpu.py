@@ -36,7 +36,7 @@ DEVICE = "cuda"
 MAX_S = 120
 START_S = 15  # every call: the worker's fork, CUDA's start and the model's move onto the GPU
 # Assumed, not yet measured on ZeroGPU's GPU: twice the 2-vCPU Space's ~250 row-tokens a second at 8k tokens
-# (docs/results.md). Too high a guess aborts long calls; too low only asks for more time than they use.
+# (docs/performance.md). Too high a guess aborts long calls; too low only asks for more time than they use.
 ROW_TOKENS_PER_S = 500
 TASK_S = 30  # a task sample also makes lm-eval's samples inside the call
 

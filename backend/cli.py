@@ -23,7 +23,7 @@ import pandas as pd
 
 from .analysis import metrics
 from .engine.models import DEFAULT_MODEL, DEVICES, DTYPES, PACKAGED
-from .policies import PluginError, SpecError, describe, load_plugins, parse_spec, policy_table
+from .policies import POLICIES, PluginError, SpecError, describe, load_plugins, parse_spec, policy_table
 from .engine.runner import DEFAULT_CHUNK
 from . import api
 from .api import RequestError, RunRequest, SweepRequest, check_run, check_sweep
@@ -369,7 +369,12 @@ def _on_device(job: dict, args: argparse.Namespace) -> dict:
 
 
 def cmd_policies(args: argparse.Namespace) -> int:
-    print(policy_table())
+    if args.by_kind:
+        from viz.policy_menu import kinds_table  # the README's table; viz draws, the registry only lists
+
+        print(kinds_table(POLICIES))
+    else:
+        print(policy_table())
     return 0
 
 
@@ -505,8 +510,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--leaderboard", required=True, help="a leaderboard.csv written by `tasks`")
     _common(p)
     p.set_defaults(func=cmd_evidence)
-    sub.add_parser("policies", help="print the registered policies as a Markdown table").set_defaults(
-        func=cmd_policies)
+    p = sub.add_parser("policies", help="print the registered policies as a Markdown table")
+    p.add_argument("--by-kind", action="store_true", help="by kind, with their papers (the README's table)")
+    p.set_defaults(func=cmd_policies)
     sub.add_parser(
         "lm-eval", add_help=False,
         help="lm-evaluation-harness's own command line with KV Lens's model `kvlens` registered, e.g. --model kvlens "

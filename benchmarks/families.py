@@ -1,4 +1,4 @@
-"""The decoder families table of docs/results.md: for each family's tiny random-weight model (the same models as
+"""The decoder families table of docs/models.md: for each family's tiny random-weight model (the same models as
 tests/test_families.py), how far Full is from the plain model, how many policies at a budget above the length
 equal Full, and how many give the same result on the prompt path as token by token. The plain model is
 transformers' own eager attention.

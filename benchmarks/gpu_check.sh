@@ -13,7 +13,7 @@
 #   kernels    the kernels' table (benchmarks/kernels_bench.py --quick);
 #   selection  SparQ and ReAttention through scaling.py at 2k, then 8k, on Gemma 3 270M's shape.
 # The machine it was written for has no network: the packages it lacks travel as wheels in .whl/ (transformers
-# at our pin, lm-eval, diskcache), SmolLM2's tokenizer and the saved requests in .gpu/ (docs/results.md,
+# at our pin, lm-eval, diskcache), SmolLM2's tokenizer and the saved requests in .gpu/ (docs/performance.md,
 # "On a GPU").
 #
 #     bash benchmarks/gpu_check.sh [OUT [STEP...]]

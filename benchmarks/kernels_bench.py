@@ -259,7 +259,7 @@ def tune_sparq(baseline=None, best_out=None, S=16384, B=64, r=R):
         print("  baseline 2xK profile (us):", {k[:28]: round(v, 1) for k, v in prof.items()})
     saved = dict(sparq._LAUNCH)
     # (step-1 positions per program, its warps, selection chunk, its warps): the H100 sweep of
-    # docs/results.md, which also says why there is no fused one-kernel schedule (218 us here).
+    # docs/performance.md, which also says why there is no fused one-kernel schedule (218 us here).
     configs = [dict(block_s=bs, step1_warps=w1, select_max=sm, select_warps=ws)
                for bs, w1, sm, ws in ((1024, 4, 2048, 4), (2048, 4, 2048, 4), (2048, 8, 2048, 4),
                                       (1024, 4, 1024, 2), (1024, 4, 2048, 2), (1024, 4, 4096, 4),

@@ -1,4 +1,4 @@
-"""The task leaderboards' grades in ``docs/results.md``, printed as Markdown from the shipped summaries
+"""The task leaderboards' grades in ``docs/leaderboards.md``, printed as Markdown from the shipped summaries
 (``assets/leaderboards/<model>.csv``, or the files given):
 
     python -m benchmarks.leaderboard_tables [--setting agnostic] [FILE ...]

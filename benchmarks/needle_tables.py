@@ -1,4 +1,4 @@
-"""The needle tables of ``docs/results.md``, printed as Markdown from a needle table (the shipped
+"""The needle tables of ``docs/long-texts.md``, printed as Markdown from a needle table (the shipped
 ``assets/long_context/needle_grid.csv`` by default, or any run's ``grid.csv``):
 
     python -m benchmarks.needle_tables [--policies full,sparq,reattention,quest]

@@ -35,7 +35,7 @@ except ImportError:  # pragma: no cover
 #           attention over the chosen rows (Eq. D3), alpha and mean-value mixing (Eqs. D4, D5)
 #
 # Four launches, one per phase (a fused variant, in which the last program of a row to finish
-# step 1 ran that row's select and finish, measured slower: see docs/results.md, "Kernels").
+# step 1 ran that row's select and finish, measured slower: see docs/performance.md, "Kernels").
 # Selection compares (score, position) with "higher score first, then earlier position": two
 # binary searches, first on the float bits of the score (non-negative floats order like their
 # bit patterns), then on the position among the scores equal to the threshold.

@@ -228,7 +228,7 @@ def test_tasks_tab_draws_the_shipped_leaderboard_and_a_clicked_sample_runs_with_
     assert "a2sf:ratio=0.25" in table
     # Why: the needle's number located in the context and followed through each cache, Full's first.
     assert "Evidence:" in table and "evidence held" in table and "Full held all" in table
-    if os.environ.get("KVLENS_UPDATE_SCREENSHOT"):  # the README's picture of the view
+    if os.environ.get("KVLENS_UPDATE_SCREENSHOT"):  # docs/evidence.md's picture of the view
         page.locator("#task-table").screenshot(path=str(ROOT / "docs" / "screenshot-why.png"))
     # The sample's run is the page's run: the summary and the masks show it.
     page.locator("#pages").get_by_role("tab", name="This run").click()

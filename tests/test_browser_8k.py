@@ -71,7 +71,7 @@ def test_tova_keeps_old_tokens_far_below_the_diagonal_where_sinks_keeps_only_the
     kept_far = sum(panels["tova"][row][col] not in background for row, col in far)
     assert kept_far > len(far) // 20, (kept_far, len(far))
     assert all(panels["sinks"][row][0] not in background for row in range(band + 1, cells))  # the sinks
-    # KVLENS_UPDATE_SCREENSHOT=1 refreshes the README's picture of an 8k text; otherwise the tree stays untouched.
+    # KVLENS_UPDATE_SCREENSHOT=1 refreshes docs/long-texts.md's picture of an 8k text; otherwise the tree stays untouched.
     target = ROOT / "docs" / "screenshot-8k.png" if os.environ.get("KVLENS_UPDATE_SCREENSHOT") else tmp_path / "8k.png"
     scored.locator("#heatmap").scroll_into_view_if_needed()
     scored.locator("#heatmap").screenshot(path=str(target))

@@ -1,6 +1,6 @@
 """Bad and hostile input, through the front door, the app's checks and the real HTTP API: each gets a
 one-line message (never a traceback, a hang or a bare "Error"), and what already worked keeps working.
-The list mirrors docs/results.md ("Bad input").
+The list mirrors docs/robustness.md ("Bad input").
 """
 import html
 import json

@@ -1,4 +1,4 @@
-"""The task leaderboards' grades of docs/results.md, made from the shipped summaries (benchmarks.leaderboard_tables),
+"""The task leaderboards' grades of docs/leaderboards.md, made from the shipped summaries (benchmarks.leaderboard_tables),
 and which policies the shipped samples tell apart, paired (leaderboard.paired_tests and ordered_groups)."""
 from pathlib import Path
 
@@ -48,13 +48,14 @@ def test_a_missing_file_is_one_line(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == f"leaderboard_tables: no such file: {tmp_path / 'none.csv'}"
 
 
-def test_results_md_holds_the_grades_of_the_shipped_leaderboards(capsys):
-    """docs/results.md quotes the tool's output on the shipped summaries: a merged sample must update both."""
+def test_the_leaderboards_page_holds_the_grades_of_the_shipped_leaderboards(capsys):
+    """docs/leaderboards.md quotes the tool's output on the shipped summaries: a merged sample must update both (its
+    other tables are checked against the shipped samples by tests/test_docs.py)."""
     assert main([]) == 0
     printed = capsys.readouterr().out.strip()
-    results = (ROOT / "docs" / "results.md").read_text(encoding="utf-8")
+    page = (ROOT / "docs" / "leaderboards.md").read_text(encoding="utf-8")
     for table in printed.split("\n\n"):
-        assert table in results
+        assert table in page
 
 
 def _samples(scores: dict[str, list[float]], task: str = "a", full: float = 1.0) -> list[dict]:

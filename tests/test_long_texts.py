@@ -220,7 +220,7 @@ def test_a_stored_eviction_trace_stays_within_its_bound():
     """Stored, an eviction trace takes at most evicted_at's 4 bytes per (layer, KV head, token) plus 2 MiB. The
     recorded part (3 layers' top-k attention, k sized for 2 MiB of held entries, and 512 sampled keys) fits
     because the stored arrays compress (evicted_at's neighbours are close); at 8k tokens the default model's
-    TOVA trace takes 3.4 MB of its 5.0 MB bound (docs/results.md, "Stored trace sizes at 8k"). Here a
+    TOVA trace takes 3.4 MB of its 5.0 MB bound (docs/long-texts.md, "Stored trace sizes at 8k"). Here a
     random-weight Llama shaped like the default model's cache (30 layers, 3 KV heads, head dim 64), at 1024
     tokens: 8192 take minutes on two cores, and at 1024 the 2 MiB weigh most against the per-token part."""
     torch.manual_seed(0)

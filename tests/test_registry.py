@@ -131,11 +131,20 @@ def test_a_fork_goes_on_exactly_as_the_original(lm, ids, name, n_prompt):
         np.testing.assert_array_equal(cache.evicted_at(1), twin.evicted_at(1))
 
 
-def test_readme_policy_table_is_the_registrys():
-    readme = (ROOT / "README.md").read_text()
+def test_the_docs_policy_table_is_the_registrys():
+    page = (ROOT / "docs" / "policies.md").read_text()
     builtin = [line for line in policy_table().splitlines()
                if not line.startswith("| `") or POLICIES[line.split("`")[1]].__module__.startswith("backend.")]
-    assert "\n".join(builtin) in readme  # plugins (KVLENS_PLUGINS) are not the README's
+    assert "\n".join(builtin) in page  # plugins (KVLENS_PLUGINS) are not the docs'
+
+
+def test_the_readme_lists_every_registered_policy_by_kind_with_its_paper():
+    from viz.policy_menu import kinds_table
+
+    builtin = {name: cls for name, cls in POLICIES.items() if cls.__module__.startswith("backend.")}
+    table = kinds_table(builtin)
+    assert table in (ROOT / "README.md").read_text()
+    assert all(f"| `{name}` |" in table for name in builtin)
 
 
 def test_the_app_lists_and_colours_every_registered_policy():

@@ -43,6 +43,19 @@ def by_kind(policies: Mapping[str, type]) -> dict[str, list[str]]:
     return out
 
 
+def kinds_table(policies: Mapping[str, type]) -> str:
+    """The policies by kind as a Markdown table (kind, policy, paper): the README's, which a test keeps in step with
+    the registry (``python -m backend policies --by-kind`` prints it). Full comes first, as the reference."""
+    lines = ["| kind | policy | paper |", "|---|---|---|"]
+    lines += [f"| reference | `{name}` | none: every run's first row, what each policy is measured against |"
+              for name, cls in policies.items() if not kind_of(cls)]
+    headings = dict(KINDS)
+    for kind, names in by_kind(policies).items():
+        lines += [f"| {headings[kind] if i == 0 else ''} | `{name}` | {policies[name].paper} |"
+                  for i, name in enumerate(names)]
+    return "\n".join(lines)
+
+
 def descriptions(policies: Mapping[str, type]) -> dict[str, str]:
     """Name -> "its line · its paper", shown when the pointer rests on the policy."""
     return {name: " · ".join(part for part in (cls.summary, cls.paper) if part) for name, cls in policies.items()}

@@ -3,7 +3,7 @@
 The engine allocates and frees arrays of a few MB for every block of queries and every layer (scores,
 masks, spans). glibc serves them from its heap (it raises its mmap threshold, up to 32 MB, each time a
 mapped block is freed), and its heap fragments and does not shrink: a run's RSS creeps up block after
-block. Two remedies, measured in ``docs/results.md`` with ``python -m benchmarks.row_memory``:
+block. Two remedies, measured in ``docs/performance.md`` with ``python -m benchmarks.row_memory``:
 
 * ``give_back()``: ``malloc_trim`` after every forward call of a run (``runner._forward``) returns the
   free pages, at no measurable cost: SparQ's 2k needle row peaked 1.74 GB above the model instead of 2.24.

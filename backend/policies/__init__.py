@@ -12,7 +12,7 @@ from dataclasses import MISSING, fields
 from .base import (CacheView, CompressionPolicy, EvictionPolicy, FullPolicy, Policy, Reform, SelectionPolicy,
                    ratio_budget)
 from .registry import POLICIES, PluginError, load_plugins, register
-# Registration order = the order the app, the CLI and the README list them.
+# Registration order = the order the app, the CLI and the docs list them.
 from .full import Full  # noqa: E402,I001
 from .window import Window  # noqa: E402
 from .sinks import Sinks  # noqa: E402
@@ -141,7 +141,7 @@ def policy_of(meta: dict) -> Policy | None:
 
 
 def policy_table() -> str:
-    """The README's policy table (Markdown), generated from the registry; a test keeps the README in step."""
+    """The policy table of docs/policies.md (Markdown), generated from the registry; a test keeps the page in step."""
     lines = ["| name | policy | paper |", "|---|---|---|"]
     lines += [f"| `{name}` | {cls.summary} | {cls.paper} |" for name, cls in POLICIES.items()]
     return "\n".join(lines)

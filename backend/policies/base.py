@@ -59,7 +59,7 @@ class Policy:
     name: ClassVar[str]
     kind: ClassVar[str]
     allocation: ClassVar[str] = "uniform"  # how the budget is shared across layers and heads
-    summary: ClassVar[str] = ""  # one line for the README table and the app
+    summary: ClassVar[str] = ""  # one line for the docs' policy table and the app
     paper: ClassVar[str] = ""  # the reference the policy implements
     color: ClassVar[str] = ""  # its colour in every figure ("" = the next free palette colour)
     # Bump when the policy's decisions change: its traces in the store are then recomputed, never replayed.

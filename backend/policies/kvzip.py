@@ -24,7 +24,7 @@ class KVzip(CompressionPolicy):
 
     Which scores stay (``scope``): the paper ranks every layer's and head's scores together and keeps the
     best budget x heads x layers (``model``, the default: the paper's and kvpress's default, the one that
-    answers the needle at small budgets, docs/results.md); ``layer`` ranks a layer's heads together
+    answers the needle at small budgets, docs/faithfulness.md); ``layer`` ranks a layer's heads together
     (budget x heads per layer, kvpress's ``layerwise=True``); ``head`` keeps ``budget`` per KV head (the
     authors' ``pair-uniform``).
 

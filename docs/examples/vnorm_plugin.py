@@ -1,5 +1,5 @@
 """A KV Lens plugin: one policy, registered on import (KVLENS_PLUGINS=vnorm_plugin, with this folder on
-PYTHONPATH). Every list, view, test and the README table's generator pick it up from the registry."""
+PYTHONPATH). Every list, view, test and the docs' table generators pick it up from the registry."""
 from dataclasses import dataclass
 
 import numpy as np
