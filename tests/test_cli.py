@@ -25,6 +25,7 @@ def cli(*args):
     ("lru:budget=4", "unknown policy 'lru'"),
     ("tova:budget=0", "budget must be an integer >= 1"),
     ("tova:alpha=0.3", "unknown parameter 'alpha'"),
+    ("kivi:budget=48", "kivi: KIVI holds every token and takes no budget (its parameters: "),
 ])
 def test_bad_policy_is_a_one_line_error(text_file, tmp_path, policy, message):
     result = cli("run", "--text", str(text_file), "--policy", policy, "--out", str(tmp_path / "o"))

@@ -1,8 +1,10 @@
 """Each policy's decision on small attention rows worked out by hand."""
+from dataclasses import fields
+
 import numpy as np
 import pytest
 
-from backend.policies import A2SF, H2O, TOVA, Oracle, Sinks, SpecError, Window, parse_spec
+from backend.policies import A2SF, H2O, POLICIES, TOVA, Oracle, Sinks, SpecError, Window, parse_spec
 
 
 def kept(*bits):
@@ -115,3 +117,22 @@ def test_parse_spec(spec, expected):
 def test_bad_specs_are_one_line_errors(spec, message):
     with pytest.raises(SpecError, match=message):
         parse_spec(spec)
+
+
+@pytest.mark.parametrize("name", [name for name, cls in POLICIES.items() if cls.for_budget(8).budget is None])
+def test_a_budget_given_to_a_policy_that_holds_every_token_says_so_and_names_what_it_takes(name):
+    with pytest.raises(SpecError) as refused:
+        parse_spec(f"{name}:budget=48")
+    message = str(refused.value)
+    assert message.startswith(f"{name}: ") and "holds every token and takes no budget" in message
+    assert "\n" not in message and "must be an integer" not in message
+    for param in fields(POLICIES[name]):
+        assert param.name == "budget" or param.name in message
+
+
+def test_kivi_refuses_a_budget_naming_its_bits_and_residual():
+    with pytest.raises(SpecError, match=r"kivi: KIVI holds every token and takes no budget \(its parameters: .*bits.*"
+                                        r"residual.*ratio\)"):
+        parse_spec("kivi:budget=48")
+    with pytest.raises(SpecError, match=r"full: Full holds every token and takes no budget \(it takes no parameters\)"):
+        parse_spec("full:budget=48")

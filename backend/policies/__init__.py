@@ -103,6 +103,8 @@ def parse_spec(spec: str, context: int | None = None) -> Policy:
         key = key.strip()
         if not eq:
             raise SpecError(f"{name}: expected key=value, got {item!r}")
+        if key == "budget" and _takes_no_budget(cls):
+            raise SpecError(_no_budget_message(name, cls))
         if key == "ratio" and "budget" in known:
             if ratio is not None or "budget" in kwargs:
                 raise SpecError(f"{name}: give one ratio or one budget, not both")
@@ -129,6 +131,21 @@ def parse_spec(spec: str, context: int | None = None) -> Policy:
         return cls(**{**base, **cls.presets.get(preset, {}), **kwargs})
     except ValueError as err:
         raise SpecError(str(err)) from None
+
+
+def _takes_no_budget(cls) -> bool:
+    """Does the policy hold every token, so that no budget applies (its declared budget is None: Full, KIVI)?"""
+    known = {f.name: f for f in fields(cls)}
+    return (known["budget"].default if "budget" in known else cls.budget) is None
+
+
+def _no_budget_message(name: str, cls) -> str:
+    """Why a budget given to a policy without one is refused, and what the policy takes instead."""
+    params = [f.name for f in fields(cls)]
+    # A budget field, though None, lets a ratio stand in for the budget (``for_ratio``: KIVI's bits); Full has none.
+    takes = [p for p in params if p != "budget"] + (["ratio"] if "budget" in params else [])
+    offered = f"its parameters: {', '.join(takes)}" if takes else "it takes no parameters"
+    return f"{name}: {cls.__name__} holds every token and takes no budget ({offered})"
 
 
 def policy_of(meta: dict) -> Policy | None:

@@ -81,7 +81,9 @@ class Policy:
 
     # Plain class attributes, not annotated: a policy with a budget or a choice of heads declares its own
     # dataclass field of that name, and a base field would move it to the front of the parameter order.
-    budget = None  # tokens the policy holds or reads per KV head; None: it has no budget (Full)
+    # Tokens the policy holds or reads per KV head; None: it holds every token and takes no budget (Full, KIVI,
+    # GEAR: a spec that gives it one is told so, with the parameters it takes).
+    budget = None
     heads = "head"  # "head": one decision per KV head; "layer": one for the layer (the heads' mean score)
 
     # Computes its own attention output for a block of queries (``attend_block``) instead of the engine's.

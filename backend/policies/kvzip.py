@@ -43,6 +43,11 @@ class KVzip(CompressionPolicy):
     piece and the pass's own tokens (not the rest of the cache); a model without a chat template gets
     "\\n\\nAnswer: ".
 
+    ``preset=kvpress`` is kvpress's ``KVzipPress`` with its defaults: it sets ``scope=model`` (``layerwise=False``;
+    ``scope=layer`` beside it is ``layerwise=True``), ``prefix=zero``, ``quote_space=false`` and ``chunk=2048`` (its
+    ``chunk_size``); ``sinks`` stays 4 (its ``n_sink``). On a chat prompt its kept sets are then kvpress's in every
+    layer and KV head (tests/test_kvpress_reference.py).
+
     When: in generate mode once the prompt is read (the paper), then every ``every`` decoding steps; in
     prompt mode every ``interval`` tokens. Each pass re-reads only the tokens not scored yet (its pieces
     continue the authors' chunking), so every token is re-read once and the cost is linear in the text; a
@@ -65,6 +70,7 @@ class KVzip(CompressionPolicy):
     uses_attention = False  # its scores come from its own pass, not from the text's attention
     rereads: ClassVar[bool] = True  # the runner feeds it a reconstruction pass before it compresses
     extra_passes: ClassVar[int] = 1  # that pass: the row costs twice its length (limits.row_cost)
+    presets = {"kvpress": {"scope": "model", "prefix": "zero", "quote_space": False, "chunk": 2048}}
 
     FIRST: ClassVar[str] = "\n\nRepeat the previous context exactly."
     LATER: ClassVar[str] = "\n\nRepeat the part of the previous context exactly, starting with"
