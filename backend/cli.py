@@ -32,8 +32,8 @@ from .traces.store import TraceStore
 from .experiments.sweep import (DEFAULT_BUDGETS, DEFAULT_POLICIES, MAX_ROWS, budget_jobs, parse_budgets, parse_ratios,
                                 ratio_jobs, split_policies, summarize, write_tables)
 from .experiments.leaderboard import SHIPPED_POLICIES, SHIPPED_RATIOS
-from .experiments.ruler_speeches import STANDINS, task_folder
-from .experiments.tasks import RULER_OFFLINE
+from .experiments.ruler_speeches import STANDINS, import_generators, task_folder
+from .experiments.tasks import RULER_OFFLINE, splits_essays
 from .traces.trace import file_stem
 
 
@@ -515,6 +515,9 @@ def cmd_lm_eval(argv: list[str], prog: str = "python -m backend") -> int:
         if hasattr(args, "include_path"):  # run, ls, validate: the essay tasks' stand-ins are tasks they know
             own_tasks = str(task_folder())
             args.include_path = own_tasks if args.include_path is None else [args.include_path, own_tasks]
+        tasks = getattr(args, "tasks", None)
+        if tasks and not splits_essays(tasks):  # RULER's needle module without its look for NLTK's download
+            import_generators(essays=False)
         if getattr(args, "model", None) == "kvlens":  # `run` (or no command) with kvlens
             model_args, metadata = args.model_args or {}, args.metadata or {}
             parse_spec(str(model_args.get("policy", "full")))  # a bad spec is one line before anything loads

@@ -27,6 +27,7 @@ import atexit
 import json
 import re
 import shutil
+import sys
 import tempfile
 import threading
 from contextlib import contextmanager
@@ -103,6 +104,30 @@ def _speech_splitter():
         finally:
             nltk.data.path.remove(str(SPLITTER_DATA))
             _get_punkt_tokenizer.cache_clear()
+
+
+def import_generators(essays: bool) -> None:
+    """Import lm-eval's RULER generators (``prepare_niah``) for tasks that split an essay into sentences
+    (``essays``: lm-eval's essay tasks, or tasks it cannot tell apart from them) or that do not.
+
+    On import the generators look for NLTK's English Punkt model and, where it is missing, try to download it,
+    then print "Downloaded punkt_tab on rank 0" whether it came or not: offline, an NLTK error about a host and a
+    false line on every run. Only the essay tasks split with that model (the stand-ins split with the shipped
+    one), so for the others the look finds the shipped model and nothing is fetched or printed, while nothing
+    splits with it. An essay task gets lm-eval's own look and download, also when the generators were imported
+    for another task before."""
+    try:
+        if not essays:
+            with _speech_splitter():
+                import lm_eval.tasks.ruler.prepare_niah  # noqa: F401
+            return
+        imported = "lm_eval.tasks.ruler.prepare_niah" in sys.modules
+        import lm_eval.tasks.ruler.prepare_niah as prepare_niah
+
+        if imported:  # imported before, perhaps with the shipped model standing in: lm-eval's look again
+            prepare_niah.download_nltk_resources()
+    except ImportError:  # lm-eval without its RULER extras: its tasks say so when they load
+        pass
 
 
 def make_samples(task: str, **metadata) -> dict:
