@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv run demo test bench clean
+.PHONY: venv run demo test check bench clean
 
 $(BIN)/.installed: requirements.txt requirements-dev.txt pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -27,8 +27,16 @@ demo: venv
 	$(BIN)/python -m backend run --text assets/examples/needle.txt --mode generate --max-new-tokens 24 \
 	  --policy full --policy sinks:budget=40 --policy tova:budget=40 --policy reattention:budget=40 --out out/demo
 
+# The suite on two pytest-xdist workers, a core each on a two-core machine (TEST_WORKERS=N for another count); tests
+# that share a browser or a local Ray are grouped onto one worker. `make check` leaves out the tests marked slow.
+TEST_WORKERS ?= 2
+PYTEST := TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -rs -n $(TEST_WORKERS) --dist loadgroup
+
 test: venv
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -rs tests
+	$(PYTEST) tests
+
+check: venv
+	$(PYTEST) -m "not slow" tests
 
 bench: venv
 	$(BIN)/python -m benchmarks.decode_ratio
