@@ -107,15 +107,14 @@ def _speech_splitter():
 
 
 def import_generators(essays: bool) -> None:
-    """Import lm-eval's RULER generators (``prepare_niah``) for tasks that split an essay into sentences
-    (``essays``: lm-eval's essay tasks, or tasks it cannot tell apart from them) or that do not.
+    """Import lm-eval's RULER generators (``prepare_niah``), quietly unless ``essays``: a task to run may be one of
+    lm-eval's essay tasks, the only ones that split sentences with NLTK's English Punkt model.
 
-    On import the generators look for NLTK's English Punkt model and, where it is missing, try to download it,
-    then print "Downloaded punkt_tab on rank 0" whether it came or not: offline, an NLTK error about a host and a
-    false line on every run. Only the essay tasks split with that model (the stand-ins split with the shipped
-    one), so for the others the look finds the shipped model and nothing is fetched or printed, while nothing
-    splits with it. An essay task gets lm-eval's own look and download, also when the generators were imported
-    for another task before."""
+    As it loads, that module looks for the model and, where it is missing, tries to download it, then prints
+    "Downloaded punkt_tab on rank 0" whether it came or not: offline, an NLTK error about a host and a false line
+    on every run. Without ``essays`` the look finds the shipped Punkt (on NLTK's path only meanwhile), so nothing
+    is fetched or printed, and nothing is split with it. With ``essays`` the look and the download are lm-eval's
+    own, also where the module came in quietly before."""
     try:
         if not essays:
             with _speech_splitter():
