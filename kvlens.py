@@ -1,11 +1,14 @@
-"""KV Lens in a notebook: ``import kvlens`` from the repository's root (docs/examples/tutorial.ipynb).
+"""KV Lens in a notebook: ``import kvlens`` where KV Lens is installed (``pip install -e .``; the tutorial is
+docs/examples/tutorial.ipynb).
 
 The public face of the front door (``backend/api.py``), with the command line's limits (``Limits.for_machine``):
 ``run`` checks and runs a text under policies and returns a ``NotebookRun``, whose views are the app's own
 (``viz.panels``: plotly figures and HTML, drawn inline by Jupyter) and whose traces are numpy arrays; ``sweep``
 and ``needle`` run small grids. A policy class defined in the notebook and ``@register``-ed runs like a built-in
 one. A request the checks refuse raises ``KVLensError`` (a ``RequestError``) with the command line's one-line
-message, and Jupyter shows that line, ``error: ...``, without a traceback.
+message, and Jupyter shows that line, ``error: ...``, without a traceback. Importing it registers KV Lens's
+lm-evaluation-harness model, so ``lm_eval.simple_evaluate(model="kvlens", ...)`` finds it, without importing
+lm-eval (``api.register_lm_eval_model``).
 
 Like ``app.py`` and ``backend/cli.py`` this is a front end: it computes nothing itself (tests/test_layout.py).
 """
@@ -48,6 +51,8 @@ class KVLensError(RequestError):
 def _refused(err: Exception) -> KVLensError:
     return KVLensError(str(err).splitlines()[0] if str(err) else type(err).__name__)
 
+
+api.register_lm_eval_model()
 
 try:  # KVLENS_PLUGINS: the operator's policies join the registry, as the command line's do
     load_plugins()

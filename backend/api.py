@@ -481,6 +481,14 @@ def export_zip(run: Run, extra_files: dict[str, str | bytes] | None = None) -> b
     return buf.getvalue()
 
 
+def register_lm_eval_model() -> None:
+    """KV Lens's lm-evaluation-harness model, ``kvlens``, in lm-eval's registry: now if lm-eval is imported, else
+    as it is, without importing it (``experiments/lm_eval_registration.py``)."""
+    from .experiments.lm_eval_registration import register_on_lm_eval_import
+
+    register_on_lm_eval_import()
+
+
 # --- One task sample -------------------------------------------------------------------------------------
 
 @dataclass

@@ -1,7 +1,7 @@
-"""Command line: ``python -m backend run ...`` writes one trace per policy and a summary.json;
-``python -m backend sweep ...`` writes perplexity vs budget; ``python -m backend needle ...`` a needle grid;
-``python -m backend tasks ...`` the task leaderboard (score against compression ratio); ``python -m backend
-lm-eval ...`` is lm-evaluation-harness's command line with KV Lens's ``kvlens`` model.
+"""Command line (``python -m backend`` or, installed, ``kvlens``): ``run ...`` writes one trace per policy and a
+summary.json; ``sweep ...`` writes perplexity vs budget; ``needle ...`` a needle grid; ``tasks ...`` the task
+leaderboard (score against compression ratio); ``lm-eval ...`` is lm-evaluation-harness's command line with
+KV Lens's ``kvlens`` model.
 
 Requests go through the app's front door (api.py: the same limits and checks). Everything that
 needs no model is checked first (the text file, the policies, the output directory), so a mistake is
@@ -32,8 +32,8 @@ from .traces.store import TraceStore
 from .experiments.sweep import (DEFAULT_BUDGETS, DEFAULT_POLICIES, MAX_ROWS, budget_jobs, parse_budgets, parse_ratios,
                                 ratio_jobs, split_policies, summarize, write_tables)
 from .experiments.leaderboard import SHIPPED_POLICIES, SHIPPED_RATIOS
-from .experiments.ruler_speeches import STANDINS, task_folder
-from .experiments.tasks import MAX_SAMPLES, RULER_OFFLINE
+from .experiments.ruler_speeches import STANDINS, import_generators, task_folder
+from .experiments.tasks import MAX_SAMPLES, RULER_OFFLINE, splits_essays
 from .traces.trace import file_stem
 
 
@@ -412,9 +412,9 @@ def row_token_rule() -> str:
             f"(from its shapes: each token's keys and values, each row's logits over the vocabulary)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m backend") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m backend", description="KV Lens: run KV-cache policies on a real model.",
+        prog=prog, description="KV Lens: run KV-cache policies on a real model.",
         epilog=f"Limits here (they fit this machine's memory; KVLENS_MAX_<NAME> changes one): "
                f"{row_token_rule()} a run, {LIMITS.policies} policies, {LIMITS.new_tokens} new tokens; Full is free")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -517,11 +517,11 @@ def build_parser() -> argparse.ArgumentParser:
         "lm-eval", add_help=False,
         help="lm-evaluation-harness's own command line with KV Lens's model `kvlens` registered, e.g. --model kvlens "
              "--model_args policy=tova:budget=256 --tasks niah_single_1 --metadata max_seq_lengths=[1024] "
-             "(`python -m backend lm-eval --help` lists the rest)")
+             f"(`{prog} lm-eval --help` lists the rest)")
     return parser
 
 
-def cmd_lm_eval(argv: list[str]) -> int:
+def cmd_lm_eval(argv: list[str], prog: str = "python -m backend") -> int:
     """lm-eval's command line (``lm_eval ...``) on ``argv``, with ``kvlens`` in its model registry: lm-eval
     imports no third-party model itself (experiments/lm_eval_model.py)."""
     from lm_eval._cli import HarnessCLI
@@ -530,7 +530,7 @@ def cmd_lm_eval(argv: list[str]) -> int:
     from .engine.models import ModelError
     from .experiments.lm_eval_model import ruler_tokenizer  # importing it registers kvlens
 
-    own, sys.argv = sys.argv, ["python -m backend lm-eval", *argv]  # lm-eval parses sys.argv
+    own, sys.argv = sys.argv, [f"{prog} lm-eval", *argv]  # lm-eval parses sys.argv
     try:  # what lm-eval's own entry point (lm_eval.__main__.cli_evaluate) does, with one step between
         setup_logging()
         harness = HarnessCLI()
@@ -538,6 +538,9 @@ def cmd_lm_eval(argv: list[str]) -> int:
         if hasattr(args, "include_path"):  # run, ls, validate: the essay tasks' stand-ins are tasks they know
             own_tasks = str(task_folder())
             args.include_path = own_tasks if args.include_path is None else [args.include_path, own_tasks]
+        tasks = getattr(args, "tasks", None)
+        if tasks and not splits_essays(tasks):  # RULER's needle module without its look for NLTK's download
+            import_generators(essays=False)
         if getattr(args, "model", None) == "kvlens":  # `run` (or no command) with kvlens
             model_args, metadata = args.model_args or {}, args.metadata or {}
             parse_spec(str(model_args.get("policy", "full")))  # a bad spec is one line before anything loads
@@ -552,7 +555,8 @@ def cmd_lm_eval(argv: list[str]) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m backend") -> int:
+    """The command line on ``argv`` (``sys.argv[1:]`` when None), its help naming it ``prog``; the exit status."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     try:
         load_plugins()  # KVLENS_PLUGINS: the operator's policies join the registry before --help lists it
@@ -562,8 +566,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         if argv[:1] == ["lm-eval"]:  # every argument after it is lm-eval's
-            return cmd_lm_eval(argv[1:])
-        args = build_parser().parse_args(argv)
+            return cmd_lm_eval(argv[1:], prog)
+        args = build_parser(prog).parse_args(argv)
         return args.func(args)
     except (CliError, RequestError) as err:
         print(f"error: {err}", file=sys.stderr)

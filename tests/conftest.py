@@ -22,6 +22,12 @@ from backend.engine import models
 from backend.engine.attention import ATTN_IMPLEMENTATION
 from backend.engine.models import LoadedModel
 
+# pytest-xdist's workers share the machine's cores: each runs torch on its share, since more threads than cores
+# spin against each other in OpenMP's barriers and slow every worker down.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // WORKERS))
+
 
 class TinyTokenizer:
     """Just enough tokenizer for the runner and the app: one character per id, no EOS, no chat template."""
@@ -68,6 +74,16 @@ def tiny_model_dir(directory, model_type: str, **config) -> str:
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return str(directory)
+
+
+def pytest_runtest_setup(item):
+    """Under ``--dist loadgroup`` (make test) pytest-xdist appends a test's ``xdist_group`` to its node id and gives
+    a group's tests to one worker; a test whose id lacks it was handed to any worker (two browser tests could run
+    at once), so it fails before it starts."""
+    if getattr(item.config.option, "loadgroup", False) and item.get_closest_marker("xdist_group") \
+            and "@" not in item.nodeid:
+        pytest.fail("pytest-xdist did not keep this test in its xdist_group: this pytest and pytest-xdist do not "
+                    "work together (requirements-dev.txt says which do)")
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,9 @@ import pytest
 from tests.test_browser import app_url, choose_policies, open_parameters, open_view, page  # noqa: F401  (fixtures:
 # this module gets its own app and browser)
 
+# The browser tests run on one pytest-xdist worker, one module after another: each module starts an app and a
+# Chromium of its own, and two such pairs at once would share two cores with the rest of the suite.
+pytestmark = pytest.mark.xdist_group("browser")
 EXAMPLE = "needle 8k tokens"
 POLICIES = ("sinks", "h2o", "tova")
 ROOT = Path(__file__).resolve().parents[1]

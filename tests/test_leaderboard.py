@@ -106,6 +106,7 @@ def test_the_command_writes_the_table_and_resumes_after_a_kill(tiny_dir, tmp_pat
     assert (out / "leaderboard.html").read_text().count("plotly-graph-div") >= 2  # per task and setting
 
 
+@pytest.mark.xdist_group("ray")  # one local Ray at a time: each takes the machine's cores
 def test_a_leaderboard_is_the_same_serially_and_on_a_local_ray(tiny_dir, tmp_path, monkeypatch):
     pytest.importorskip("ray")
     jobs = task_jobs(tiny_dir, ["niah_single_1"], [LENGTH], 2, task_specs(["tova", "knorm"], [0.5]), ["agnostic"])

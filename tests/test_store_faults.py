@@ -158,7 +158,8 @@ def test_database_cut_to_zero_bytes_opens_empty(tmp_path, caplog):
     assert set_aside(directory) == []
 
 
-@pytest.mark.parametrize("content", [b"", b"SQLite format 3\x00" + os.urandom(200)])
+# Named ids: pytest-xdist's workers each collect the tests, and their ids must agree (the bytes differ).
+@pytest.mark.parametrize("content", [b"", b"SQLite format 3\x00" + os.urandom(200)], ids=["empty", "sqlite-header"])
 def test_store_file_in_place_of_the_directory_is_set_aside(tmp_path, caplog, content):
     # An empty or SQLite file at the store path: the store path itself was
     # opened as a database (or touched) by mistake.

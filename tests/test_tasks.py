@@ -224,3 +224,35 @@ def test_a_bad_spec_on_lm_evals_command_line_is_one_line(capsys):
     assert cli.main(argv) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == \
         "error: tova: unknown parameter 'budgt' (parameters: budget, heads, sinks)"
+
+
+TINY_LENGTH = 512  # the tiny model's tokens are characters: room for niah_single_1's instructions and needle
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["tasks", "lm-eval"])
+def test_the_task_commands_print_no_false_alarm_about_nltks_data(command, tiny_dir, tmp_path):
+    """RULER's needle module looks for NLTK's Punkt model as it loads and, where it is missing, tries to download
+    it: offline, an NLTK error about a host it may not reach, then "Downloaded punkt_tab on rank 0" though
+    nothing came. No offline task splits with that model, so neither command says either; lm-eval's real
+    warnings still show."""
+    import nltk
+
+    try:
+        nltk.data.find("tokenizers/punkt_tab")
+        pytest.skip("NLTK's punkt_tab is installed here, so lm-eval tries no download")
+    except LookupError:
+        pass
+    argv = {"tasks": ["tasks", "--model", tiny_dir, "--tasks", "niah_single_1", "--lengths", str(TINY_LENGTH),
+                      "--samples", "1", "--policy", "tova", "--ratios", "0.5", "--settings", "agnostic",
+                      "--out", str(tmp_path / "out")],
+            "lm-eval": ["lm-eval", "--model", "kvlens", "--model_args", f"model={tiny_dir}", "--tasks", "niah_single_1",
+                        "--metadata", f"max_seq_lengths=[{TINY_LENGTH}]", "--limit", "1", "--gen_kwargs",
+                        "max_gen_toks=2", "--device", "cpu"]}[command]
+    env = {**os.environ, "KVLENS_STORE_DIR": str(tmp_path / "store"), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-m", "backend", *argv], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    printed = result.stdout + result.stderr
+    assert "[nltk_data]" not in printed and "punkt_tab" not in printed, printed[-3000:]
+    assert "WARNING" in result.stderr  # lm-eval's own (samples that do not fit the length): nothing is muted

@@ -3,8 +3,9 @@ answer generated under a KV Lens policy inside the engine.
 
 Importing this module registers ``kvlens`` with lm-eval's own registry. lm-eval 0.4.13 finds models only
 in that registry and imports no third-party module from its command line, so ``python -m backend lm-eval``
-is lm-eval's command line with this module imported; in Python, import it before ``lm_eval.simple_evaluate``
-(or call ``evaluate``). Its model arguments:
+is lm-eval's command line with this module imported; in Python, ``import kvlens`` puts the name there before
+lm-eval is even imported (``lm_eval_registration``), so ``lm_eval.simple_evaluate(model="kvlens")`` finds this
+class (or call ``evaluate``). Its model arguments:
 
 * ``model``: a KV Lens model (``smollm2-135m-instruct``, the default, ``gemma3-270m``), a local model
   directory, a ``.gguf`` file or a hub id; ``dtype`` as KV Lens's command line takes it, and lm-eval's
@@ -49,7 +50,7 @@ from ..limits import Limits
 from ..policies import parse_spec
 from ..traces.store import TraceStore
 from .task_runs import SETTINGS, TaskRequest, answer, chat_template, link
-from .tasks import tokenizer_source
+from .tasks import splits_essays, tokenizer_source
 
 eval_logger = logging.getLogger("lm_eval")  # lm-eval's own logger, which its command line shows at INFO
 DEFAULT_GEN_TOKS = 256  # lm-eval's default for its own models
@@ -142,8 +143,10 @@ def evaluate(tasks: list[str], length: int, model: str = DEFAULT_MODEL, policy: 
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from .ruler_speeches import task_folder
+    from .ruler_speeches import import_generators, task_folder
 
+    if not splits_essays(tasks):  # RULER's needle module without its look for NLTK's download
+        import_generators(essays=False)
     lm = KVLensLM(model=model, policy=policy, **model_args)
     metadata = {"tokenizer": tokenizer_source(lm.lm), "max_seq_lengths": [int(length)]}
     manager = TaskManager(include_path=str(task_folder()), metadata=metadata)  # the essay tasks' stand-ins too

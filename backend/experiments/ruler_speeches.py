@@ -27,6 +27,7 @@ import atexit
 import json
 import re
 import shutil
+import sys
 import tempfile
 import threading
 from contextlib import contextmanager
@@ -103,6 +104,29 @@ def _speech_splitter():
         finally:
             nltk.data.path.remove(str(SPLITTER_DATA))
             _get_punkt_tokenizer.cache_clear()
+
+
+def import_generators(essays: bool) -> None:
+    """Import lm-eval's RULER generators (``prepare_niah``), quietly unless ``essays``: a task to run may be one of
+    lm-eval's essay tasks, the only ones that split sentences with NLTK's English Punkt model.
+
+    As it loads, that module looks for the model and, where it is missing, tries to download it, then prints
+    "Downloaded punkt_tab on rank 0" whether it came or not: offline, an NLTK error about a host and a false line
+    on every run. Without ``essays`` the look finds the shipped Punkt (on NLTK's path only meanwhile), so nothing
+    is fetched or printed, and nothing is split with it. With ``essays`` the look and the download are lm-eval's
+    own, also where the module came in quietly before."""
+    try:
+        if not essays:
+            with _speech_splitter():
+                import lm_eval.tasks.ruler.prepare_niah  # noqa: F401
+            return
+        imported = "lm_eval.tasks.ruler.prepare_niah" in sys.modules
+        import lm_eval.tasks.ruler.prepare_niah as prepare_niah
+
+        if imported:  # imported before, perhaps with the shipped model standing in: lm-eval's look again
+            prepare_niah.download_nltk_resources()
+    except ImportError:  # lm-eval without its RULER extras: its tasks say so when they load
+        pass
 
 
 def make_samples(task: str, **metadata) -> dict:

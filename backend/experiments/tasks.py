@@ -56,23 +56,27 @@ def _manager(tokenizer: str, length: int):
                        metadata={"tokenizer": tokenizer, "max_seq_lengths": [length]})
 
 
+def splits_essays(names) -> bool:
+    """Whether lm-eval's tasks (or groups) ``names`` may split an essay into sentences with NLTK's Punkt model:
+    all but the offline ones, which never do (``ruler_speeches.import_generators``)."""
+    return not all(name in OFFLINE for name in names)
+
+
 @contextmanager
-def lm_eval_seeds():
+def lm_eval_seeds(essays: bool = False):
     """Python's and numpy's global generators seeded as ``lm_eval.simple_evaluate`` seeds them by default before it
     loads its tasks (RULER's generators draw from them), then put back: the same samples in any process, whatever
     ran before. They are lm-eval's for a task it loads after its first (its first draws after NLTK's import; the
-    needle tasks' samples are the same either way)."""
+    needle tasks' samples are the same either way). ``essays``: a task to load may split essays with NLTK's
+    Punkt model (``splits_essays``)."""
     import numpy as np
     from lm_eval.defaults import DEFAULT_OTHER_SEED, DEFAULT_RANDOM_SEED
 
-    # Loading a RULER task the first time imports NLTK (through RULER's needle module, which also tries to fetch
+    # Loading a RULER task the first time imports NLTK (through RULER's needle module, which also looks for
     # NLTK's data), and that import draws from Python's generator: after the seeding, it would give the first task a
     # process loads other samples than the same task loaded later. Imported before the seeding, it leaves every
     # load's draws to the seed alone, in any order, online or not.
-    try:
-        import lm_eval.tasks.ruler.prepare_niah  # noqa: F401
-    except ImportError:  # lm-eval without its RULER extras: its tasks say so when they load
-        pass
+    ruler_speeches.import_generators(essays)
     python_state, numpy_state = random.getstate(), np.random.get_state()
     random.seed(DEFAULT_RANDOM_SEED)
     np.random.seed(DEFAULT_OTHER_SEED)
@@ -120,7 +124,7 @@ def load_task(name: str, length: int, tokenizer: str):
     if not manager.match_tasks([name]):
         raise TaskUnavailable(_no_task(name))
     try:
-        with lm_eval_seeds():
+        with lm_eval_seeds(splits_essays([name])):
             task = manager.load([name])["tasks"][name]
     except (OSError, DatasetsError) as err:  # no network, or the hub offline
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
