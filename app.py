@@ -23,11 +23,13 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from contextlib import contextmanager
 from functools import cached_property, lru_cache
 from pathlib import Path
 from types import MappingProxyType
 
 import gradio as gr
+import httpx
 import numpy as np
 import pandas as pd
 import pydantic
@@ -1341,28 +1343,65 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+# How long the page may take to answer the check Gradio's launch makes. Gradio asks once and gives it 3 s, then stops
+# the app ("When localhost is not accessible, a shareable link must be created"); a starved server answers later: a
+# Space's cold start on two busy vCPUs, or a machine already loaded, with the app at low priority.
+PAGE_PATIENCE_S = 300
+
+
+@contextmanager
+def patient_page_check(patience_s: float = PAGE_PATIENCE_S):
+    """While it runs, the check Gradio's launch makes that localhost serves the page waits up to ``patience_s`` for
+    the answer. The check itself stays: a page that does not answer 200 in time, or a refused connection (localhost
+    not accessible, what the check is for), goes on to Gradio's own check, which then stops the app as before."""
+    from gradio import networking
+
+    gradios_check = networking.url_ok
+
+    def page_answers(url: str) -> bool:
+        try:
+            if httpx.head(url, timeout=patience_s, verify=False).status_code == 200:  # verify: as Gradio's check
+                return True
+        except httpx.HTTPError:
+            pass
+        return gradios_check(url)
+
+    networking.url_ok = page_answers
+    try:
+        yield
+    finally:
+        networking.url_ok = gradios_check
+
+
 def launch(**options) -> None:
     """Serve the app (``options`` go to ``demo.launch``, e.g. ``prevent_thread_lock`` in tests)."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     remove_orphaned_exports()
     atexit.register(remove_exports)
-    if not options.get("prevent_thread_lock") and threading.current_thread() is threading.main_thread():
+    blocking = not options.pop("prevent_thread_lock", False)
+    if blocking and threading.current_thread() is threading.main_thread():
         # SIGTERM (docker stop, a Space restarting) closes the server as Ctrl-C does: Gradio deletes its files,
         # then the exit handlers run.
         signal.signal(signal.SIGTERM, _interrupt)
-    # Load (and on first use convert) the default model while the page comes up, not on the first click.
-    threading.Thread(target=api.get_model, daemon=True).start()
     # Localhost unless the deployment says otherwise (the Dockerfile and Spaces set GRADIO_SERVER_NAME).
     settings = {"server_name": os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
                 "server_port": int(os.environ.get("GRADIO_SERVER_PORT", "7860")), **options}
     # The footer keeps the API docs and Gradio's credit (its settings button's icon repeats its label to a screen
     # reader).
-    demo.launch(css_paths=[ROOT / "assets" / "style.css"], max_file_size=1, head=page_head(),
-                footer_links=["api", "gradio"],
-                # The page inlines its config (300 kB): compressed, it is a seventh of that. Event streams pass as they are.
-                app_kwargs={"middleware": [Middleware(RequestGuard, max_body=MAX_BODY, refuse=unknown_function),
-                                           Middleware(GZipMiddleware, minimum_size=4096)],
-                            "exception_handlers": {FnIndexInferError: unknown_endpoint}}, **settings)
+    with patient_page_check():
+        demo.launch(css_paths=[ROOT / "assets" / "style.css"], max_file_size=1, head=page_head(),
+                    footer_links=["api", "gradio"],
+                    # The page inlines its config (300 kB): compressed, it is a seventh of that. Event streams pass
+                    # as they are.
+                    app_kwargs={"middleware": [Middleware(RequestGuard, max_body=MAX_BODY, refuse=unknown_function),
+                                               Middleware(GZipMiddleware, minimum_size=4096)],
+                                "exception_handlers": {FnIndexInferError: unknown_endpoint}},
+                    prevent_thread_lock=True, **settings)
+    # Load (and on first use convert) the default model before the first click, but once the page is served: during
+    # the launch, a load takes the CPU and the interpreter's lock the server's thread needs to answer the check.
+    threading.Thread(target=api.get_model, daemon=True).start()
+    if blocking:
+        demo.block_thread()
 
 
 if __name__ == "__main__":

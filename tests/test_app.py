@@ -4,8 +4,10 @@ import json
 import os
 import sqlite3
 import subprocess
+import threading
 import time
 import zipfile
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,6 +22,7 @@ from backend.engine.models import DEFAULT_MODEL
 from backend.policies import parse_spec
 from backend.api import RequestError, RunRequest
 from backend.traces.store import TraceStore
+from tests.conftest import free_port
 
 
 def test_controls_become_specs_every_policy_accepts():
@@ -238,16 +241,48 @@ def test_exports_are_pruned_and_folders_of_processes_gone_are_removed(tiny_sessi
 
 
 def test_the_app_binds_localhost_unless_the_deployment_says_otherwise(monkeypatch):
-    seen = {}
-    monkeypatch.setattr(app.demo, "launch", lambda **kw: seen.update(kw))
-    monkeypatch.setattr(app.threading, "Thread", lambda **kw: SimpleNamespace(start=lambda: None))
+    seen, order = {}, []
+    monkeypatch.setattr(app.demo, "launch", lambda **kw: (seen.update(kw), order.append("launched")))
+    monkeypatch.setattr(app.demo, "block_thread", lambda: order.append("served until stopped"))
+    monkeypatch.setattr(app.threading, "Thread", lambda **kw: SimpleNamespace(start=lambda: order.append("model")))
     monkeypatch.setattr(app.signal, "signal", lambda *a: None)  # pytest keeps its own SIGTERM handling
     monkeypatch.delenv("GRADIO_SERVER_NAME", raising=False)
     app.launch()
     assert seen["server_name"] == "127.0.0.1" and seen["app_kwargs"]["middleware"][0].cls is app.RequestGuard
+    # The model loads once Gradio's launch has seen the page served, not while its server answers the first time.
+    assert order == ["launched", "model", "served until stopped"]
     monkeypatch.setenv("GRADIO_SERVER_NAME", "0.0.0.0")  # what the Dockerfile and a Space set
     app.launch()
     assert seen["server_name"] == "0.0.0.0"
+
+
+def test_the_launch_waits_for_a_slow_page_and_still_stops_where_localhost_refuses():
+    from gradio import networking
+
+    class SlowPage(BaseHTTPRequestHandler):
+        def do_HEAD(self):
+            time.sleep(4)  # more than the 3 s Gradio's check waits
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), SlowPage)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url, closed = f"http://127.0.0.1:{server.server_address[1]}/", f"http://127.0.0.1:{free_port()}/"
+    gradios_check = networking.url_ok
+    try:
+        assert not gradios_check(url)
+        with app.patient_page_check(patience_s=30):
+            assert networking.url_ok(url)
+            started = time.monotonic()
+            assert not networking.url_ok(closed)  # localhost not accessible: no wait, Gradio's answer
+            assert time.monotonic() - started < 5
+        assert networking.url_ok is gradios_check
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 
