@@ -22,6 +22,7 @@ from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 NEEDLE = (ROOT / "assets" / "examples" / "needle.txt").read_text().strip()
+pytestmark = pytest.mark.slow  # each test starts app.py, and some start it twice
 MODEL = "smollm2-135m-instruct"
 # needle.txt (~200 tokens) scored teacher-forced under 3 policies (+ Full): several seconds of model work.
 RUN = (NEEDLE, "prompt", 8, ["sinks", "tova", "a2sf"], 40, 4, 0.1, "paper default", "", MODEL, "")  # ..., evidence

@@ -15,7 +15,7 @@ from tests.test_browser import app_url, choose_policies, open_parameters, open_v
 
 # The browser tests run on one pytest-xdist worker, one module after another: each module starts an app and a
 # Chromium of its own, and two such pairs at once would share two cores with the rest of the suite.
-pytestmark = pytest.mark.xdist_group("browser")
+pytestmark = [pytest.mark.xdist_group("browser"), pytest.mark.slow]
 EXAMPLE = "needle 8k tokens"
 POLICIES = ("sinks", "h2o", "tova")
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,9 +44,10 @@ def scored(page):  # noqa: F811
     budget = page.locator("#budget input[type=number]")
     budget.fill(str(BUDGET))
     budget.press("Enter")
+    # A minute or two alone on two cores; under make test the app shares them with the other pytest-xdist worker.
     page.wait_for_function(
         "() => [...document.querySelectorAll('#heatmap .js-plotly-plot')].some(el => "
-        f"(el.layout.annotations || []).some(a => a.text.includes('tova:budget={BUDGET}')))", timeout=240_000)
+        f"(el.layout.annotations || []).some(a => a.text.includes('tova:budget={BUDGET}')))", timeout=600_000)
     return page
 
 

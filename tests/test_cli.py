@@ -21,6 +21,7 @@ def cli(*args):
                           env=dict(os.environ))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy, message", [
     ("lru:budget=4", "unknown policy 'lru'"),
     ("tova:budget=0", "budget must be an integer >= 1"),
@@ -34,6 +35,7 @@ def test_bad_policy_is_a_one_line_error(text_file, tmp_path, policy, message):
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("content, message", [(b"", "is empty"), (b"  \n", "is empty"),
                                                (b"caf\xe9 au lait", "is not UTF-8 text")])
 def test_bad_text_file_is_a_one_line_error(tmp_path, content, message):
@@ -65,6 +67,7 @@ def test_a_long_text_file_is_read_only_as_far_as_the_limits_allow(tmp_path):
     assert text == "€" * 1334  # the characters whole within the cap
 
 
+@pytest.mark.slow
 def test_missing_file_and_unknown_model_are_one_line_errors(text_file, tmp_path):
     result = cli("run", "--text", str(tmp_path / "nope.txt"), "--policy", "full", "--out", str(tmp_path))
     assert result.returncode == 2 and "text file not found" in result.stderr
@@ -72,6 +75,7 @@ def test_missing_file_and_unknown_model_are_one_line_errors(text_file, tmp_path)
     assert result.returncode == 2 and "no such model" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_bad_store_size_and_out_path_are_one_line_errors(text_file, tmp_path, monkeypatch):
     monkeypatch.setenv("KVLENS_STORE_MB", "lots")
     result = cli("run", "--text", str(text_file), "--policy", "full", "--out", str(tmp_path / "o"))
@@ -81,6 +85,7 @@ def test_bad_store_size_and_out_path_are_one_line_errors(text_file, tmp_path, mo
     assert result.returncode == 2 and "not a directory" in result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, value", [("KVLENS_MAX_POLICIES", "abc"), ("KVLENS_MAX_POLICIES", "0"),
                                          ("KVLENS_PLUGINS", "os.system"), ("KVLENS_STOER_MB", "5")])
 def test_a_malformed_setting_stops_the_start_with_one_line_naming_it(text_file, tmp_path, monkeypatch, name, value):
@@ -91,6 +96,7 @@ def test_a_malformed_setting_stops_the_start_with_one_line_naming_it(text_file, 
     assert line.startswith(f"error: {name}")
 
 
+@pytest.mark.slow
 def test_help_lists_every_policy_and_its_parameters():
     out = cli("run", "--help").stdout
     for name in ("full", "window", "sinks", "h2o", "tova", "a2sf", "oracle"):
@@ -98,6 +104,7 @@ def test_help_lists_every_policy_and_its_parameters():
     assert "alpha=0.1" in out and "sinks=4" in out and "recent=-1" in out
 
 
+@pytest.mark.slow
 def test_default_model_generate_run_writes_traces_and_summary(tmp_path):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("List three colours of the rainbow.")
@@ -151,6 +158,7 @@ def test_a_one_token_generate_prompt_without_chat_is_a_one_line_error(tiny, tmp_
     assert "at least 2 tokens" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_local_model_directory_runs_in_bfloat16_on_the_device_auto_picks(default_lm, tmp_path):
     """The command line's user names any local transformers directory, its dtype and its device."""
     directory = next(p for p in models.cache_dir().iterdir() if p.name.startswith(models.DEFAULT_MODEL + "-"))
@@ -166,6 +174,7 @@ def test_a_local_model_directory_runs_in_bfloat16_on_the_device_auto_picks(defau
     assert summary["tova:budget=16"]["ppl"] > 1 and (trace.evicted_at >= 0).any()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(models.torch.cuda.is_available(), reason="this machine has a CUDA device")
 def test_a_missing_device_and_an_unreachable_hub_id_are_one_line_errors(text_file, tmp_path, monkeypatch):
     result = cli("run", "--text", str(text_file), "--policy", "tova:budget=8", "--device", "cuda",
@@ -185,6 +194,7 @@ ALL_SLIDING = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, n
                    layer_types=["sliding_attention"] * 4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gemma3_text", "gemma2"])
 def test_a_gemma_model_whose_layers_all_slide_runs_and_records_its_layers(family, tmp_path):
     from tests.conftest import tiny_model_dir

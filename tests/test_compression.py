@@ -135,6 +135,7 @@ def test_a_plugin_module_adds_its_policy_everywhere(monkeypatch):
         POLICIES.pop("vnorm", None)
 
 
+@pytest.mark.slow
 def test_plugins_are_named_by_the_operator_and_a_bad_one_is_a_one_line_error(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "docs" / "examples"), "KVLENS_PLUGINS": "vnorm_plugin"}
     listed = subprocess.run([sys.executable, "-m", "backend", "policies"], capture_output=True, text=True, env=env,

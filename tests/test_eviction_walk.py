@@ -101,6 +101,7 @@ needs_triton = pytest.mark.skipif(not eviction_walk_triton.usable(torch.device("
                                   reason="needs TRITON_INTERPRET=1 (or a GPU)")
 
 
+@pytest.mark.slow
 @needs_triton
 @pytest.mark.parametrize("chunk", [1, 40])
 @pytest.mark.parametrize("name", RUNNING)
@@ -109,6 +110,7 @@ def test_the_triton_walk_a_gpu_takes_equals_the_numpy_walk(name, chunk, monkeypa
     assert_same_walk(POLICIES[name].for_budget(24), monkeypatch, chunk, device_walk=True)
 
 
+@pytest.mark.slow
 @needs_triton
 @pytest.mark.parametrize("policy", [
     H2O(budget=20, recent=3, heads="layer"), TOVA(budget=20, heads="head", sinks=4),
@@ -118,6 +120,7 @@ def test_the_triton_walk_equals_the_numpy_walk_for_other_parameters(policy, monk
     assert_same_walk(policy, monkeypatch, 13, dtype=torch.float64, device_walk=True)
 
 
+@pytest.mark.slow
 @needs_triton
 @pytest.mark.parametrize("name", ["tova", "h2o"])
 def test_the_triton_walk_decides_on_bfloat16_scores_as_the_numpy_walk(name, monkeypatch):
@@ -132,6 +135,7 @@ def test_the_triton_walk_decides_on_bfloat16_scores_as_the_numpy_walk(name, monk
     torch.testing.assert_close(out.float(), out_ref.float(), rtol=0.02, atol=0.02)
 
 
+@pytest.mark.slow
 @needs_triton
 def test_the_triton_walk_catches_a_misdeclared_policy(monkeypatch):
     with pytest.raises(AssertionError):
@@ -146,6 +150,7 @@ def traces_of(policies, monkeypatch, device_walk: bool, chunk: int):
     return traces
 
 
+@pytest.mark.slow
 @needs_triton
 @pytest.mark.parametrize("heads_apart", [True, False], ids=["heads-apart", "a-layer-row"])
 def test_every_row_of_a_layer_walks_in_one_launch_as_each_walks_alone(heads_apart, monkeypatch):

@@ -164,6 +164,7 @@ def small_dir(default_lm, tmp_path_factory):
     return str(out)
 
 
+@pytest.mark.slow
 def test_the_evidence_command_explains_every_stored_leaderboard_row(small_dir, tmp_path, monkeypatch, capsys):
     """A leaderboard of one needle sample, then `evidence` from the store alone: the needle's number is found in
     the context, Full read all of it as the answer began, and every row has its verdict."""

@@ -13,7 +13,7 @@ from tests.test_browser import app_url  # noqa: F401  (fixture)
 
 # The browser tests run on one pytest-xdist worker, one module after another: each module starts an app and a
 # Chromium of its own, and two such pairs at once would share two cores with the rest of the suite.
-pytestmark = pytest.mark.xdist_group("browser")
+pytestmark = [pytest.mark.xdist_group("browser"), pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[1]
 
 IN_VIEW_JS = """sel => { const r = document.querySelector(sel).getBoundingClientRect();

@@ -30,6 +30,7 @@ def test_gemma_is_the_packaged_base_model_with_its_features(gemma):
     assert gemma.encode("The cat", chat=True) == gemma.encode("The cat")
 
 
+@pytest.mark.slow
 def test_full_equals_the_plain_model_past_the_window(gemma, long_ids):
     with torch.inference_mode():
         plain = torch.log_softmax(gemma.model(torch.tensor([long_ids])).logits[0].float(), -1)
@@ -40,6 +41,7 @@ def test_full_equals_the_plain_model_past_the_window(gemma, long_ids):
     assert full.reads(5)[:, -1].all()  # a global layer reads every key
 
 
+@pytest.mark.slow
 def test_a_policy_decides_within_the_window_and_scores_real_text(gemma, long_ids):
     (tova, window), full = compute_traces(gemma, ["tova:budget=64", "window:budget=64"],
                                           [TOVA(budget=64), Window(budget=64)], long_ids, record_layers=())
@@ -48,6 +50,7 @@ def test_a_policy_decides_within_the_window_and_scores_real_text(gemma, long_ids
     assert tova.reads(0)[:, -1].sum(-1).max() <= 64  # the budget counts what the layer reads
 
 
+@pytest.mark.slow
 def test_generate_mode_reads_a_base_model_prompt_as_is_through_the_front_door(gemma, tmp_path):
     """The app's and the CLI's path: a base model gets no chat template, and its few-shot example is answered."""
     from backend import api
@@ -68,6 +71,7 @@ def test_generate_mode_reads_a_base_model_prompt_as_is_through_the_front_door(ge
     assert len(sinks.generated_ids) == len(tova.generated_ids) == 4 and tova.evicted_at.max() > 0
 
 
+@pytest.mark.slow
 def test_the_command_line_runs_gemma_by_name(tmp_path):
     import json
     import os

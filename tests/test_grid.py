@@ -116,6 +116,7 @@ def default_lm():
     return get_model()
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("ray")  # one local Ray at a time: each takes the machine's cores
 def test_a_needle_grid_is_the_same_serially_and_on_a_local_ray(default_lm, tmp_path, monkeypatch):
     pytest.importorskip("ray")

@@ -256,6 +256,7 @@ def test_think_s_trace_says_which_channels_each_head_kept_and_what_the_keys_lost
 
 # --- plugins of each kind, the app and the CLI ------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module, spec", [("channels_plugin", "quiet_channels:budget=12"),
                                           ("precision_plugin", "per_token_int:residual=8"),
                                           ("merge_plugin", "nearest_merge:budget=12")])

@@ -28,6 +28,7 @@ def test_the_fixture_is_kv_lens_own_tokens(default_lm, kvpress):
     assert default_lm.encode(Path(kvpress["text"]).read_text(), chat=True) == kvpress["input_ids"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget", BUDGETS)
 def test_kvpress_compatible_settings_keep_kvpress_tokens_in_every_layer_and_head(default_lm, kvpress, budget):
     presses = [p for p in MATCHED if p not in DIFFERENT | OWN_TEST and fits(p, budget)]

@@ -254,6 +254,7 @@ def test_kvzip_makes_no_pass_when_nothing_would_be_dropped(tiny, text_ids):
     assert trace.meta["extra_pass_tokens"] == 0 and (trace.evicted_at == -1).all()
 
 
+@pytest.mark.slow
 def test_kvzip_pass_rereads_the_context_after_the_chat_header_and_after_the_sinks_of_a_plain_text(default_lm):
     from backend.engine.reconstruction import _encode, assistant_turn, template_header
 

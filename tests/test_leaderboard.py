@@ -63,6 +63,7 @@ def test_intervals_are_wilsons_and_tasks_full_fails_stay_out_of_the_average():
     assert mean.loc["tova", "score"] == 0.5 and mean.loc["tova", "samples"] == 2  # "hard" left out
 
 
+@pytest.mark.slow
 def test_the_command_writes_the_table_and_resumes_after_a_kill(tiny_dir, tmp_path):
     store = tmp_path / "store"
     out = tmp_path / "killed"
@@ -106,6 +107,7 @@ def test_the_command_writes_the_table_and_resumes_after_a_kill(tiny_dir, tmp_pat
     assert (out / "leaderboard.html").read_text().count("plotly-graph-div") >= 2  # per task and setting
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("ray")  # one local Ray at a time: each takes the machine's cores
 def test_a_leaderboard_is_the_same_serially_and_on_a_local_ray(tiny_dir, tmp_path, monkeypatch):
     pytest.importorskip("ray")

@@ -37,6 +37,7 @@ def _kernel_of_this_python(folder: Path) -> str:
     return spec.name
 
 
+@pytest.mark.slow
 def test_the_tutorial_runs_every_cell(tmp_path, monkeypatch):
     from nbclient import NotebookClient
 

@@ -77,6 +77,7 @@ def test_the_stand_ins_are_offline_and_named_apart_from_rulers():
     assert STANDINS == tuple(f"{task}_speeches" for task in NEEDLES)
 
 
+@pytest.mark.slow
 def test_lm_evals_command_line_names_a_stand_in(default_loaded, store_dir, capsys):
     from backend import cli
 

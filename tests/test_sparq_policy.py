@@ -92,6 +92,7 @@ def test_bad_parameters_are_clear_errors():
         SparQ(budget=8, local=9)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not triton_enabled(torch.empty(0)), reason="needs TRITON_INTERPRET=1 (on a GPU: test_engine_cuda)")
 def test_kernel_path_equals_reference_path(monkeypatch, text_ids):
     """What a GPU runs (the Triton kernels, a block's later queries in one call with ``lengths``), here

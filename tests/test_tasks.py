@@ -40,6 +40,7 @@ def test_every_reference_counts_for_its_share_of_the_score(default_lm):
     assert score(task, sample, "none of them") == 0.0
 
 
+@pytest.mark.slow
 def test_a_task_that_needs_the_hub_is_one_line_offline(default_lm):
     code = ("from backend.experiments.tasks import TaskUnavailable, load_task\n"
             "try:\n    load_task('niah_single_2', 256, %r)\n"
@@ -53,6 +54,7 @@ def test_a_task_that_needs_the_hub_is_one_line_offline(default_lm):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_a_task_makes_the_same_samples_whatever_a_process_loaded_before(default_lm):
     """RULER's generators draw from Python's global generator, and the first task a process loads imports NLTK,
     whose import draws too: each sample must still be the same, loaded first or after another task. These are the
@@ -80,6 +82,7 @@ def test_a_length_too_short_for_a_generator_is_one_line_before_it_runs():
         load_task("ruler_vt", 512, "no tokenizer is loaded")
 
 
+@pytest.mark.slow
 def test_lm_eval_runs_kvlens_on_a_ruler_task_end_to_end(tiny_dir, store_dir):
     import lm_eval
 
@@ -204,6 +207,7 @@ def test_a_bad_policy_is_one_line_before_the_model_loads(monkeypatch):
         lm_eval_model.KVLensLM(policy="tova:budgt=32")
 
 
+@pytest.mark.slow
 def test_lm_evals_command_line_runs_kvlens_on_the_models_own_tokenizer(default_loaded, store_dir, capsys):
     """``python -m backend lm-eval`` is lm-eval's own command line with kvlens registered; RULER sizes its samples
     with the model's tokenizer, which a packaged model's name cannot give lm-eval itself."""

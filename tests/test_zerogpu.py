@@ -161,6 +161,7 @@ def _run_in_app(mode: str, tmp_path) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_the_app_imports_and_runs_on_a_cpu_with_spaces_absent_present_and_on_zerogpu(tmp_path):
     absent, present, zero = (_run_in_app(mode, tmp_path) for mode in ("absent", "present", "zerogpu"))
     assert not absent["active"] and not present["active"] and zero["active"]
