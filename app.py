@@ -63,6 +63,7 @@ from viz import panels  # noqa: E402
 from viz.leaderboard import leaderboard_heatmap, leaderboard_table_html, ordered_groups_html  # noqa: E402
 from viz.policy_menu import KINDS, SETS, by_kind, hover_script  # noqa: E402
 from viz.needle import found_rates, needle_figure, needle_table_html  # noqa: E402
+from viz.style import markdown_text  # noqa: E402
 from viz.sweep import sweep_ci_figure  # noqa: E402
 from viz.tasks import sample_status_html, sample_table_html, why_html  # noqa: E402
 import zerogpu  # noqa: E402
@@ -214,7 +215,7 @@ def example_text(sample):
 
 def shown(err: Exception) -> gr.Error:
     """A message for the page: one line, escaped (it may quote what the visitor typed)."""
-    return gr.Error(html.escape(str(err)), print_exception=False)
+    return gr.Error(markdown_text(str(err)), print_exception=False)
 
 
 def reopen(run_id) -> Run:
@@ -343,10 +344,10 @@ def run_request(prompt, mode, max_new, names, budget, sinks, alpha, heads, custo
 def on_cost(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom, model, evidence=""):
     """The line under the Run button: what the chosen set costs against the limit, before anything runs."""
     try:
-        return html.escape(api.cost(run_request(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom,
+        return markdown_text(api.cost(run_request(prompt, mode, max_new, names, budget, sinks, alpha, heads, custom,
                                                 model)).line)
     except RequestError as err:
-        return html.escape(str(err))
+        return markdown_text(str(err))
 
 
 def sweep_request(prompt, mode, max_new, names, sinks, alpha, heads, model):
@@ -506,7 +507,7 @@ def shipped_long_context(folder: Path = shipped.ASSETS):
             figures.append(draw(read(folder / name)))
         except shipped.ShippedFileError as err:
             figures.append(None)
-            notes.append(f"**{html.escape(str(err))}**")
+            notes.append(f"**{markdown_text(str(err))}**")
     return figures[0], figures[1], "\n\n".join(notes)
 
 
@@ -536,7 +537,7 @@ def on_needle(names, budget, lengths, model, request: gr.Request = None, progres
     found = ", ".join(f"{spec} {rate:.0%}" for spec, rate in zip(rates["spec"], rates["found"]))
     status = f"{len(jobs)} cells in {time.monotonic() - started:.0f} s; found: {found}."
     cells = table[NEEDLE_CELL_COLUMNS].reset_index(drop=True)
-    return needle_figure(table, "Your needle grid"), needle_table_html(table), html.escape(status), cells
+    return needle_figure(table, "Your needle grid"), needle_table_html(table), markdown_text(status), cells
 
 
 NEEDLE_CELL_COLUMNS = ["spec", "length", "depth", "found", "answer"]
@@ -567,7 +568,7 @@ def on_needle_cell(table, model, evt: ClickData, request: gr.Request = None, pro
         _leave(request)
     RECENT_RUNS.remember(run)
     status = f"Needle cell {length:,} tokens, depth {depth:g}: Full and {spec}, the needle's number marked."
-    return (run.run_id, html.escape(status), *selectors_for(run))
+    return (run.run_id, markdown_text(status), *selectors_for(run))
 
 
 def leaderboard_models(folder: Path | None = None) -> dict[str, Path]:
@@ -599,11 +600,11 @@ def shipped_leaderboard(model, task, setting, pick=None, folder: Path | None = N
     try:
         df = _read_leaderboard(model, folder)
     except shipped.ShippedFileError as err:
-        return None, "", f"**{html.escape(str(err))}**"
+        return None, "", f"**{markdown_text(str(err))}**"
     rows = df[(df["task"] == task) & (df["setting"] == setting)]
     if rows.empty:
         where = f"{str(task)[:80]} (query-{str(setting)[:20]})"
-        return None, "", f"**{html.escape(f'The leaderboard of {model} has no rows for {where}.')}**"
+        return None, "", f"**{markdown_text(f'The leaderboard of {model} has no rows for {where}.')}**"
     table = leaderboard_table_html(rows)
     groups = told_apart(model, setting, folder) if task == "average" else []
     if groups:
@@ -674,7 +675,7 @@ def leaderboard_view(model, task=None, folder: Path | None = None):
     try:
         df = _read_leaderboard(model, folder)
     except shipped.ShippedFileError as err:
-        return [], [], [], None, None, "", f"**{html.escape(str(err))}**"
+        return [], [], [], None, None, "", f"**{markdown_text(str(err))}**"
     tasks = list(dict.fromkeys(df["task"]))
     tasks = ["average", *(t for t in tasks if t != "average")] if "average" in tasks else tasks
     settings = list(dict.fromkeys(df["setting"]))
@@ -731,7 +732,7 @@ def on_task_sample(task, sample, setting, names, ratio, model, request: gr.Reque
     policies = f"{len(run.traces)} {'policy' if len(run.traces) == 1 else 'policies'}"
     what = (f"{asked.task}, sample {asked.sample}, {SETTING_LABELS[asked.setting]}: Full and {policies}, "
             f"{len(run.traces[0].tokens)} tokens, in {time.monotonic() - started:.0f} s.{cached}")
-    return (run.run_id, html.escape(what), sample_status_html(result.question, result.references, result.table, what),
+    return (run.run_id, markdown_text(what), sample_status_html(result.question, result.references, result.table, what),
             sample_table_html(result.table)
             + why_html(result.why, result.evidence.describe() if result.evidence is not None else ""),
             *selectors_for(run))
@@ -888,7 +889,7 @@ def first_screen() -> FirstScreen:
     except RequestError as err:
         cost = str(err)
     return FirstScreen(FIRST_RUN_ID, FIRST_STATUS, panels.summary_html(run, shown_run.non_recent_shares), last,
-                       panels.kept_tokens(run, last, "all", "all"), html.escape(cost))
+                       panels.kept_tokens(run, last, "all", "all"), markdown_text(cost))
 
 
 def render_run_after_load(run_id, view, request: gr.Request = None):
@@ -925,7 +926,7 @@ def lesson_step(name: str, index: int) -> list:
     index = min(max(int(index), 0), len(found.steps) - 1)
     step = found.steps[index]
     last = index == len(found.steps) - 1
-    where = f"**{html.escape(found.title)}** · step {index + 1} of {len(found.steps)}"
+    where = f"**{markdown_text(found.title)}** · step {index + 1} of {len(found.steps)}"
     text = f"{where}\n\n{step.text}" + ("\n\n*The end: pick another lesson above.*" if last else "")
     lesson = [(name, index), gr.Column(visible=True), text]
     if not step.run:  # a leaderboard step
@@ -971,14 +972,14 @@ def on_load(request: gr.Request):
     rest = [gr.skip()] * 6 + [gr.Tabs(selected="tasks") if query.get("tab") == "tasks" else gr.skip(), gr.skip()]
     if lesson in LESSONS:
         return lesson_step(lesson, 0)
-    note = "" if not lesson else f"**There is no lesson {html.escape(lesson[:40])!r}.** "
+    note = "" if not lesson else f"**There is no lesson {markdown_text(lesson[:40])!r}.** "
     try:
         if run_id:
             return _no_lesson() + _show_run(run_id, note + "Opened a shared run from the store.", fresh=True) + rest
         if FIRST_RUN_ID is not None:  # the page was built showing it (``first_screen``)
             return _no_lesson() + [gr.skip(), note + FIRST_STATUS if note else gr.skip()] + [gr.skip()] * 3 + rest
     except RequestError as err:
-        return _no_lesson() + [None, note + f"**{html.escape(str(err))}**"] + [gr.skip()] * 3 + rest
+        return _no_lesson() + [None, note + f"**{markdown_text(str(err))}**"] + [gr.skip()] * 3 + rest
     return _no_lesson() + [None, note] + [gr.skip()] * 3 + rest
 
 
@@ -998,7 +999,7 @@ class QuietBlocks(gr.Blocks):
 
 
 def _input_error(err) -> gr.Error:
-    return gr.Error(html.escape((str(err).strip().splitlines() or ["A control's value is out of range."])[0]),
+    return gr.Error(markdown_text((str(err).strip().splitlines() or ["A control's value is out of range."])[0]),
                     print_exception=False)
 
 

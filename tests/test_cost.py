@@ -116,7 +116,7 @@ def test_the_app_shows_the_line_escaped(tiny_session):
     typed = app.on_cost("x" * 100, *controls, "tova:<b>", DEFAULT_MODEL)
     assert "&lt;b&gt;" in typed and "<b>" not in typed
     assert app.on_cost("x" * 100, *controls, "", "<script>") == \
-        "unknown model &#x27;&lt;script&gt;&#x27;; offered here: " + ", ".join(api.LIMITS.models)
+        "unknown model '&lt;script&gt;'; offered here: " + ", ".join(api.LIMITS.models)
 
 
 def test_the_cost_line_never_queues_and_follows_the_controls_and_runs():

@@ -22,6 +22,12 @@ def visible_token(text: str, max_len: int = 24) -> str:
     return shown
 
 
+def markdown_text(text: str) -> str:
+    """Escape text for a Gradio Markdown or HTML box. Quotes stay as typed: they need no escape outside an
+    attribute, and Gradio's Markdown shows a numeric entity such as ``&#x27;`` as typed."""
+    return html.escape(text, quote=False)
+
+
 def plotly_text(text: str) -> str:
     """Escape text for plotly's HTML-like labels and hover boxes (it decodes &lt; &gt; &amp;)."""
     return html.escape(text, quote=False)
