@@ -3,6 +3,7 @@ batched run with Full, as ``python -m backend tasks`` runs it), against one plai
 small grid's wall time serially and on a local Ray.
 
     python -m benchmarks.task_cost [--lengths 1024,4096] [--policies ...] [--ratios ...] [--pairs 1]
+    python -m benchmarks.task_cost --lengths 1024 --profile          # one sample's time by part
     python -m benchmarks.task_cost --grid [--samples 4] [--workers 2]
     python -m benchmarks.task_cost --lengths 4096 --save-request R.json      # the sample's prompt, for a GPU
     python -m benchmarks.task_cost --request R.json --model DIR --device cuda [--dtype bfloat16] [--json F]
@@ -20,11 +21,13 @@ same rows, though a random model's answers never stop early (every row decodes t
 then go in groups of ``MAX_ROWS`` (the runs ``answer`` makes), each timed; ``--seconds`` stops between groups.
 """
 import argparse
+import collections
 import dataclasses
 import json
 import os
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -35,7 +38,7 @@ from backend.limits import Limits
 
 from backend.engine.models import DEFAULT_MODEL
 
-from .common import add_pairs_argument, model, paired
+from .common import add_pairs_argument, best_of, model, paired
 
 
 def task_request(lm, task_name: str, length: int) -> TaskRequest:
@@ -58,6 +61,84 @@ def sample_cost(lm, request: TaskRequest, specs: list[str], pairs: int, task_nam
     rows = len(answers)
     print(f"| {task_name} | {len(ids)} | {rows} | {decoded} | {timing.baseline:.2f} | {timing.run:.1f} | "
           f"{timing.ratio:.1f}x ({timing.spread(1)}) | {timing.ratio / rows:.2f}x |", flush=True)
+
+
+class Stopwatch:
+    """Wall time spent inside some functions while a sample runs, by phase: each is wrapped in place, and the
+    attention (every row's policy walk, and Full's SDPA) is told apart from the rest of the model by the phase
+    it runs in."""
+
+    def __init__(self):
+        self.seconds: collections.Counter = collections.Counter()
+        self.phase = "prefill"
+        self.undo: list = []
+
+    def wrap(self, owner, name: str, label) -> None:
+        original = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            key = label(args, kwargs) if callable(label) else label
+            outer, start = self.phase, time.perf_counter()
+            if key in PHASES:
+                self.phase = key
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds[key if key in PHASES else f"{self.phase}: {key}"] += time.perf_counter() - start
+                self.phase = outer
+
+        setattr(owner, name, timed)
+        self.undo.append((owner, name, original))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, original in reversed(self.undo):
+            setattr(owner, name, original)
+
+
+PHASES = ("prefill", "decode", "scoring")
+
+
+def profile_sample(lm, request: TaskRequest, specs: list[str], task_name: str) -> None:
+    """One sample's wall time by phase (``--profile``), through a store of its own: prefill (the prompt read by
+    every row), decode (the answers), scoring (every row teacher-forced on Full's answer), each split into the
+    attention (policy walks, Full's SDPA) and the rest of the model; recording (traces built from the cache)
+    and the store (keys, files)."""
+    from backend import runs
+    from backend.engine import runner
+    from backend.engine.attention import PolicyCache
+    from backend.traces.store import TraceStore
+
+    ids = encode(lm, request.context)
+    plain = best_of(lambda: lm.model(torch.tensor([ids], device=lm.model.device)), repeat=1)
+    with tempfile.TemporaryDirectory() as directory, Stopwatch() as watch:
+        watch.wrap(runner, "_teacher_force", lambda args, kwargs: "scoring" if args[3] else "prefill")
+        watch.wrap(runner, "_decode", "decode")
+        watch.wrap(PolicyCache, "attend", "attention")
+        watch.wrap(runner, "_generate_and_score", "engine")
+        watch.wrap(runs, "compute_traces", "traces")
+        start = time.perf_counter()
+        answers = answer(lm, request, ["full", *specs], "agnostic", TraceStore(Path(directory)), Limits.for_machine())
+        total = time.perf_counter() - start
+    seconds = watch.seconds
+    parts = {}
+    for phase in PHASES:
+        attention = sum(v for k, v in seconds.items() if k.startswith(phase) and k.endswith(": attention"))
+        parts[f"{phase}: attention and policy walks"] = attention
+        parts[f"{phase}: the rest of the model"] = seconds[phase] - attention
+    engine = sum(v for k, v in seconds.items() if k.endswith("engine"))
+    traces = sum(v for k, v in seconds.items() if k.endswith("traces"))
+    parts["recording (traces from the cache)"] = traces - engine
+    parts["store (keys, files)"] = total - traces
+    parts["other"] = engine - sum(seconds[phase] for phase in PHASES)
+    print(f"{task_name}, {len(ids)} prompt tokens, {len(answers)} rows, "
+          f"{max(len(a.trace.generated_ids) for a in answers)} tokens decoded at most; plain forward {plain:.2f} s\n")
+    print("| part | seconds | share | plain forwards |\n|---|---|---|---|")
+    for name, value in parts.items():
+        print(f"| {name} | {value:.1f} | {value / total:.0%} | {value / plain:.1f} |")
+    print(f"| **the sample** | {total:.1f} | 100% | {total / plain:.1f} |", flush=True)
 
 
 def grouped_cost(lm, request: TaskRequest, specs: list[str], seconds: float, json_out: str | None) -> None:
@@ -124,6 +205,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=float("inf"), help="with --request: stop between groups "
                         "past this many seconds")
     parser.add_argument("--json", help="with --request: append the figures here (JSON lines)")
+    parser.add_argument("--profile", action="store_true", help="one sample at the first length, its time by part")
     add_pairs_argument(parser, 1)
     args = parser.parse_args()
     lm = model(args.model, args.device, args.dtype)
@@ -145,6 +227,9 @@ def main() -> None:
         request = TaskRequest(**{**fields, "until": tuple(fields["until"])})
         print("| prompt tokens | rows (Full included) | tokens decoded | seconds |\n|---|---|---|---|")
         grouped_cost(lm, request, specs, args.seconds, args.json)
+        return
+    if args.profile:
+        profile_sample(lm, task_request(lm, args.task, lengths[0]), specs, args.task)
         return
     print("| task | prompt tokens | rows (Full included) | tokens decoded | plain forward (s) | sample (s) | "
           "ratio to a plain forward (min-max) | per row |\n|---|---|---|---|---|---|---|---|")

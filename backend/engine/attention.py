@@ -41,7 +41,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from kernels import eviction_walk, eviction_walk_triton
 
-from .cache_layer import GrowingLayer, GrowingTensor
+from .cache_layer import GrowingLayer, GrowingTensor, rows_up_to
 from .features import Capture, ModelFeatures, read_features
 from ..policies import Policy
 from ..policies.base import attention_logits, visible_keys, Block, CacheView, RunningScore
@@ -258,11 +258,57 @@ class RowLayerState:
         kind = self.policy.kind
         if kind == "full":
             return self._attend_full(q, key, value, first, scaling)
+        if self.reads_as_full(first + q.shape[2], n_prompt):
+            out = self._attend_full(q, key, value, first, scaling)
+            self.follow(q, key, value, first, scaling, n_prompt)
+            return out
         if kind == "selection":
             return self._attend_selection(q, key, value, first, scaling, n_prompt)
         if self.forms is not None:
             return self._attend_in_segments(q, key, value, first, scaling, n_prompt)
         return self._attend_cached(q, key, value, first, scaling, n_prompt)
+
+    def reads_as_full(self, end: int, n_prompt: int | None) -> bool:
+        """Does every query of a block ending before position ``end`` read as Full's (``Policy.first_departure``)?"""
+        return self.policy.kind != "full" and end <= self.policy.first_departure(n_prompt)
+
+    def follow(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, first: int, scaling: float,
+               n_prompt: int | None) -> None:
+        """A block before the row's first departure: its queries read as Full's, and the policy sees what it asks
+        of them (a compression policy: its window's attention rows and queries, and its compression after the
+        last of them). q [H_kv, G, n, d], key/value [H_kv, M, d]: the row's own, or Full's when the row takes
+        Full's prefill (``PolicyCache.share``): the same to the bit."""
+        policy = self.policy
+        if policy.kind != "compression":
+            raise NotImplementedError(f"{policy.name}: the engine follows only a compression policy until it departs")
+        n, total = q.shape[2], first + q.shape[2]
+        departure = policy.first_departure(n_prompt)
+        acts = [t for t in range(first, total) if policy.compresses_after(t, n_prompt)]
+        if any(t != departure - 1 for t in acts):
+            raise RuntimeError(f"{policy.name} compresses before its first departure ({departure})")
+        reach = policy.window_queries
+        seen = sorted(set(range(max(first, departure - reach), total) if reach else ()) | set(acts))
+        if seen:
+            rows, by_head = self._attention_rows(q, key, first, [t - first for t in seen], scaling) \
+                if policy.uses_attention else (None, None)
+            positions = np.broadcast_to(np.arange(total), (self.n_kv_heads, total))  # every token is held
+            kept = np.ones((self.n_kv_heads, total), bool)
+            for j, t in enumerate(seen):
+                self._compress(None if rows is None else rows[:, j, : t + 1], t, positions[:, : t + 1],
+                               kept[:, : t + 1], key, value, n_prompt, q[:, :, t - first],
+                               None if by_head is None else by_head[:, :, j, : t + 1])
+        columns = self.block_columns(first, n)
+        self._keep_columns(columns, np.take_along_axis(self.alive, np.maximum(columns, 0), axis=1) & (columns >= 0))
+
+    def _attention_rows(self, q: torch.Tensor, key: torch.Tensor, first: int, picks: list[int], scaling: float
+                        ) -> tuple[np.ndarray, np.ndarray | None]:
+        """The picked queries' softmax rows over the keys each sees, in float64: their group's mean [H, k, M] and,
+        for a policy that reads them, each query head's [H, G, k, M] (else None)."""
+        visible = visible_keys(first, q.shape[2], key.shape[1], self.window, q.device)[picks]
+        scores = attention_logits(q[:, :, picks], key[:, None], scaling, self.softcap).double()
+        probs = torch.softmax(scores.masked_fill_(~visible, float("-inf")), -1)
+        by_head = probs.cpu().numpy() if self.policy.window_by_query_head else None
+        return probs.mean(1).cpu().numpy(), by_head
 
     def begin(self, total: int, softcap: float | None, window: int | None) -> None:
         """A block over ``total`` keys begins, under the layer's soft-cap and window."""
@@ -733,7 +779,13 @@ def _relative_error(held: torch.Tensor, computed: torch.Tensor) -> np.ndarray:
 
 
 class PolicyCache(DynamicCache):
-    """A DynamicCache whose batch row ``b`` is governed by ``policies[b]`` in every layer."""
+    """A DynamicCache whose batch row ``b`` is governed by ``policies[b]`` in every layer.
+
+    A forward call may carry fewer rows than there are policies: the last rows, those that still read as Full
+    (``batch_for``), then follow Full's row instead of computing their own, until they join (``grow_batch``)."""
+
+    # Rows that read as Full take Full's prefill (False: every row computes its own, the same to the bit; tests).
+    share: bool = True
 
     def __init__(self, policies: list[Policy], n_layers: int, n_kv_heads: int, record_layers: tuple[int, ...] = (),
                  rope: Callable | Sequence[Callable] | None = None, record_top_k: int = 0,
@@ -775,17 +827,24 @@ class PolicyCache(DynamicCache):
         first = total - n
         # The rows that walk on the device walk together, in one launch for the layer (``DeviceWalk``).
         together = self._walk_on_device(layer, query, key, value, scaling, softcap, window) if any(
-            state.walks_on_device(query.device) and b not in self.idle for b, state in enumerate(self.rows[layer])
-        ) else {}
+            state.walks_on_device(query.device) and b not in self.idle
+            for b, state in enumerate(self.rows[layer][:batch])) else {}
         outputs = []
         for b, state in enumerate(self.rows[layer]):
+            if b >= batch:  # not in the batch: it reads as Full and takes Full's queries, keys and values (``share``)
+                full_q = query[0].view(n_kv_heads, group, n, dim)
+                state.begin(total, softcap, window)
+                if state.top is not None:
+                    state._attend_full(full_q, key[0], value[0], first, scaling)  # what it read, recorded
+                state.follow(full_q, key[0], value[0], first, scaling, self.n_prompt)
+                continue
             if b in together:
                 outputs.append(together[b])
                 continue
             if b in self.idle:
                 outputs.append(query.new_zeros(n, n_q_heads, dim))
                 continue
-            if state.policy.attends:
+            if state.policy.attends and not state.reads_as_full(total, self.n_prompt):
                 block = Block(q=query[b], k=key[b], v=value[b], first=first, scaling=scaling, rope=self.ropes[layer],
                               softcap=softcap, window=window,
                               decoding=self.decoding, layer=layer, n_layers=len(self.rows), n_prompt=self.n_prompt,
@@ -805,7 +864,7 @@ class PolicyCache(DynamicCache):
         batch, n_q_heads, n, dim = query.shape
         n_kv_heads, total = key.shape[1], key.shape[2]
         first = total - n
-        walking = [b for b, state in enumerate(self.rows[layer])
+        walking = [b for b, state in enumerate(self.rows[layer][:batch])
                    if state.walks_on_device(query.device) and b not in self.idle]
         # The rows that walk their heads alike side by side: one launch for each way (``eviction_walk_triton.ways``).
         way = eviction_walk_triton.ways(np.array([self.rows[layer][b].walk_params() for b in walking]))
@@ -832,6 +891,31 @@ class PolicyCache(DynamicCache):
             if row.top is not None:
                 row.top.add(torch.from_numpy(attn[r, :, :, start:]), torch.from_numpy(columns[r]))
         return {b: out[r].reshape(n_q_heads, n, dim).transpose(0, 1) for r, b in enumerate(walking)}
+
+    def batch_for(self, end: int) -> int:
+        """How many of the leading rows go through the model in a block that ends before position ``end``. With
+        ``share``, a row whose every query so far reads as Full's (``Policy.first_departure`` >= ``end``) is left
+        out: it takes Full's prefill instead (``PolicyCache.attend``, ``grow_batch``). The runner orders the rows by
+        departure, so those left out are the last."""
+        if not self.share:
+            return len(self.policies)
+        inside = [b for b, policy in enumerate(self.policies) if policy.first_departure(self.n_prompt) < end or b == 0]
+        if inside != list(range(len(inside))):
+            raise ValueError("the rows that share Full's prefill must come last (ordered by first departure)")
+        return len(inside)
+
+    def grow_batch(self, size: int) -> None:
+        """Bring the rows up to ``size`` into the batch before a forward call. Each joins with Full's cache (row
+        0's keys and values, and what else is kept per batch row), which is its own to the bit: until now it has
+        read as Full."""
+        for layer in self.layers:
+            if isinstance(layer, GrowingLayer):
+                layer.grow_rows(size)
+        for keys in self.prerope_k.values():
+            keys.grow_rows(size)
+        self.recorded_k = {layer: [rows_up_to(part, size) for part in parts] for layer, parts in self.recorded_k.items()}
+        if self.fed is not None:
+            self.fed = rows_up_to(self.fed, size)
 
     def fork(self) -> "PolicyCache":
         """A copy that can read other tokens from here on (the runner scores Full's continuation this way).

@@ -62,6 +62,11 @@ class GrowingLayer(DynamicLayer):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._unbuffer(lambda x: x[indices, ...])
 
+    def grow_rows(self, size: int) -> None:
+        """Up to ``size`` batch rows, the new ones copies of row 0 (``PolicyCache.grow_batch``)."""
+        if self.is_initialized and self.keys.shape[0] < size:
+            self._unbuffer(lambda x: rows_up_to(x, size))
+
     def _unbuffer(self, change) -> None:
         """Batch edits make new tensors: they become the buffers, with no spare room."""
         if self.get_seq_length() > 0:
@@ -92,6 +97,11 @@ class GrowingTensor:
         self.length = end
         return self.filled
 
+    def grow_rows(self, size: int) -> None:
+        """Up to ``size`` batch rows, the new ones copies of row 0, in a buffer of its own."""
+        if self.buffer is not None and self.buffer.shape[0] < size:
+            self.buffer, self.shared = rows_up_to(self.buffer, size), False
+
     @property
     def filled(self) -> torch.Tensor:
         return self.buffer[..., : self.length, :]
@@ -101,3 +111,9 @@ class GrowingTensor:
         twin.__dict__.update(self.__dict__)
         self.shared = twin.shared = True  # copy-on-append, on both sides
         return twin
+
+
+def rows_up_to(x: torch.Tensor, size: int) -> torch.Tensor:
+    """``x`` [B, ...] with rows B..size-1 added as copies of its row 0 (a new tensor; ``x`` itself if B >= size)."""
+    missing = size - x.shape[0]
+    return x if missing <= 0 else torch.cat([x, x[:1].expand(missing, *x.shape[1:])])

@@ -19,6 +19,7 @@ import torch
 
 from .allocator import give_back
 from .attention import PolicyCache
+from .cache_layer import rows_up_to
 from .features import key_rope
 from .models import LoadedModel
 from ..policies import Full, Policy
@@ -33,8 +34,11 @@ LM_HEAD_CHUNK = 64  # positions per lm-head call: bounds the [rows, positions, v
 Progress = Callable[[float, str], None]
 
 
-def _rows(policies: Sequence[Policy], reference: bool = True) -> tuple[list[Policy], list[int]]:
-    """Row 0 = Full; each requested policy gets a row (a requested Full reuses row 0).
+def _rows(policies: Sequence[Policy], reference: bool = True, n_prompt: int | None = None
+          ) -> tuple[list[Policy], list[int]]:
+    """Row 0 = Full; each requested policy gets a row (a requested Full reuses row 0), the rows that read as
+    Full longest last (``Policy.first_departure`` with ``n_prompt``): they take Full's prefill, and join the
+    batch as they depart (``PolicyCache.batch_for``).
 
     ``reference=False`` (benchmarks only) runs just the requested policies, without the Full row.
     """
@@ -48,7 +52,9 @@ def _rows(policies: Sequence[Policy], reference: bool = True) -> tuple[list[Poli
         else:
             index.append(len(rows))
             rows.append(policy)
-    return rows, index
+    order = [0] + sorted(range(1, len(rows)), key=lambda r: rows[r].first_departure(n_prompt))  # stable
+    moved_to = {old: new for new, old in enumerate(order)}
+    return [rows[r] for r in order], [moved_to[r] for r in index]
 
 
 def rope_function(lm: LoadedModel, layer: int = 0) -> Callable:
@@ -161,19 +167,24 @@ def _teacher_force(lm: LoadedModel, cache: PolicyCache, ids: Sequence[int], star
     pieces, hidden, lo = [], None, 0
     ends = sorted(set(ends) | {e for e in cuts(cache, start, len(ids)) if ends and e < max(ends)})
     for hi in ends:
-        hidden = _forward(lm, cache, batch[:, lo:hi], start + lo)
+        # The rows that still read as Full are left out: theirs are Full's hidden states and predictions.
+        size = cache.batch_for(start + hi)
+        cache.grow_batch(size)
+        hidden = _forward(lm, cache, batch[:size, lo:hi], start + lo)
         reread(lm, cache, start + hi - 1)
-        pieces.append(_predictions(lm, hidden, targets[lo:hi]))
+        predicted = _predictions(lm, hidden, targets[lo:hi])
+        pieces.append({name: np.concatenate([a, np.repeat(a[:1], n_rows - size, 0)]) for name, a in predicted.items()})
         if progress:
             progress(hi / len(ids), f"{label}: token {start + hi} of {start + len(ids)}")
         lo = hi
-    return (None if hidden is None else hidden[:, -1]), _joined(pieces, n_rows)
+    return (None if hidden is None else rows_up_to(hidden[:, -1], n_rows)), _joined(pieces, n_rows)
 
 
 def _decode(lm: LoadedModel, cache: PolicyCache, hidden: torch.Tensor, position: int, max_new_tokens: int,
             progress: Progress | None = None) -> list[list[int]]:
     """Greedy tokens from each row's last hidden state [B, D], each row under its own policy, until EOS."""
     eos = lm.tokenizer.eos_token_id
+    cache.grow_batch(len(cache.policies))  # every row answers from its own cache
     outputs: list[list[int]] = [[] for _ in cache.policies]
     done = np.zeros(len(outputs), bool)
     next_ids = torch.full((len(outputs),), eos if eos is not None else 0, dtype=torch.long, device=hidden.device)
@@ -240,12 +251,14 @@ def _generate_and_score(lm: LoadedModel, prompt_ids: Sequence[int], policies: Se
     teacher-forced, in one call but as decoding steps, so every policy's scores come from the same prompt
     state as its generation and each continuation token is read as decoding reads it.
     """
-    rows, index = _rows(policies, reference)
     n = len(prompt_ids)
     if context_end is not None and not 1 <= context_end <= n:
         raise ValueError(f"context_end must be within 1..{n} (the prompt's tokens), got {context_end}")
+    n_prompt = n if context_end is None else context_end  # compression policies act once it is read
+    rows, index = _rows(policies, reference, n_prompt)
     cache = new_cache(lm, rows, record_layers, n + max_new_tokens)
-    cache.n_prompt = n if context_end is None else context_end  # compression policies act once it is read
+    cache.n_prompt = n_prompt
+    cache.share = cache.share and reference  # rows take Full's prefill only where Full is row 0
     ends = block_ends(chunk, n, rows, stops=() if context_end is None else (context_end,))
     with torch.inference_mode():
         with cache.capture_prerope(lm.model):

@@ -162,6 +162,16 @@ class Policy:
         told; an array not shaped [H, tokens] stays as it is when the engine drops tokens."""
         return self.init_state(n_heads)
 
+    def first_departure(self, n_prompt: int | None) -> int:
+        """The first query that may read otherwise than Full's: every query before it reads every earlier token,
+        and the engine computes it in Full's own arithmetic, so the row's keys, values and predictions until then
+        are Full's to the bit. The runner then lets the row take Full's prefill instead of computing its own: it
+        joins the batch at its first block past this query, the cache Full's (``PolicyCache.share``); before
+        that the policy sees Full's queries, keys and values as its own (``RowLayerState.follow``). ``n_prompt``:
+        the prompt's length in generate mode (where a query-agnostic run's context ends), None in prompt mode.
+        0: it may depart from the first query (and attends its own way throughout)."""
+        return 0
+
     def may_cut(self, end: int) -> bool:
         """May a forward call on a prompt end before position ``end``? ReAttention says no inside one of its
         chunks, whose queries vote together; the runner moves its block ends to where every row says yes."""
@@ -372,6 +382,12 @@ class CompressionPolicy(Policy):
         generate = "once after the prompt" + (f", then every {self.every} decoding steps" if self.every else "")
         prompt = f"every {self.interval} tokens"
         return {"generate": generate, "prompt": prompt}.get(mode, f"{generate} (prompt mode: {prompt})")
+
+    def first_departure(self, n_prompt: int | None) -> int:
+        # In generate mode nothing is compressed before the prompt's last query has read (``compresses_after``):
+        # the queries after it are the first to read less. A policy that scores from a second pass over the text
+        # (``rereads``) reads it between the prompt's blocks, and departs from the start.
+        return n_prompt if n_prompt is not None and not self.rereads else 0
 
     def compresses_after(self, t: int, n_prompt: int | None) -> bool:
         if n_prompt is None:

@@ -1,0 +1,110 @@
+"""Rows that read as Full take Full's prefill (``Policy.first_departure``, ``PolicyCache.share``): a compression
+policy in generate mode reads every token until the prompt (or a query-agnostic run's context) ends, so its row
+stays out of the batch until then and follows Full's queries, keys and values. Every trace must be the same to the
+bit with the sharing on and off, for every policy, on every family's test model and on both packaged models."""
+import numpy as np
+import pytest
+
+from backend.engine import attention
+from backend.engine.attention import PolicyCache
+from backend.engine.models import GEMMA_MODEL, shared_model
+from backend.engine.runner import compute_traces
+from backend.policies import POLICIES, SnapKV, parse_spec
+from tests.test_families import FAMILIES, IDS, refused, tiny_family
+
+
+def traces(lm, specs, ids, share: bool, context_end=None, max_new_tokens=6, monkeypatch=None):
+    monkeypatch.setattr(PolicyCache, "share", share)
+    return compute_traces(lm, specs, [parse_spec(s, context_end or len(ids)) for s in specs], ids, mode="generate",
+                          max_new_tokens=max_new_tokens, context_end=context_end)
+
+
+def assert_same(shared, alone) -> None:
+    """Every array and the metadata of each trace, to the bit."""
+    for one, other in zip(shared, alone):
+        assert one.meta == other.meta
+        mine, theirs = one.arrays(), other.arrays()
+        assert sorted(mine) == sorted(theirs), one.spec
+        for name in mine:
+            np.testing.assert_array_equal(mine[name], theirs[name], err_msg=f"{one.spec}: {name}")
+
+
+def every_policy(lm, context: int) -> list[str]:
+    """Every registered policy at half the context's tokens (or its own settings), where it runs on this model."""
+    return [POLICIES[name].for_ratio(0.5, context).spec() for name in POLICIES
+            if name != "full" and not refused(lm, name)]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("context_end", [None, 14])
+def test_every_policy_reads_the_same_with_and_without_full_s_prefill(family, context_end, monkeypatch):
+    lm = tiny_family(family)
+    specs = every_policy(lm, context_end or len(IDS))
+    shared = traces(lm, specs, IDS, True, context_end, monkeypatch=monkeypatch)
+    alone = traces(lm, specs, IDS, False, context_end, monkeypatch=monkeypatch)
+    assert_same([*shared[0], shared[1]], [*alone[0], alone[1]])
+
+
+@pytest.mark.parametrize("packaged", ["default", pytest.param("gemma", marks=pytest.mark.slow)])
+def test_the_packaged_models_read_the_same_with_and_without_full_s_prefill(packaged, default_lm, monkeypatch):
+    """In float32 and bfloat16-trained weights, with the rows Full's batch computes row by row: a row's numbers do not
+    depend on which rows share its batch."""
+    lm = default_lm if packaged == "default" else shared_model(GEMMA_MODEL)
+    ids = lm.encode("The pass code is 4821. " * 6 + "Remember it well, and tell it when asked. What is the code?")
+    end = len(ids) - 8
+    specs = [name for name in ("snapkv:budget=16", "pyramidkv:budget=16", "knorm:budget=16", "think:budget=16",
+                               "kivi", "tova:budget=16", "kvzip:budget=16", "quest:budget=16")
+             if not refused(lm, name.split(":")[0])]
+    for context_end in (None, end):
+        shared = traces(lm, specs, ids, True, context_end, max_new_tokens=4, monkeypatch=monkeypatch)
+        alone = traces(lm, specs, ids, False, context_end, max_new_tokens=4, monkeypatch=monkeypatch)
+        assert_same([*shared[0], shared[1]], [*alone[0], alone[1]])
+
+
+def test_rows_that_read_as_full_stay_out_of_the_batch_until_they_depart(tiny, text_ids, monkeypatch):
+    """SnapKV and Knorm compress once the context (24 tokens) is read: the prompt's blocks before it carry Full and
+    TOVA only, the rest every row. With the sharing off, every block carries every row."""
+    sizes = []
+    forward = attention.PolicyCache.attend
+
+    def counted(cache, layer, query, *args, **kwargs):
+        if layer == 0:
+            sizes.append((query.shape[0], query.shape[2]))
+        return forward(cache, layer, query, *args, **kwargs)
+
+    monkeypatch.setattr(attention.PolicyCache, "attend", counted)
+    specs = ["snapkv:budget=12", "tova:budget=10", "knorm:budget=12"]
+    (snap, tova, knorm), _ = compute_traces(tiny, specs, [parse_spec(s) for s in specs], text_ids[:30],
+                                            mode="generate", max_new_tokens=3, chunk=8, context_end=24)
+    assert sizes[:3] == [(2, 8)] * 3  # the context's blocks: Full and TOVA
+    assert {rows for rows, _ in sizes[3:]} == {4}  # the question, then the answers: every row
+    monkeypatch.setattr(PolicyCache, "share", False)
+    sizes.clear()
+    compute_traces(tiny, specs, [parse_spec(s) for s in specs], text_ids[:30], mode="generate", max_new_tokens=3,
+                   chunk=8, context_end=24)
+    assert {rows for rows, _ in sizes} == {4}
+    # What they read: every earlier token until the context's end, less from then on.
+    for trace in (snap, knorm):
+        reads = trace.reads(0)  # [H, steps, positions]
+        causal = np.tril(np.ones((24, 24), bool))
+        assert (reads[:, :24, :24] == causal).all() and not reads[:, :24, 24:].any(), trace.spec
+        assert (reads[:, 24:].sum(-1) < np.arange(25, reads.shape[1] + 1)).all(), trace.spec
+
+
+def test_a_policy_that_compresses_before_its_declared_departure_is_caught(tiny, text_ids, monkeypatch):
+    """The engine follows a row only while its policy keeps the promise ``first_departure`` makes."""
+
+    class Early(SnapKV):
+        def compresses_after(self, t, n_prompt):
+            return t == 15 or super().compresses_after(t, n_prompt)
+
+    with pytest.raises(RuntimeError, match="compresses before its first departure"):
+        compute_traces(tiny, ["early"], [Early(budget=12)], text_ids[:30], mode="generate", max_new_tokens=2,
+                       context_end=24)
+
+
+def test_a_compression_row_departs_where_its_prompt_ends_and_no_earlier():
+    snap = SnapKV(budget=12)
+    assert snap.first_departure(24) == 24 and snap.first_departure(None) == 0  # prompt mode: every interval
+    assert parse_spec("kvzip:budget=12").first_departure(24) == 0  # its second pass reads between the blocks
+    assert parse_spec("tova:budget=12").first_departure(24) == 0
