@@ -45,6 +45,20 @@ def test_every_policy_reads_the_same_with_and_without_full_s_prefill(family, con
     assert_same([*shared[0], shared[1]], [*alone[0], alone[1]])
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_a_text_scored_teacher_forced_reads_the_same_with_and_without_full_s_prefill(family, monkeypatch):
+    """Prompt mode: an eviction row follows Full until its budget fills; one whose budget the text never fills
+    never joins the batch, and its trace, recorded keys included, is Full's reading."""
+    lm = tiny_family(family)
+    specs = every_policy(lm, len(IDS)) + ["h2o:budget=64", "tova:budget=8"]
+    runs = []
+    for share in (True, False):
+        monkeypatch.setattr(PolicyCache, "share", share)
+        runs.append(compute_traces(lm, specs, [parse_spec(s, len(IDS)) for s in specs], IDS, mode="prompt"))
+    (shared, full_shared), (alone, full_alone) = runs
+    assert_same([*shared, full_shared], [*alone, full_alone])
+
+
 @pytest.mark.parametrize("packaged", ["default", pytest.param("gemma", marks=pytest.mark.slow)])
 def test_the_packaged_models_read_the_same_with_and_without_full_s_prefill(packaged, default_lm, monkeypatch):
     """In float32 and bfloat16-trained weights, with the rows Full's batch computes row by row: a row's numbers do not
@@ -62,8 +76,9 @@ def test_the_packaged_models_read_the_same_with_and_without_full_s_prefill(packa
 
 
 def test_rows_that_read_as_full_stay_out_of_the_batch_until_they_depart(tiny, text_ids, monkeypatch):
-    """SnapKV and Knorm compress once the context (24 tokens) is read: the prompt's blocks before it carry Full and
-    TOVA only, the rest every row. With the sharing off, every block carries every row."""
+    """TOVA first drops after its 10th query, SnapKV and Knorm compress once the context (24 tokens) is read: the
+    first block carries Full alone, the next two Full and TOVA, the rest every row. With the sharing off, every
+    block carries every row."""
     sizes = []
     forward = attention.PolicyCache.attend
 
@@ -76,7 +91,7 @@ def test_rows_that_read_as_full_stay_out_of_the_batch_until_they_depart(tiny, te
     specs = ["snapkv:budget=12", "tova:budget=10", "knorm:budget=12"]
     (snap, tova, knorm), _ = compute_traces(tiny, specs, [parse_spec(s) for s in specs], text_ids[:30],
                                             mode="generate", max_new_tokens=3, chunk=8, context_end=24)
-    assert sizes[:3] == [(2, 8)] * 3  # the context's blocks: Full and TOVA
+    assert sizes[:3] == [(1, 8), (2, 8), (2, 8)]  # the context's blocks
     assert {rows for rows, _ in sizes[3:]} == {4}  # the question, then the answers: every row
     monkeypatch.setattr(PolicyCache, "share", False)
     sizes.clear()
@@ -103,8 +118,21 @@ def test_a_policy_that_compresses_before_its_declared_departure_is_caught(tiny, 
                        context_end=24)
 
 
-def test_a_compression_row_departs_where_its_prompt_ends_and_no_earlier():
+def test_an_eviction_policy_that_drops_before_its_declared_departure_is_caught(tiny, text_ids):
+    from backend.policies import TOVA
+
+    class Early(TOVA):
+        def first_departure(self, n_prompt):
+            return self.budget + 4
+
+    with pytest.raises(RuntimeError, match="drops a token before its first departure"):
+        compute_traces(tiny, ["early"], [Early(budget=8)], text_ids[:30], mode="generate", max_new_tokens=2,
+                       chunk=4)
+
+
+def test_a_row_departs_where_its_policy_first_reads_less():
     snap = SnapKV(budget=12)
     assert snap.first_departure(24) == 24 and snap.first_departure(None) == 0  # prompt mode: every interval
     assert parse_spec("kvzip:budget=12").first_departure(24) == 0  # its second pass reads between the blocks
-    assert parse_spec("tova:budget=12").first_departure(24) == 0
+    assert parse_spec("tova:budget=12").first_departure(None) == 12  # the query after the one that fills it
+    assert parse_spec("quest:budget=32").first_departure(24) == 0

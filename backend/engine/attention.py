@@ -275,14 +275,24 @@ class RowLayerState:
     def follow(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, first: int, scaling: float,
                n_prompt: int | None) -> None:
         """A block before the row's first departure: its queries read as Full's, and the policy sees what it asks
-        of them (a compression policy: its window's attention rows and queries, and its compression after the
-        last of them). q [H_kv, G, n, d], key/value [H_kv, M, d]: the row's own, or Full's when the row takes
+        of them: an eviction policy walks the block as ever (its running scores grow; it drops nothing yet), a
+        compression policy reads its window's attention rows and queries, and compresses after the last of them. q [H_kv, G, n, d], key/value [H_kv, M, d]: the row's own, or Full's when the row takes
         Full's prefill (``PolicyCache.share``): the same to the bit."""
         policy = self.policy
-        if policy.kind != "compression":
-            raise NotImplementedError(f"{policy.name}: the engine follows only a compression policy until it departs")
-        n, total = q.shape[2], first + q.shape[2]
         departure = policy.first_departure(n_prompt)
+        if policy.kind == "eviction":  # its own walk, which updates its state; what it read is Full's arithmetic
+            top, self.top = self.top, None
+            try:
+                self._attend_cached(q, key, value, first, scaling, n_prompt)
+            finally:
+                self.top = top
+            if ((self.evicted_at >= 0) & (self.evicted_at < departure)).any():
+                raise RuntimeError(f"{policy.name} drops a token before its first departure ({departure})")
+            return
+        if policy.kind != "compression":
+            raise NotImplementedError(f"{policy.name}: the engine follows only eviction and compression policies "
+                                      "until they depart")
+        n, total = q.shape[2], first + q.shape[2]
         acts = [t for t in range(first, total) if policy.compresses_after(t, n_prompt)]
         if any(t != departure - 1 for t in acts):
             raise RuntimeError(f"{policy.name} compresses before its first departure ({departure})")
@@ -827,7 +837,7 @@ class PolicyCache(DynamicCache):
         first = total - n
         # The rows that walk on the device walk together, in one launch for the layer (``DeviceWalk``).
         together = self._walk_on_device(layer, query, key, value, scaling, softcap, window) if any(
-            state.walks_on_device(query.device) and b not in self.idle
+            state.walks_on_device(query.device) and b not in self.idle and not state.reads_as_full(total, self.n_prompt)
             for b, state in enumerate(self.rows[layer][:batch])) else {}
         outputs = []
         for b, state in enumerate(self.rows[layer]):
@@ -865,7 +875,8 @@ class PolicyCache(DynamicCache):
         n_kv_heads, total = key.shape[1], key.shape[2]
         first = total - n
         walking = [b for b, state in enumerate(self.rows[layer][:batch])
-                   if state.walks_on_device(query.device) and b not in self.idle]
+                   if state.walks_on_device(query.device) and b not in self.idle
+                   and not state.reads_as_full(total, self.n_prompt)]
         # The rows that walk their heads alike side by side: one launch for each way (``eviction_walk_triton.ways``).
         way = eviction_walk_triton.ways(np.array([self.rows[layer][b].walk_params() for b in walking]))
         walking = [walking[i] for i in np.argsort(way, kind="stable")]
@@ -956,7 +967,9 @@ class PolicyCache(DynamicCache):
     def recorded_keys(self, row: int, positions: np.ndarray) -> np.ndarray:
         """Keys before RoPE, float16 [R, H_kv, S, d], of the recorded layers at ``positions``."""
         index = torch.from_numpy(positions.astype(np.int64))
-        return np.stack([torch.cat(self.recorded_k[layer], 2)[row][:, index].float().cpu().numpy()
+        # A block that left the row out of the batch (it took Full's prefill, ``share``) holds Full's keys for it.
+        return np.stack([torch.cat([part[row if row < len(part) else 0] for part in self.recorded_k[layer]], 1)
+                         [:, index].float().cpu().numpy()
                          for layer in self.record_layers]).astype(np.float16)
 
     def forms(self, row: int, length: int) -> dict[str, np.ndarray]:

@@ -226,6 +226,11 @@ class EvictionPolicy(Policy):
     reads_prompt_end: ClassVar[bool] = False
     budget: int = 64
 
+    def first_departure(self, n_prompt: int | None) -> int:
+        # The first drop comes after the query that fills the budget (``step``): the queries until then read
+        # every earlier token, and the next is the first to read less.
+        return self.budget
+
     def update(self, state: State, attn: np.ndarray | None, t: int) -> State:
         return state
 
