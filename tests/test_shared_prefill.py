@@ -136,3 +136,19 @@ def test_a_row_departs_where_its_policy_first_reads_less():
     assert parse_spec("kvzip:budget=12").first_departure(24) == 0  # its second pass reads between the blocks
     assert parse_spec("tova:budget=12").first_departure(None) == 12  # the query after the one that fills it
     assert parse_spec("quest:budget=32").first_departure(24) == 0
+
+
+def test_a_run_without_full_s_row_shares_nothing(tiny, text_ids, monkeypatch):
+    """Benchmarks run policies without the reference row (``reference=False``): no row is Full's to follow, so every
+    row computes its own prefill, as with the sharing off."""
+    from backend.engine.runner import generate
+
+    specs = ["tova:budget=8", "snapkv:budget=12"]
+    runs = []
+    for share in (True, False):
+        monkeypatch.setattr(PolicyCache, "share", share)
+        cache, outputs, _ = generate(tiny, text_ids[:30], [parse_spec(s) for s in specs], 4, chunk=8, reference=False)
+        runs.append((outputs, [cache.evicted_at(row) for row in range(len(specs))]))
+    assert runs[0][0] == runs[1][0]
+    for shared, alone in zip(runs[0][1], runs[1][1]):
+        np.testing.assert_array_equal(shared, alone)

@@ -908,7 +908,7 @@ class PolicyCache(DynamicCache):
         ``share``, a row whose every query so far reads as Full's (``Policy.first_departure`` >= ``end``) is left
         out: it takes Full's prefill instead (``PolicyCache.attend``, ``grow_batch``). The runner orders the rows by
         departure, so those left out are the last."""
-        if not self.share:
+        if not self.share or self.policies[0].kind != "full":  # Full's row is the one they follow
             return len(self.policies)
         inside = [b for b, policy in enumerate(self.policies) if policy.first_departure(self.n_prompt) < end or b == 0]
         if inside != list(range(len(inside))):

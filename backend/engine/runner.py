@@ -258,7 +258,6 @@ def _generate_and_score(lm: LoadedModel, prompt_ids: Sequence[int], policies: Se
     rows, index = _rows(policies, reference, n_prompt)
     cache = new_cache(lm, rows, record_layers, n + max_new_tokens)
     cache.n_prompt = n_prompt
-    cache.share = cache.share and reference  # rows take Full's prefill only where Full is row 0
     ends = block_ends(chunk, n, rows, stops=() if context_end is None else (context_end,))
     with torch.inference_mode():
         with cache.capture_prerope(lm.model):
