@@ -276,8 +276,9 @@ class RowLayerState:
                n_prompt: int | None) -> None:
         """A block before the row's first departure: its queries read as Full's, and the policy sees what it asks
         of them: an eviction policy walks the block as ever (its running scores grow; it drops nothing yet), a
-        compression policy reads its window's attention rows and queries, and compresses after the last of them. q [H_kv, G, n, d], key/value [H_kv, M, d]: the row's own, or Full's when the row takes
-        Full's prefill (``PolicyCache.share``): the same to the bit."""
+        compression policy reads its window's attention rows and queries, and compresses after the last of them.
+        q [H_kv, G, n, d], key/value [H_kv, M, d]: the row's own, or Full's when the row takes Full's prefill
+        (``PolicyCache.share``): the same to the bit."""
         policy = self.policy
         departure = policy.first_departure(n_prompt)
         if policy.kind == "eviction":  # its own walk, which updates its state; what it read is Full's arithmetic
