@@ -925,7 +925,8 @@ class PolicyCache(DynamicCache):
                 layer.grow_rows(size)
         for keys in self.prerope_k.values():
             keys.grow_rows(size)
-        self.recorded_k = {layer: [rows_up_to(part, size) for part in parts] for layer, parts in self.recorded_k.items()}
+        self.recorded_k = {layer: [rows_up_to(part, size) for part in parts]
+                           for layer, parts in self.recorded_k.items()}
         if self.fed is not None:
             self.fed = rows_up_to(self.fed, size)
 
