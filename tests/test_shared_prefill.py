@@ -1,6 +1,7 @@
-"""Rows that read as Full take Full's prefill (``Policy.first_departure``, ``PolicyCache.share``): a compression
-policy in generate mode reads every token until the prompt (or a query-agnostic run's context) ends, so its row
-stays out of the batch until then and follows Full's queries, keys and values. Every trace must be the same to the
+"""Rows that read as Full take Full's prefill (``Policy.first_departure``, ``PolicyCache.share``): an eviction
+policy reads every token until its budget fills, a compression policy in generate mode until the prompt (or a
+query-agnostic run's context) ends, so the row stays out of the batch until then and follows Full's queries, keys
+and values. Every trace must be the same to the
 bit with the sharing on and off, for every policy, on every family's test model and on both packaged models."""
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from backend.policies import POLICIES, SnapKV, parse_spec
 from tests.test_families import FAMILIES, IDS, refused, tiny_family
 
 
-def traces(lm, specs, ids, share: bool, context_end=None, max_new_tokens=6, monkeypatch=None):
+def traces(monkeypatch, lm, specs, ids, share: bool, context_end=None, max_new_tokens=6):
     monkeypatch.setattr(PolicyCache, "share", share)
     return compute_traces(lm, specs, [parse_spec(s, context_end or len(ids)) for s in specs], ids, mode="generate",
                           max_new_tokens=max_new_tokens, context_end=context_end)
@@ -40,8 +41,8 @@ def every_policy(lm, context: int) -> list[str]:
 def test_every_policy_reads_the_same_with_and_without_full_s_prefill(family, context_end, monkeypatch):
     lm = tiny_family(family)
     specs = every_policy(lm, context_end or len(IDS))
-    shared = traces(lm, specs, IDS, True, context_end, monkeypatch=monkeypatch)
-    alone = traces(lm, specs, IDS, False, context_end, monkeypatch=monkeypatch)
+    shared = traces(monkeypatch, lm, specs, IDS, True, context_end)
+    alone = traces(monkeypatch, lm, specs, IDS, False, context_end)
     assert_same([*shared[0], shared[1]], [*alone[0], alone[1]])
 
 
@@ -70,8 +71,8 @@ def test_the_packaged_models_read_the_same_with_and_without_full_s_prefill(packa
                                "kivi", "tova:budget=16", "kvzip:budget=16", "quest:budget=16")
              if not refused(lm, name.split(":")[0])]
     for context_end in (None, end):
-        shared = traces(lm, specs, ids, True, context_end, max_new_tokens=4, monkeypatch=monkeypatch)
-        alone = traces(lm, specs, ids, False, context_end, max_new_tokens=4, monkeypatch=monkeypatch)
+        shared = traces(monkeypatch, lm, specs, ids, True, context_end, max_new_tokens=4)
+        alone = traces(monkeypatch, lm, specs, ids, False, context_end, max_new_tokens=4)
         assert_same([*shared[0], shared[1]], [*alone[0], alone[1]])
 
 
@@ -89,7 +90,7 @@ def test_rows_that_read_as_full_stay_out_of_the_batch_until_they_depart(tiny, te
 
     monkeypatch.setattr(attention.PolicyCache, "attend", counted)
     specs = ["snapkv:budget=12", "tova:budget=10", "knorm:budget=12"]
-    (snap, tova, knorm), _ = compute_traces(tiny, specs, [parse_spec(s) for s in specs], text_ids[:30],
+    (snap, _, knorm), _ = compute_traces(tiny, specs, [parse_spec(s) for s in specs], text_ids[:30],
                                             mode="generate", max_new_tokens=3, chunk=8, context_end=24)
     assert sizes[:3] == [(1, 8), (2, 8), (2, 8)]  # the context's blocks
     assert {rows for rows, _ in sizes[3:]} == {4}  # the question, then the answers: every row
