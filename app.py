@@ -708,6 +708,15 @@ def sample_request(task, sample, setting, names, ratio, model) -> api.SampleRequ
     return api.SampleRequest(task=task, sample=sample, specs=specs, setting=setting, model=model)
 
 
+def on_task_cost(task, sample, setting, names, ratio, model):
+    """The line under "Run the sample": how long it is expected to take here, before anything runs (never loads or
+    runs the model: the seconds come once the model has loaded and a plain forward was timed, ``warm_up``)."""
+    try:
+        return markdown_text(api.sample_cost_line(sample_request(task, sample, setting, names, ratio, model)))
+    except RequestError as err:
+        return markdown_text(str(err))
+
+
 def check_task_sample(task, sample, setting, names, ratio, model, request: gr.Request = None):
     return _verdicts(lambda: api.check_sample(sample_request(task, sample, setting, names, ratio, model)), 6,
                      request)
@@ -1183,6 +1192,8 @@ def build() -> gr.Blocks:
                                        label="Compression ratio (share of the context's KV pairs removed)",
                                        elem_id="task-ratio")
                 task_button = gr.Button("Run the sample", elem_id="task-run")
+                task_cost = gr.Markdown(on_task_cost(OFFLINE[0], 0, SETTINGS[0], TASK_DEFAULT_POLICIES,
+                                                     TASK_DEFAULT_RATIO, api.DEFAULT_MODEL), elem_id="task-cost")
                 task_status = gr.HTML(elem_id="task-status")
                 task_table = gr.HTML(elem_id="task-table")
             with gr.Tab("Long context", id="long-context", elem_id="long-context-page") as long_page:
@@ -1310,7 +1321,13 @@ def build() -> gr.Blocks:
         # A task sample is a run: it takes the model's slot, then the usual views show it as the Run button's do.
         task_inputs = [task_name, task_sample, task_setting, task_names, task_ratio, model]
         sample_outputs = [run_id, status, task_status, task_table, step, layer, head_]
-        draw(model_job(task_button.click, on_task_sample, task_inputs, sample_outputs).then)
+        sampled = model_job(task_button.click, on_task_sample, task_inputs, sample_outputs)
+        draw(sampled.then)
+        # The expected time follows the controls, the page's opening (the model may have loaded since) and a sample.
+        for control in (task_name, task_setting, task_names, task_ratio, model):
+            control.change(on_task_cost, task_inputs, task_cost, **cost_)
+        for event in (tasks_page.select, sampled.then):
+            event(on_task_cost, task_inputs, task_cost, **cost_)
         # A shipped sample's row: the controls take it, then it runs as the button's sample does.
         picked = board_samples.select(on_board_sample, [board_samples, board_setting, board],
                                       [task_name, task_sample, task_setting, task_names, task_ratio, model],
@@ -1374,6 +1391,15 @@ def patient_page_check(patience_s: float = PAGE_PATIENCE_S):
         networking.url_ok = gradios_check
 
 
+def warm_up() -> None:
+    """Load the default model, then time one plain forward of a task sample's length: what the Tasks tab's expected
+    time is counted in (``api.sample_cost_line``). A second or so of one core, once."""
+    try:
+        api.time_plain_forward(api.get_model(), api.TASK_LENGTHS[0])
+    except RequestError as err:  # the first run says it again, as its one line
+        logging.getLogger(__name__).warning("the default model did not load: %s", err)
+
+
 def launch(**options) -> None:
     """Serve the app (``options`` go to ``demo.launch``, e.g. ``prevent_thread_lock`` in tests)."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -1400,7 +1426,7 @@ def launch(**options) -> None:
                     prevent_thread_lock=True, **settings)
     # Load (and on first use convert) the default model before the first click, but once the page is served: during
     # the launch, a load takes the CPU and the interpreter's lock the server's thread needs to answer the check.
-    threading.Thread(target=api.get_model, daemon=True).start()
+    threading.Thread(target=warm_up, daemon=True).start()
     if blocking:
         demo.block_thread()
 

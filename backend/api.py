@@ -545,6 +545,86 @@ def check_sample(request: SampleRequest, limits: Limits = LIMITS) -> list[Policy
     return policies
 
 
+# What a task sample takes, in plain forwards of its prompt, priced as the Run line prices a run
+# (``limits.rows_cost``: Full free, a KVzip row twice, a row that reads every key more past SELECTION_UNIT): Full's
+# row with the answer's decoding, then each counted row's share. Fitted to ``benchmarks/task_cost.py`` on the
+# default model at 1k tokens (docs/tasks.md, "What a sample is expected to take"): within a third of the 3.4x,
+# 7.5x, 22.3x and 164.9x it measured for 1, 4, 8 and 80 rows' worth (a row that rambles to the token limit
+# keeps the batch decoding, which no count of rows foresees).
+SAMPLE_FULL_FORWARDS = 2.0
+SAMPLE_ROW_FORWARDS = 2.0
+_FORWARD_SECONDS: dict[tuple, float] = {}  # (model fingerprint, device, tokens) -> a plain forward's seconds here
+
+
+def sample_forwards(policies: Sequence[Policy], length: int) -> float:
+    """A task sample's expected time in plain forwards of its ``length``-token prompt."""
+    return SAMPLE_FULL_FORWARDS + SAMPLE_ROW_FORWARDS * rows_cost(policies, length) / length
+
+
+def time_plain_forward(lm: LoadedModel, length: int) -> float:
+    """Seconds one plain forward of ``length`` tokens takes on ``lm`` here (after a short one that warms it up),
+    remembered for ``forward_seconds``. It runs the model: call it where a job would, never from a preview."""
+    import time
+
+    import torch
+
+    key = (lm.fingerprint, str(lm.model.device), length)
+    if key not in _FORWARD_SECONDS:
+        with torch.inference_mode():
+            lm.model(torch.zeros((1, min(length, 16)), dtype=torch.long, device=lm.model.device))
+            started = time.perf_counter()
+            lm.model(torch.zeros((1, length), dtype=torch.long, device=lm.model.device))
+            if lm.model.device.type == "cuda":
+                torch.cuda.synchronize()
+            _FORWARD_SECONDS[key] = time.perf_counter() - started
+    return _FORWARD_SECONDS[key]
+
+
+def forward_seconds(lm: LoadedModel | None, length: int) -> float | None:
+    """A plain forward's seconds at ``length`` tokens as ``time_plain_forward`` timed it (at the nearest length
+    timed, scaled by the tokens), or None where none was timed on ``lm``."""
+    if lm is None:
+        return None
+    timed = {n: s for (fingerprint, device, n), s in _FORWARD_SECONDS.items()
+             if fingerprint == lm.fingerprint and device == str(lm.model.device)}
+    if not timed:
+        return None
+    nearest = min(timed, key=lambda n: abs(n - length))
+    return timed[nearest] * length / nearest
+
+
+def duration_text(seconds: float) -> str:
+    """E.g. "40 s", "3 min", "1 h 10 min": as a person reads an estimate."""
+    if seconds < 90:
+        return f"{max(1, round(seconds))} s"
+    minutes = round(seconds / 60)
+    return f"{minutes} min" if minutes < 60 else f"{minutes // 60} h {minutes % 60} min"
+
+
+def expected_line(samples: int, policies: Sequence[Policy], length: int, seconds: float | None,
+                  where: str = "here") -> str:
+    """The time ``samples`` task samples under ``policies`` (Full among them or not) are expected to take: in plain
+    forwards of their ``length``-token prompts, and in seconds where a plain forward took ``seconds``."""
+    rows = counted(policies)
+    forwards = sample_forwards(policies, length)
+    each = f"{'each ' if samples > 1 else ''}about {forwards:.3g} plain forwards of {length:,} tokens"
+    what = (f"{samples:,} {'sample' if samples == 1 else 'samples'}, Full and {len(rows)} "
+            f"{'policy' if len(rows) == 1 else 'policies'}: {each}")
+    if seconds is None:
+        return f"Expected: {what}."
+    return (f"Expected: about {duration_text(samples * forwards * seconds)} {where} ({what}; a plain forward "
+            f"takes {seconds:.2g} s).")
+
+
+def sample_cost_line(request: SampleRequest, limits: Limits = LIMITS) -> str:
+    """The line before a task sample runs: what it is expected to take on this machine (in seconds once a plain
+    forward of the model was timed here, else in plain forwards), or RequestError as ``check_sample``. Never
+    loads or runs the model."""
+    policies = check_sample(request, limits)
+    lm = loaded_model(request.model, request.device, request.dtype)
+    return expected_line(1, policies, request.length, forward_seconds(lm, request.length))
+
+
 def task_sample(request: SampleRequest, store: TraceStore | None, limits: Limits = LIMITS) -> SampleResult:
     """Answer one task sample under every policy (one batched run with Full, recorded as an app run is, through
     the store, with a share link) and score each answer with lm-eval's metric."""

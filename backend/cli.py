@@ -294,6 +294,7 @@ def cmd_tasks(args: argparse.Namespace) -> int:
     jobs = [_on_device(job, args) for job in task_jobs(args.model, tasks, lengths, args.samples, specs, settings,
                                                        chat=args.chat, first=args.first_sample)]
     out = writable_dir(args.out)
+    print(_expected_time(jobs, out / "samples.jsonl", args), file=sys.stderr, flush=True)
     df = leaderboard_frame(_run_grid(jobs, args, out / "samples.jsonl", "task samples"))
     df.to_csv(out / "leaderboard.csv", index=False)
     summary = summarize(df)
@@ -348,6 +349,25 @@ def cmd_evidence(args: argparse.Namespace) -> int:
           f"{f'; {missing} rows not in the store' if missing else ''}; wrote evidence.csv and evidence_summary.csv "
           f"to {out}")
     return 0
+
+
+def _expected_time(jobs: list[dict], checkpoint: Path, args: argparse.Namespace) -> str:
+    """What the samples the checkpoint lacks are expected to take, as the Tasks tab's line says it: in seconds
+    where they run in this process (the model loads now, as the first sample would load it, and one plain forward
+    per length is timed), else in plain forwards."""
+    from .experiments.grid import pending
+
+    todo = pending(jobs, checkpoint)
+    if not todo:
+        return f"Every one of the {len(jobs)} samples is in {checkpoint} already: nothing to compute."
+    lm = api.get_model(args.model, args.device, args.dtype) if args.ray is None else None
+    lines = []
+    for length in dict.fromkeys(job["payload"]["length"] for job in todo):
+        at = [job for job in todo if job["payload"]["length"] == length]
+        policies = [parse_spec(spec) for spec in ["full", *at[0]["payload"]["specs"]]]
+        seconds = None if lm is None else api.time_plain_forward(lm, length)
+        lines.append(api.expected_line(len(at), policies, length, seconds, "in this process"))
+    return "\n".join(lines)
 
 
 def _run_grid(jobs: list[dict], args: argparse.Namespace, checkpoint: Path, what: str) -> list[list[dict]]:

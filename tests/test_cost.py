@@ -137,3 +137,82 @@ def test_a_190_kb_prompt_costs_well_under_a_second(default_lm, monkeypatch):
     started = time.perf_counter()
     cost = api.cost(request(prompt=prompt, max_tokens=8000, specs=["tova:budget=64"]))
     assert time.perf_counter() - started < 1.0 and cost.exact and cost.tokens == 8000
+
+
+# --- What a task sample is expected to take ------------------------------------------------------------------
+
+def sample(**changes) -> api.SampleRequest:
+    return api.SampleRequest(**{**dict(task="niah_single_1", sample=0, specs=["tova:ratio=0.5", "snapkv:ratio=0.5"]),
+                                **changes})
+
+
+def test_a_sample_is_priced_in_plain_forwards_as_the_run_line_prices_its_rows():
+    from backend.policies import parse_spec
+
+    full = [parse_spec("full")]
+    assert api.sample_forwards(full, 1024) == api.SAMPLE_FULL_FORWARDS  # Full's row alone: free in row-tokens
+    one = api.sample_forwards(full + [parse_spec("tova:ratio=0.5")], 1024)
+    assert one == api.SAMPLE_FULL_FORWARDS + api.SAMPLE_ROW_FORWARDS
+    # KVzip reads the text twice, so the Run line counts its row twice: so does the expected time
+    kvzip = api.sample_forwards(full + [parse_spec("kvzip:ratio=0.5")], 1024)
+    assert kvzip == api.SAMPLE_FULL_FORWARDS + 2 * api.SAMPLE_ROW_FORWARDS
+    # a row that reads every key costs more per token past SELECTION_UNIT, as in the Run line
+    oracle = [parse_spec("full"), parse_spec("oracle:ratio=0.5")]
+    assert api.sample_forwards(oracle, 4096) == api.SAMPLE_FULL_FORWARDS + 4 * api.SAMPLE_ROW_FORWARDS
+
+
+@pytest.mark.parametrize("seconds, text", [(0.2, "1 s"), (40.4, "40 s"), (89, "89 s"), (150, "2 min"),
+                                           (3599, "1 h 0 min"), (4200, "1 h 10 min")])
+def test_a_duration_reads_as_a_person_says_it(seconds, text):
+    assert api.duration_text(seconds) == text
+
+
+def test_the_line_gives_seconds_only_where_a_plain_forward_was_timed(monkeypatch):
+    monkeypatch.setattr(models, "LOADED", {})
+    monkeypatch.setattr(api, "_FORWARD_SECONDS", {})
+    forwards = api.SAMPLE_FULL_FORWARDS + 2 * api.SAMPLE_ROW_FORWARDS
+    assert api.sample_cost_line(sample()) == (f"Expected: 1 sample, Full and 2 policies: about {forwards:.3g} plain "
+                                              "forwards of 1,024 tokens.")
+    assert models.LOADED == {}  # the line never loads the model
+    lm = dataclasses.make_dataclass("Loaded", ["fingerprint", "model"])("m", dataclasses.make_dataclass(
+        "Model", ["device"])("cpu"))
+    monkeypatch.setattr(api, "loaded_model", lambda *args: lm)
+    assert "plain forwards of 1,024 tokens." in api.sample_cost_line(sample())  # loaded, never timed
+    api._FORWARD_SECONDS[("m", "cpu", 512)] = 3.0  # the nearest length timed, scaled by the tokens: 6 s at 1,024
+    assert api.sample_cost_line(sample()) == (f"Expected: about {api.duration_text(forwards * 6.0)} here (1 sample, "
+                                              f"Full and 2 policies: about {forwards:.3g} plain forwards of 1,024 "
+                                              "tokens; a plain forward takes 6 s).")
+    api._FORWARD_SECONDS[("other", "cpu", 1024)] = 0.1  # another model's timing is not this one's
+    assert "a plain forward takes 6 s" in api.sample_cost_line(sample())
+    with pytest.raises(RequestError, match="Pick at most"):  # what check_sample refuses
+        api.sample_cost_line(sample(specs=[f"{n}:ratio=0.5" for n in ("tova", "h2o", "snapkv", "knorm")]))
+
+
+def test_a_plain_forward_is_timed_once_per_model_and_length(tiny, monkeypatch):
+    monkeypatch.setattr(api, "_FORWARD_SECONDS", {})
+    lm = tiny
+    calls = []
+    forward = lm.model.forward
+    monkeypatch.setattr(lm.model, "forward", lambda *args, **kwargs: calls.append(args[0].shape) or
+                        forward(*args, **kwargs))
+    seconds = api.time_plain_forward(lm, 200)
+    assert seconds > 0 and calls == [(1, 16), (1, 200)]  # a short one to warm up, then the timed one
+    assert api.time_plain_forward(lm, 200) == seconds and len(calls) == 2
+    assert api.forward_seconds(lm, 400) == pytest.approx(2 * seconds)
+
+
+def test_the_tasks_tab_says_what_the_sample_will_take_before_it_runs_and_follows_its_controls():
+    line = app.on_task_cost("niah_single_1", 0, "agnostic", ["tova", "snapkv", "kvzip"], 0.5, DEFAULT_MODEL)
+    assert line.startswith("Expected: ") and "Full and 3 policies" in line
+    assert app.on_task_cost("niah_single_1", 0, "agnostic", [], 0.5, DEFAULT_MODEL) == "Pick 1 to 3 policies besides Full."
+    assert app.on_task_cost("niah_single_1", 0, "agnostic", ["tova"], 0.5, "<script>").startswith(
+        "unknown model '&lt;script&gt;'")
+    config = app.demo.get_config_file()
+    elem_ids = {c["id"]: c.get("props", {}).get("elem_id") for c in config["components"]}
+    by_id = {d["id"]: d for d in config["dependencies"]}
+    events = [d for d in by_id.values() if [elem_ids[i] for i in d["outputs"]] == ["task-cost"]]
+    assert events and not any(d["queue"] for d in events)
+    targets = {elem_ids.get(target) for d in events for target, _ in d["targets"]}
+    assert {"task-name", "task-policies", "task-ratio", "tasks-page"} <= targets
+    after = {d["trigger_after"] for d in events if d.get("trigger_after") is not None}
+    assert {by_id[i]["api_name"] for i in after} == {"on_task_sample"}  # the model may have loaded

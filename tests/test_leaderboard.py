@@ -3,6 +3,8 @@ and Ray, the summaries' intervals, and the figures. Real RULER samples from lm-e
 whose tokenizer writes a character a token (lm-eval sizes the samples with it)."""
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import signal
 import subprocess
@@ -63,6 +65,33 @@ def test_intervals_are_wilsons_and_tasks_full_fails_stay_out_of_the_average():
     assert mean.loc["tova", "score"] == 0.5 and mean.loc["tova", "samples"] == 2  # "hard" left out
 
 
+def test_the_command_says_what_the_samples_left_will_take_before_it_starts(tiny_dir, tmp_path):
+    from backend import api
+    from backend.cli import _expected_time
+    from backend.experiments.grid import job_key
+    from backend.policies import parse_spec
+
+    specs = task_specs(["tova", "kvzip"], [0.5])
+    jobs = task_jobs(tiny_dir, ["niah_single_1"], [LENGTH, 2 * LENGTH], 2, specs)
+    args = argparse.Namespace(model=tiny_dir, device="cpu", dtype="float32", ray=None)
+    checkpoint = tmp_path / "samples.jsonl"
+    checkpoint.write_text(json.dumps({"key": job_key(jobs[0]), "rows": []}) + "\n")  # one sample done
+    short, long = _expected_time(jobs, checkpoint, args).splitlines()
+    forwards = api.sample_forwards([parse_spec(s) for s in ["full", *specs]], LENGTH)
+    assert forwards == api.SAMPLE_FULL_FORWARDS + 3 * api.SAMPLE_ROW_FORWARDS  # KVzip's row reads the text twice
+    assert short.startswith("Expected: about ") and short.endswith(" s).")
+    assert f" in this process (1 sample, Full and 2 policies: about {forwards:.3g} plain forwards of {LENGTH} " \
+           "tokens; a plain forward takes " in short
+    assert f"(2 samples, Full and 2 policies: each about {forwards:.3g} plain forwards of {2 * LENGTH:,} tokens" in long
+    # On Ray the workers load the model, not this process: the time stays in plain forwards.
+    on_ray = _expected_time(jobs, checkpoint, argparse.Namespace(**{**vars(args), "ray": "local"}))
+    assert on_ray.splitlines()[0] == (f"Expected: 1 sample, Full and 2 policies: about {forwards:.3g} plain "
+                                      f"forwards of {LENGTH} tokens.")
+    checkpoint.write_text("".join(json.dumps({"key": job_key(job), "rows": []}) + "\n" for job in jobs))
+    assert _expected_time(jobs, checkpoint, args) == f"Every one of the 4 samples is in {checkpoint} already: " \
+                                                     "nothing to compute."
+
+
 @pytest.mark.slow
 def test_the_command_writes_the_table_and_resumes_after_a_kill(tiny_dir, tmp_path):
     store = tmp_path / "store"
@@ -81,8 +110,15 @@ def test_the_command_writes_the_table_and_resumes_after_a_kill(tiny_dir, tmp_pat
     again = subprocess.run(_command(tiny_dir, out), cwd=ROOT, env=_environment(store), capture_output=True,
                            text=True, timeout=900)
     assert again.returncode == 0, again.stderr[-2000:]
-    progress = [line for line in again.stderr.splitlines() if line.startswith("task samples:")]
+    lines = again.stderr.splitlines()
+    progress = [line for line in lines if line.startswith("task samples:")]
     assert progress[0] == f"task samples: {finished + 1} of 4 done"  # only the missing samples ran
+    # Before the first of them, what they are expected to take: only the missing ones, timed in this process.
+    (expected,) = [line for line in lines if line.startswith("Expected: ")]
+    assert lines.index(expected) < lines.index(progress[0])
+    left = 4 - finished
+    assert expected.startswith("Expected: about ") and " in this process (" in expected
+    assert f"({left} sample{'s' if left > 1 else ''}, Full and 4 policies: " in expected
     table = pd.read_csv(out / "leaderboard.csv", keep_default_na=False, na_values=[""])
     assert list(table.columns) == COLUMNS
     assert len(table) == 2 * 2 * (1 + 4)  # samples x settings x (Full + 2 policies x 2 ratios)

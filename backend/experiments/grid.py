@@ -103,6 +103,12 @@ def _read_checkpoint(path: Path | None) -> dict[str, list[dict]]:
     return done
 
 
+def pending(jobs: Sequence[dict], checkpoint: Path | None) -> list[dict]:
+    """The jobs ``run_grid`` would compute: those ``checkpoint`` does not hold yet."""
+    done = _read_checkpoint(checkpoint)
+    return [job for job in jobs if job_key(job) not in done]
+
+
 def run_grid(jobs: Sequence[dict], address: str | None = None, workers: int | None = None,
              checkpoint: Path | None = None, no_cache: bool = False, gpu_share: float | None = None,
              progress: Progress | None = None) -> list[list[dict]]:
