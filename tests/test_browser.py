@@ -21,8 +21,12 @@ POLICIES = ("sinks", "tova", "reattention")
 @pytest.fixture(scope="module")
 def app_url(tmp_path_factory):
     port = free_port()
+    # Every page of a module comes from one address. A run a closed page left waiting keeps its admission ticket until
+    # it expires (15 minutes), so under the default of 4 a module's later runs could be refused; the limit itself is
+    # tested in test_hostile_input.py.
     env = {**os.environ, "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port),
-           "KVLENS_STORE_DIR": str(tmp_path_factory.mktemp("store")), "GRADIO_ANALYTICS_ENABLED": "False"}
+           "KVLENS_STORE_DIR": str(tmp_path_factory.mktemp("store")), "GRADIO_ANALYTICS_ENABLED": "False",
+           "KVLENS_RUNS_PER_ADDRESS": "64"}
     log = open(tmp_path_factory.mktemp("log") / "app.log", "w")
     proc = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}/"
@@ -82,6 +86,20 @@ def open_parameters(page):
 
 def open_view(page, name):
     page.locator("#views").get_by_role("tab", name=name).click()
+
+
+def wait_for_masks(page, spec: str, timeout: float = 180_000):
+    """Until the masks draw a panel of ``spec`` (a run's end); a timeout says what the status line showed then (a
+    refusal, a run still going)."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        page.wait_for_function(
+            "spec => [...document.querySelectorAll('#heatmap .js-plotly-plot')].some(el => "
+            "(el.layout.annotations || []).some(a => a.text.includes(spec)))", arg=spec, timeout=timeout)
+    except PlaywrightTimeout:
+        pytest.fail(f"no masks of {spec} after {timeout / 1000:.0f} s; the status line: "
+                    f"{page.locator('#status').inner_text()!r}")
 
 
 def plot_titles(page, elem_id):
@@ -269,9 +287,7 @@ def test_evidence_typed_with_a_prompt_is_marked_and_play_shows_it_leave(page, ap
     budget = page.locator("#budget input[type=number]")
     budget.fill("32")
     budget.press("Enter")
-    page.wait_for_function(
-        "() => [...document.querySelectorAll('#heatmap .js-plotly-plot')].some(el => "
-        "(el.layout.annotations || []).some(a => a.text.includes('tova:budget=32')))", timeout=180_000)
+    wait_for_masks(page, "tova:budget=32")
     assert "1 policies" in page.locator("#status").inner_text() or "1 policy" in page.locator("#status").inner_text()
     page.locator("#layer input").click()
     page.get_by_role("option", name="0", exact=True).last.click()
@@ -310,9 +326,7 @@ def test_the_held_forms_tab_draws_the_pruned_channels_and_the_rounded_tokens(pag
     choose_policies(page, ("think", "kivi"))
     open_view(page, "Masks")
     page.locator("#run").click()
-    page.wait_for_function(
-        "() => [...document.querySelectorAll('#heatmap .js-plotly-plot')].some(el => "
-        "(el.layout.annotations || []).some(a => a.text.includes('kivi')))", timeout=180_000)
+    wait_for_masks(page, "kivi")
     open_view(page, "Held forms")
     page.wait_for_selector("#forms .js-plotly-plot", timeout=60_000)
     titles = " ".join(map(str, plot_titles(page, "forms")))
