@@ -416,7 +416,15 @@ def needle(policies: Sequence[str] | str, *, lengths: Sequence[int] = (1024,),
     specs = _sized(policies, budget, ratio)
     specs = specs if any(s.strip().lower() == "full" for s in specs) else ["full", *specs]
     new_tokens = _numbers(new_tokens, int, "new_tokens", 1, LIMITS.new_tokens)[0]
-    lengths = _numbers(lengths, int, "lengths", 32 + new_tokens, LIMITS.prompt_tokens)
+    lengths = _numbers(lengths, int, "lengths", -math.inf, math.inf)  # whole numbers, bounded below
+    if min(lengths) < 32 + new_tokens:
+        raise KVLensError(f"lengths must be at least {32 + new_tokens} tokens (prompt and answer), got {min(lengths)}")
+    try:  # a haystack past the model's context could not be read (its config says, before any weight loads)
+        longest = api.longest_text(model, limits=LIMITS)
+    except RequestError as err:
+        raise _refused(err) from None
+    if max(lengths) > longest:
+        raise KVLensError(f"lengths must be at most {longest} tokens on {model}, got {max(lengths)}")
     depths = _numbers(depths, float, "depths", 0, 1)
     seeds = _numbers(seeds, int, "seeds", 0, 2 ** 31 - 1)
     try:

@@ -32,7 +32,7 @@ from .engine.runner import Progress, check_fits, default_record_layers
 from .experiments.grid import GridError, run_grid
 from .experiments.needle import NEW_TOKENS, needle_frame, needle_jobs
 from .experiments.sweep import MAX_ROWS, SweepResult, sweep as sweep_budgets
-from .limits import Limits, RowPrice, counted, longest_fitting, most_fitting, row_cost, rows_cost
+from .limits import UNBOUNDED_TOKENS, Limits, RowPrice, counted, longest_fitting, most_fitting, row_cost, rows_cost
 from .policies import Policy, SpecError, parse_spec
 from .analysis.evidence import Evidence
 from .policies import Full
@@ -129,7 +129,8 @@ def _check_text(request, limits: Limits) -> None:
         raise RequestError("Type a prompt (or pick an example) first.")
     cap = request.max_tokens
     if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or not 2 <= cap <= limits.prompt_tokens):
-        raise RequestError(f"Max tokens must be an integer from 2 to {limits.prompt_tokens}.")
+        most = "" if limits.prompt_tokens >= UNBOUNDED_TOKENS else f" and at most {limits.prompt_tokens:,}"
+        raise RequestError(f"Max tokens must be an integer, 2 or more{most}.")
     if len(request.prompt) > limits.text_chars and cap is None:
         raise RequestError(f"The prompt is {len(request.prompt):,} characters long; the limit here is "
                            f"{limits.text_chars:,} characters and {limits.prompt_tokens_in_words()}.")
@@ -672,6 +673,18 @@ def task_sample(request: SampleRequest, store: TraceStore | None, limits: Limits
 
 
 # --- A visitor's needle grid -------------------------------------------------------------------------
+
+def longest_text(model: str = DEFAULT_MODEL, device: str = "cpu", dtype: str = "float32",
+                 limits: Limits = LIMITS) -> int:
+    """The most tokens a text (prompt and answer) may have on ``model`` here: its context, read from its config
+    (no weights load), or the limit, whichever is less; RequestError where the model cannot be found."""
+    from .engine.models import model_context
+
+    try:
+        return min(model_context(model, device, dtype), limits.prompt_tokens)
+    except ModelError as err:
+        raise RequestError(str(err)) from None
+
 
 def needle_request(spec: str, length, depth, model: str = DEFAULT_MODEL, limits: Limits = LIMITS) -> RunRequest:
     """One needle-grid cell as a run of its own (``spec`` beside Full, the app's layers recorded) whose evidence is

@@ -222,6 +222,21 @@ def _numbers(text: str, kind, flag: str) -> list:
     return values
 
 
+def _check_longest(lengths: list[int], args: argparse.Namespace) -> None:
+    """CliError where a length is past what the model reads (its config says, before any weight loads) or the
+    limit here."""
+    from .engine.models import ModelError, model_context
+
+    try:
+        context = model_context(args.model, args.device, args.dtype)
+    except ModelError as err:
+        raise CliError(str(err)) from None
+    if max(lengths) > min(context, LIMITS.prompt_tokens):
+        most = f"{args.model} reads at most {context:,}" if context <= LIMITS.prompt_tokens else \
+            f"the limit here is {LIMITS.prompt_tokens:,}"
+        raise CliError(f"--lengths: {most} tokens, got {max(lengths):,}")
+
+
 def cmd_needle(args: argparse.Namespace) -> int:
     from .experiments.needle import needle_frame, needle_jobs
 
@@ -230,8 +245,9 @@ def cmd_needle(args: argparse.Namespace) -> int:
     seeds = _numbers(args.seeds, int, "--seeds")
     if not 1 <= args.new_tokens <= LIMITS.new_tokens:
         raise CliError(f"--new-tokens must be 1 to {LIMITS.new_tokens}")
-    if min(lengths) < 32 + args.new_tokens or max(lengths) > LIMITS.prompt_tokens:
-        raise CliError(f"--lengths must be {32 + args.new_tokens} to {LIMITS.prompt_tokens} tokens (prompt and answer)")
+    if min(lengths) < 32 + args.new_tokens:
+        raise CliError(f"--lengths must be at least {32 + args.new_tokens} tokens (prompt and answer)")
+    _check_longest(lengths, args)
     if min(depths) < 0 or max(depths) > 1:
         raise CliError("--depths are fractions of the haystack, 0 to 1")
     try:  # the same jobs as the app's grid (needle.needle_jobs)
@@ -253,7 +269,6 @@ def cmd_needle(args: argparse.Namespace) -> int:
 
 
 def cmd_tasks(args: argparse.Namespace) -> int:
-    from .engine.models import ModelError, model_context
     from .experiments.leaderboard import averaged, leaderboard_frame, summarize, task_jobs, task_specs
     from .experiments.task_runs import SETTINGS
     from .experiments.tasks import TaskUnavailable, check_tasks
@@ -284,13 +299,9 @@ def cmd_tasks(args: argparse.Namespace) -> int:
         raise CliError(f"--ratios: {err}") from None
     try:  # before any job loads the model or makes a sample: RULER's generators run on at any length asked
         check_tasks(tasks, lengths)
-        context = model_context(args.model, args.device, args.dtype)
-    except (TaskUnavailable, ModelError) as err:
+    except TaskUnavailable as err:
         raise CliError(str(err)) from None
-    if max(lengths) > min(context, LIMITS.prompt_tokens):
-        most = f"{args.model} reads at most {context:,}" if context <= LIMITS.prompt_tokens else \
-            f"the limit here is {LIMITS.prompt_tokens:,}"
-        raise CliError(f"--lengths: {most} tokens, got {max(lengths):,}")
+    _check_longest(lengths, args)
     jobs = [_on_device(job, args) for job in task_jobs(args.model, tasks, lengths, args.samples, specs, settings,
                                                        chat=args.chat, first=args.first_sample)]
     out = writable_dir(args.out)

@@ -135,7 +135,7 @@ def test_default_model_generate_run_writes_traces_and_summary(tmp_path):
     (["--policy", "tova:budget=8", "--policy", "tova:budget=8"], "list each policy once"),
     (["--mode", "generate", "--max-new-tokens", "10000"], "Max new tokens must be a whole number from 1 to 4096"),
     (["--policy", "tova:budget=8,budget=9"], "parameter budget is given twice"),
-    (["--max-tokens", "1"], "Max tokens must be an integer from 2 to"),
+    (["--max-tokens", "1"], "Max tokens must be an integer, 2 or more."),
 ])
 def test_cheap_mistakes_are_reported_before_the_model_loads(text_file, tmp_path, monkeypatch, capsys, args, message):
     from backend import api, cli
@@ -144,6 +144,25 @@ def test_cheap_mistakes_are_reported_before_the_model_loads(text_file, tmp_path,
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--lengths", "40"], "error: --lengths must be at least 48 tokens (prompt and answer)"),
+    (["--lengths", "512,100000"], "error: --lengths: smollm2-135m-instruct reads at most 8,192 tokens, got 100,000"),
+    (["--lengths", "1000000000"], "error: --lengths: smollm2-135m-instruct reads at most 8,192 tokens, got "
+                                  "1,000,000,000"),
+])
+def test_a_needle_grid_past_the_models_context_is_refused_before_any_job_is_made(default_lm, tmp_path, monkeypatch,
+                                                                                 capsys, args, message):
+    """``default_lm``: the packaged model's first use converts it (a minute, once per machine)."""
+    from backend import cli
+    from backend.experiments import needle
+
+    monkeypatch.setattr(needle, "needle_jobs", lambda *a, **k: pytest.fail("jobs made before the checks"))
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the model loaded before the checks"))
+    assert cli.main(["needle", "--policy", "tova:budget=8", *args, "--out", str(tmp_path / "o")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == message
 
 
 def test_a_one_token_generate_prompt_without_chat_is_a_one_line_error(tiny, tmp_path, monkeypatch, capsys):

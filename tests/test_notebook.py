@@ -63,7 +63,11 @@ def test_the_tutorial_runs_every_cell(tmp_path, monkeypatch):
     (lambda: kvlens.run("a text", "tova", budget=0), "The budget must be an integer >= 1"),
     (lambda: kvlens.sweep("a text", ["tova:budget=8"], budgets=[8]), "tova:budget=8: leave budget and ratio out"),
     (lambda: kvlens.sweep("a text", ["tova"]), "Give budgets or ratios"),
-    (lambda: kvlens.needle(["tova"], budget=8, lengths=[16]), "lengths must be 48 to"),
+    (lambda: kvlens.needle(["tova"], budget=8, lengths=[16]),
+     "lengths must be at least 48 tokens (prompt and answer), got 16"),
+    (lambda: kvlens.needle(["tova"], budget=8, lengths=[512, 100_000]),
+     "lengths must be at most 8192 tokens on smollm2-135m-instruct, got 100000"),
+    (lambda: kvlens.needle(["tova"], budget=8, lengths=[512.5]), "lengths must be whole numbers, got 512.5"),
     (lambda: kvlens.needle(["nope"], lengths=[64]), "Policy: unknown policy 'nope'"),
     (lambda: kvlens.example("nothing"), "no example 'nothing'"),
 ])

@@ -123,7 +123,7 @@ def parse(*argv):
     (["--ratios", "0.5,1"], "--ratios: ratios must be at least 0 and below 1"),
     (["--ratios", "half"], "--ratios: ratios must be comma-separated numbers"),
     (["--policies", "sinks", "--budgets", "4"], "sinks: need 0 <= sinks < budget"),
-    (["--max-tokens", "1"], "Max tokens must be an integer from 2 to"),
+    (["--max-tokens", "1"], "Max tokens must be an integer, 2 or more."),
     (["--max-rows", "0"], "Rows per forward must be an integer >= 1"),
 ])
 def test_bad_sweep_arguments_are_one_line_cli_errors(text_file, tmp_path, args, message):
