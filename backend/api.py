@@ -20,6 +20,7 @@ import io
 import json
 import re
 import secrets
+import time
 import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -565,8 +566,6 @@ def sample_forwards(policies: Sequence[Policy], length: int) -> float:
 def time_plain_forward(lm: LoadedModel, length: int) -> float:
     """Seconds one plain forward of ``length`` tokens takes on ``lm`` here (after a short one that warms it up),
     remembered for ``forward_seconds``. It runs the model: call it where a job would, never from a preview."""
-    import time
-
     import torch
 
     key = (lm.fingerprint, str(lm.model.device), length)
