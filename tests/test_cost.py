@@ -2,6 +2,7 @@
 check applies (Full free, new tokens counted, the prompt as the model reads it)."""
 import dataclasses
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -174,8 +175,7 @@ def test_the_line_gives_seconds_only_where_a_plain_forward_was_timed(monkeypatch
     assert api.sample_cost_line(sample()) == (f"Expected: 1 sample, Full and 2 policies: about {forwards:.3g} plain "
                                               "forwards of 1,024 tokens.")
     assert models.LOADED == {}  # the line never loads the model
-    lm = dataclasses.make_dataclass("Loaded", ["fingerprint", "model"])("m", dataclasses.make_dataclass(
-        "Model", ["device"])("cpu"))
+    lm = SimpleNamespace(fingerprint="m", model=SimpleNamespace(device="cpu"))
     monkeypatch.setattr(api, "loaded_model", lambda *args: lm)
     assert "plain forwards of 1,024 tokens." in api.sample_cost_line(sample())  # loaded, never timed
     api._FORWARD_SECONDS[("m", "cpu", 512)] = 3.0  # the nearest length timed, scaled by the tokens: 6 s at 1,024
