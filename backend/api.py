@@ -24,12 +24,13 @@ import time
 import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import pandas as pd
 
 from .engine.allocator import give_back
-from .engine.models import DEFAULT_MODEL, DEVICES, DTYPES, LoadedModel, ModelError, loaded_model, shared_model
-from .engine.runner import Progress, check_fits, default_record_layers
+from .engine.models import (DEFAULT_MODEL, DEVICES, DTYPES, LoadedModel, ModelError, check_fits, default_record_layers,
+                            loaded_model, shared_model)
 from .experiments.grid import GridError, run_grid
 from .experiments.needle import NEW_TOKENS, needle_frame, needle_jobs
 from .experiments.sweep import MAX_ROWS, SweepResult, sweep as sweep_budgets
@@ -40,6 +41,9 @@ from .policies import Full
 from .runs import Run, link_key, put_link, replay_or_compute, trace_key
 from .traces.store import TraceStore, load_trace
 from .traces.trace import Trace, file_stem
+
+if TYPE_CHECKING:
+    from .engine.runner import Progress
 
 LIMITS = Limits.from_env()  # the Space's: what a request meets unless its caller passes others
 MODES = ("generate", "prompt")

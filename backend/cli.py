@@ -24,7 +24,7 @@ import pandas as pd
 from .analysis import metrics
 from .engine.models import DEFAULT_MODEL, DEVICES, DTYPES, PACKAGED
 from .policies import POLICIES, PluginError, SpecError, describe, load_plugins, parse_spec, policy_table
-from .engine.runner import DEFAULT_CHUNK
+from .engine import DEFAULT_CHUNK
 from . import api
 from .api import RequestError, RunRequest, SweepRequest, check_run, check_sweep
 from .limits import Limits, machine_memory

@@ -46,7 +46,7 @@ class RowPrice:
     @classmethod
     def of(cls, config) -> "RowPrice":
         """The price of a model by its transformers config: layers, KV heads, head size, hidden size, vocabulary."""
-        from .engine.runner import DEFAULT_CHUNK, LM_HEAD_CHUNK  # positions per forward call, per LM-head call
+        from .engine import DEFAULT_CHUNK, LM_HEAD_CHUNK  # positions per forward call, per LM-head call
 
         layers, kv_heads = config.num_hidden_layers, config.num_key_value_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

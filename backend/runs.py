@@ -10,12 +10,17 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from .engine.models import LoadedModel
-from .engine.runner import DEFAULT_CHUNK, Progress, compute_traces, default_record_layers
+from .engine import DEFAULT_CHUNK
+from .engine.models import default_record_layers
 from .policies import Full, Policy
 from .traces.store import TraceStore, load_trace, run_key
 from .traces.trace import Trace
+
+if TYPE_CHECKING:  # the engine's runner is imported where a run is made: a refused request goes without it
+    from .engine.models import LoadedModel
+    from .engine.runner import Progress
 
 # Bump when the engine's decisions or outputs change for every policy (a policy's own changes bump its
 # ``version``): either puts the old traces out of reach.
@@ -62,6 +67,13 @@ def trace_key(lm: LoadedModel, ids: Sequence[int], policy: Policy, mode: str, ma
                    policy=policy.name, params=policy.params(), mode=mode, generation=generation,
                    record_layers=[int(layer) for layer in record_layers], engine_version=ENGINE_VERSION,
                    policy_version=type(policy).version)
+
+
+def compute_traces(*args, **kwargs) -> tuple[list[Trace], Trace]:
+    """``engine.runner.compute_traces``, its module imported at the first run this process computes."""
+    from .engine import runner
+
+    return runner.compute_traces(*args, **kwargs)
 
 
 def replay_or_compute(lm: LoadedModel, specs: Sequence[str], policies: Sequence[Policy], ids: Sequence[int],

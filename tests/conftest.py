@@ -8,6 +8,13 @@ import socket
 import tempfile
 from types import SimpleNamespace
 
+# MKL's matrix products round alike on every machine, whatever rows share a batch: on an AVX-512 machine, a
+# product's last bits otherwise follow how many rows it holds (a row then reads 3e-6 apart in a batch of its own, where
+# tests/test_shared_prefill.py asks for the same bits), and its kernels round otherwise than the AVX2 ones that
+# recorded the kvpress decisions (benchmarks/kvpress_special.py; near-ties at a cut then fall the other way). MKL reads
+# this as it starts, so it is set before torch is imported; the processes a test starts inherit it.
+os.environ.setdefault("MKL_CBWR", "AVX2,STRICT")
+
 # No test touches the user's trace store (~/.cache/kvlens/store or $KVLENS_STORE_DIR): a test's writes would evict
 # their traces down to the default size limit. Set before any module opens a store (the app opens one on import).
 TEST_STORE = tempfile.mkdtemp(prefix="kvlens-test-store-")
@@ -31,6 +38,34 @@ if WORKERS > 1:
     THREADS = max(1, len(os.sched_getaffinity(0)) // WORKERS)
     torch.set_num_threads(THREADS)
     os.environ["OMP_NUM_THREADS"] = str(THREADS)
+
+# Triton's interpreter (TRITON_INTERPRET=1: the kernels' tests on a CPU) spent two thirds of the kernels' tests' time
+# on two things a compiled kernel never does, and these tests run as triton 3.9 compiles for a GPU without them:
+# - it checks every 32-bit integer add, sub and mul for overflow, a debugging aid that triton's CUDA and ROCm backends
+#   build in only with debug on (the tests' sizes are far from 2**31);
+# - at every call of a jit function inside a kernel (each tl.sum, tl.max, tl.argmin calls one) it lists the members
+#   of triton.language to re-point its builtins at the interpreter's; the list is the same every time, so it is
+#   read once.
+if os.environ.get("TRITON_INTERPRET") == "1":
+    import dataclasses
+    import functools
+    import inspect
+
+    from triton import language as tl
+    from triton.runtime import interpreter
+
+    interpreter.interpreter_builder.options = dataclasses.replace(interpreter.interpreter_builder.options,
+                                                                  sanitize_overflow=False)
+
+    @functools.cache
+    def _builtins_of(pkg) -> tuple:
+        return tuple((name, member) for name, member in inspect.getmembers(pkg) if tl.core.is_builtin(member))
+
+    def _patch_builtin(pkg, builder, scope) -> None:
+        for name, member in _builtins_of(pkg):
+            interpreter._patch_attr(pkg, name, member, builder, scope)
+
+    interpreter._patch_builtin = _patch_builtin
 
 
 class TinyTokenizer:

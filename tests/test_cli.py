@@ -104,6 +104,27 @@ def test_help_lists_every_policy_and_its_parameters():
     assert "alpha=0.1" in out and "sinks=4" in out and "recent=-1" in out
 
 
+# Run in a fresh interpreter: the command line's refusal, then which of transformers' and the engine's modules it
+# imported on the way.
+IMPORTS_OF_A_REFUSAL = """import sys
+from backend.__main__ import main
+sys.argv = ["kvlens", *sys.argv[1:]]
+status = main()
+print(status, sorted(m for m in sys.modules if m.startswith(("transformers", "backend.engine.attention",
+                                                             "backend.engine.runner"))))"""
+
+
+@pytest.mark.slow
+def test_help_and_a_refusal_answer_without_importing_transformers_or_the_engine(text_file, tmp_path):
+    """transformers' modelling modules are most of a command's start (about 4 s of its 6); the command line and the
+    front door import them, with the engine's attention and runner, where a run computes."""
+    refusal = ["run", "--text", str(text_file), "--policy", "lru:budget=4", "--out", str(tmp_path / "o")]
+    too_short = ["tasks", "--tasks", "niah_single_1", "--lengths", "0", "--out", str(tmp_path / "t")]
+    for argv in (refusal, ["policies"], too_short):
+        result = subprocess.run([sys.executable, "-c", IMPORTS_OF_A_REFUSAL, *argv], capture_output=True, text=True,
+                                timeout=300, env=dict(os.environ))
+        assert result.stdout.strip().splitlines()[-1] in ("0 []", "2 []"), (argv, result.stdout, result.stderr)
+
 @pytest.mark.slow
 def test_default_model_generate_run_writes_traces_and_summary(tmp_path):
     prompt = tmp_path / "prompt.txt"

@@ -25,14 +25,21 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from safetensors.torch import save_model
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .allocator import bound_mmap_threshold
-from .attention import ATTN_IMPLEMENTATION
 from .features import ModelFeatures, UnsupportedModel, read_features
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from ..policies import Policy
+
+# transformers' model classes and the engine's attention (attention.py, which registers itself with them) are
+# imported where a model is loaded: a command that refuses its input, or asks for help, answers without them (a few
+# seconds of imports).
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 GEMMA_MODEL = "gemma3-270m"
@@ -131,6 +138,21 @@ class LoadedModel:
         return list(self.tokenizer(text).input_ids)
 
 
+def check_fits(lm: LoadedModel, policy: "Policy") -> None:
+    """ValueError when the policy cannot run on this model's layers: one that computes its own attention must
+    honour sliding windows and soft-capping where the model has them (``Policy.honours_layer_limits``)."""
+    features = lm.features
+    if policy.honours_layer_limits or not (features.softcap or any(features.windows)):
+        return
+    what = "soft-capped attention logits" if features.softcap else "sliding-window layers"
+    raise ValueError(f"{policy.name} computes its own attention and does not honour this model's {what} yet")
+
+
+def default_record_layers(lm: LoadedModel) -> tuple[int, ...]:
+    """First, middle and last layer: enough for score curves and t-SNE without storing every layer."""
+    return tuple(sorted({0, lm.n_layers // 2, lm.n_layers - 1}))
+
+
 def context_of(config) -> int:
     """The longest text (prompt and new tokens) a model of this transformers config was trained to read."""
     return int(getattr(config, "max_position_embeddings", 0) or 2 ** 31 - 1)
@@ -154,6 +176,9 @@ def _converted(source: Path, name: str) -> tuple[Path, str]:
     target = cache_dir() / f"{name}-{fingerprint}"
     if (target / "kvlens-source.json").is_file():
         return target, fingerprint
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -229,6 +254,10 @@ def load_model(name: str = DEFAULT_MODEL, device: str = "cpu", dtype: str = "flo
     device = resolve_device(device)
     bound_mmap_threshold()  # only where an operator set KVLENS_MMAP_THRESHOLD (allocator.py)
     source, fingerprint, chat = _source(name)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .attention import ATTN_IMPLEMENTATION
+
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype],
                                                      attn_implementation=ATTN_IMPLEMENTATION)
@@ -257,6 +286,8 @@ def model_context(name: str = DEFAULT_MODEL, device: str = "cpu", dtype: str = "
     if loaded is not None:
         return loaded.context
     source, _, _ = _source(name)
+    from transformers import AutoConfig
+
     try:
         config = AutoConfig.from_pretrained(source)
     except (OSError, ValueError) as err:  # a hub id without internet, an unknown architecture

@@ -17,19 +17,18 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from . import DEFAULT_CHUNK, LM_HEAD_CHUNK
 from .allocator import give_back
 from .attention import PolicyCache
 from .cache_layer import rows_up_to
 from .features import key_rope
-from .models import LoadedModel
+from .models import LoadedModel, check_fits, default_record_layers
 from ..policies import Full, Policy
 from .reconstruction import cuts, reread
 from ..traces.recorded import choose_top_k, key_positions
 from ..traces.trace import FORMAT_VERSION, Trace
 
-DEFAULT_CHUNK = 256
 REACH = 4  # a prompt block may grow to this many chunks (or budgets) to end where every row may cut
-LM_HEAD_CHUNK = 64  # positions per lm-head call: bounds the [rows, positions, vocab] logits tensor
 
 Progress = Callable[[float, str], None]
 
@@ -60,16 +59,6 @@ def _rows(policies: Sequence[Policy], reference: bool = True, n_prompt: int | No
 def rope_function(lm: LoadedModel, layer: int = 0) -> Callable:
     """rope(x [H, L, d], positions [L]) -> x rotated as the model rotates keys at those positions in ``layer``."""
     return lm.features.layers[layer].rope
-
-
-def check_fits(lm: LoadedModel, policy: Policy) -> None:
-    """ValueError when the policy cannot run on this model's layers: one that computes its own attention must
-    honour sliding windows and soft-capping where the model has them (``Policy.honours_layer_limits``)."""
-    features = lm.features
-    if policy.honours_layer_limits or not (features.softcap or any(features.windows)):
-        return
-    what = "soft-capped attention logits" if features.softcap else "sliding-window layers"
-    raise ValueError(f"{policy.name} computes its own attention and does not honour this model's {what} yet")
 
 
 def new_cache(lm: LoadedModel, rows: Sequence[Policy], record_layers: Sequence[int], length: int) -> PolicyCache:
@@ -275,11 +264,6 @@ def _generate_and_score(lm: LoadedModel, prompt_ids: Sequence[int], policies: Se
             _, rest = _teacher_force(lm, scoring, full[:-1], n, [len(full) - 1] if len(full) > 1 else [], next_ids=full[1:],
                                      progress=progress)
     return cache, outputs, index, _joined([prompt_stats, first, rest], len(rows))
-
-
-def default_record_layers(lm: LoadedModel) -> tuple[int, ...]:
-    """First, middle and last layer: enough for score curves and t-SNE without storing every layer."""
-    return tuple(sorted({0, lm.n_layers // 2, lm.n_layers - 1}))
 
 
 def _recorded(cache: PolicyCache, row: int, length: int, ropes: dict[str, np.ndarray]) -> dict:

@@ -10,14 +10,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pandas as pd
 
 from ..analysis import metrics
 from ..policies import SpecError, parse_spec
-from ..engine.runner import Progress
 from ..runs import replay_or_compute
 from ..traces.store import TraceStore
+
+if TYPE_CHECKING:
+    from ..engine.runner import Progress
 
 DEFAULT_POLICIES = "window,sinks,h2o,tova"
 DEFAULT_BUDGETS = "16,32,64,128"

@@ -28,8 +28,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..engine.models import LoadedModel
-from ..engine.runner import default_record_layers
+from ..engine.models import LoadedModel, default_record_layers
 from ..limits import Limits, RowPrice, row_cost
 from ..policies import Policy, parse_spec
 from ..runs import Run, put_link, replay_or_compute
