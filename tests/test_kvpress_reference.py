@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from backend.policies import CaM, LagKV
+from backend.policies import CaM, LagKV, Merging
 from benchmarks.kvpress_compare import MATCHED, fits, fixture, kept_sets, run
 
 # TOVA evicts a token a step (the paper), kvpress once after the prompt; Random draws from another generator.
@@ -220,17 +220,35 @@ def test_cam_with_kvpress_settings_parts_from_kvpress_only_after_a_tie_at_a_cut(
 
 
 @pytest.mark.parametrize("budget", ["40", "96"])
-def test_merging_with_knorm_keeps_kvpress_tokens_and_values_and_answers_alike(default_lm, special, budget):
-    """kvpress's MergingPress(KnormPress()): the same kept tokens in every layer and KV head, each kept value moved
-    as kvpress moved it (its error against the model's own value, recorded in float16), the same answer."""
-    import numpy as np
-
+def test_merging_with_knorm_keeps_kvpress_tokens_and_values_but_where_knorms_scores_tie_at_the_cut(
+        default_lm, special, budget, monkeypatch):
+    """kvpress's MergingPress(KnormPress()), which compresses once, after the prompt, every layer from the prompt's own
+    keys: in every layer and KV head the same kept tokens but where Knorm's scores tie at the cut (equal to float32's
+    precision, which kvpress scores in: how the machine rounds the keys' products then picks the side), each kept
+    value of a head that keeps kvpress's tokens moved as kvpress moved it (its error against the model's own value,
+    recorded in float16), and, where no head parts, kvpress's answer. On the needle example, at 40, layer 0's
+    second head holds tokens 76 and 186, whose key norms agree to 3e-9, one for the other on an AVX-512 machine."""
     theirs = special["merging"]["budgets"][budget]
+    cuts, keep = {}, Merging.keep
+
+    def recorded(self, view):
+        kept = keep(self, view)
+        cuts.setdefault(view.layer, (np.asarray(self.score(view)), kept.copy()))
+        return kept
+
+    monkeypatch.setattr(Merging, "keep", recorded)
     (trace,) = run(default_lm, [f"merging:budget={budget},scorer=knorm"], special["input_ids"],
                    max_new_tokens=special["max_new_tokens"])
     n = len(special["input_ids"])
-    assert kept_sets(trace, n) == theirs["kept"]
-    for layer, (kept, errors) in enumerate(zip(theirs["kept"], theirs["value_error"])):
-        ours = np.stack([trace.forms["value_error"][layer][h, positions] for h, positions in enumerate(kept)])
-        np.testing.assert_allclose(ours.astype(float), errors, rtol=2e-3, atol=2e-6, err_msg=str(layer))
-    assert trace.generated_ids.tolist() == theirs["answer_ids"]
+    parted = False
+    for layer, (ours, kept, errors) in enumerate(zip(kept_sets(trace, n), theirs["kept"], theirs["value_error"])):
+        score, held = cuts[layer]
+        for h, (mine, positions) in enumerate(zip(ours, kept)):
+            differ = sorted(set(mine) ^ set(positions))
+            if differ:
+                parted = True
+                assert equal_to_float32(score[h, differ], score[h][held[h]].min()).all(), (layer, h, differ)
+                continue
+            np.testing.assert_allclose(trace.forms["value_error"][layer][h, positions].astype(float), errors[h],
+                                       rtol=2e-3, atol=2e-6, err_msg=f"layer {layer}, KV head {h}")
+    assert parted or trace.generated_ids.tolist() == theirs["answer_ids"]
