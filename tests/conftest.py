@@ -8,12 +8,6 @@ import socket
 import tempfile
 from types import SimpleNamespace
 
-# MKL's matrix products round alike whatever rows share a batch (its strict reproducible mode, at no cost measured
-# here): on an AVX-512 machine a product's last bits otherwise follow how many rows it holds, and a row read 3e-6
-# apart from its own batch, where tests/test_shared_prefill.py asks for the same bits. MKL reads this as it starts,
-# so it is set before torch is imported; the processes a test starts inherit it.
-os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
-
 # No test touches the user's trace store (~/.cache/kvlens/store or $KVLENS_STORE_DIR): a test's writes would evict
 # their traces down to the default size limit. Set before any module opens a store (the app opens one on import).
 TEST_STORE = tempfile.mkdtemp(prefix="kvlens-test-store-")

@@ -153,3 +153,25 @@ def test_a_run_without_full_s_row_shares_nothing(tiny, text_ids, monkeypatch):
     assert runs[0][0] == runs[1][0]
     for shared, alone in zip(runs[0][1], runs[1][1]):
         np.testing.assert_array_equal(shared, alone)
+
+
+# Run in a fresh interpreter: the first matrix product comes after ``import backend``, as in every front end.
+FIRST_ROW_BY_BATCH = """import torch
+import backend
+torch.manual_seed(0)
+weight, rows = torch.randn(576, 1536), torch.randn(75, 576)
+print(sum(not torch.equal((rows[:m] @ weight)[:1], rows[:1] @ weight) for m in range(2, 76)))"""
+
+
+def test_a_rows_product_does_not_depend_on_how_many_rows_share_its_batch():
+    """What the to-the-bit tests above rest on, and on an AVX-512 machine MKL gives only in its strict mode, which
+    ``import backend`` sets (where MKL has not started): with a thread per process, as the suite's workers run, a
+    row's product by SmolLM2's shapes is the same in a batch of 2 to 75 rows."""
+    import os
+    import subprocess
+    import sys
+
+    env = {key: value for key, value in os.environ.items() if key != "MKL_CBWR"}
+    result = subprocess.run([sys.executable, "-c", FIRST_ROW_BY_BATCH], capture_output=True, text=True, timeout=120,
+                            env={**env, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0 and result.stdout.strip() == "0", (result.stdout, result.stderr[-500:])
