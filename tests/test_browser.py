@@ -64,17 +64,30 @@ def page(app_url):
         browser.close()
 
 
-def choose_policies(page, wanted):
-    """Check exactly ``wanted`` among the policies by kind (their fold opened)."""
+def choose_policies(page, wanted, timeout_s: float = 120):
+    """Check exactly ``wanted`` among the policies by kind (their fold opened). A click goes to the server and back,
+    and on a busy machine an answer to an earlier click can come after a later one: so one box at a time, until every
+    box reads as wanted twice, half a second apart."""
     kinds = page.locator("#policies")
     if not kinds.locator("label").first.is_visible():
         page.get_by_text("Policies by kind").click()
     boxes = page.locator("#policies label")
     boxes.first.wait_for()
-    for i in range(boxes.count()):
-        label = boxes.nth(i)
-        if label.locator("input").is_checked() != (label.inner_text().strip() in wanted):
-            label.click()
+
+    def wrong():
+        labels = [boxes.nth(i) for i in range(boxes.count())]
+        return [label for label in labels if label.locator("input").is_checked() != (label.inner_text().strip() in wanted)]
+
+    deadline, settled = time.monotonic() + timeout_s, 0
+    while settled < 2:
+        off = wrong()
+        assert time.monotonic() < deadline, f"the policies did not settle on {sorted(wanted)}: {len(off)} boxes off"
+        if off:
+            off[0].click()
+            settled = 0
+        else:
+            settled += 1
+        page.wait_for_timeout(500)
 
 
 def open_parameters(page):

