@@ -44,8 +44,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import normalize_gen_kwargs
 from tqdm import tqdm
 
-from ..engine.models import DEFAULT_MODEL, shared_model
-from ..engine.models import check_fits
+from ..engine.models import DEFAULT_MODEL, check_fits, shared_model
 from ..limits import Limits
 from ..policies import parse_spec
 from ..traces.store import TraceStore
