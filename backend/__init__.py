@@ -4,6 +4,6 @@ import os
 # A row's numbers must not depend on which rows share its batch (a shared prefill is the row's own to the bit,
 # tests/test_shared_prefill.py). MKL's matrix products on an AVX-512 machine round a row otherwise as the batch's
 # row count changes (a row's log-probabilities 3e-6 apart); its strict reproducible mode rounds alike, at no cost
-# measured here. MKL reads the setting at its first product, so it holds wherever no product ran before this import;
-# an operator's own MKL_CBWR stays.
+# (benchmarks/mkl_modes.py). MKL reads the setting at its first product, so it holds wherever no product ran before
+# this import; an operator's own MKL_CBWR stays.
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")

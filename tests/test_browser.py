@@ -76,7 +76,8 @@ def choose_policies(page, wanted, timeout_s: float = 120):
 
     def wrong():
         labels = [boxes.nth(i) for i in range(boxes.count())]
-        return [label for label in labels if label.locator("input").is_checked() != (label.inner_text().strip() in wanted)]
+        return [label for label in labels
+                if label.locator("input").is_checked() != (label.inner_text().strip() in wanted)]
 
     deadline, settled = time.monotonic() + timeout_s, 0
     while settled < 2:

@@ -125,6 +125,7 @@ def test_help_and_a_refusal_answer_without_importing_transformers_or_the_engine(
                                 timeout=300, env=dict(os.environ))
         assert result.stdout.strip().splitlines()[-1] in ("0 []", "2 []"), (argv, result.stdout, result.stderr)
 
+
 @pytest.mark.slow
 def test_default_model_generate_run_writes_traces_and_summary(tmp_path):
     prompt = tmp_path / "prompt.txt"

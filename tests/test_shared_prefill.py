@@ -3,6 +3,10 @@ policy reads every token until its budget fills, a compression policy in generat
 query-agnostic run's context) ends, so the row stays out of the batch until then and follows Full's queries, keys
 and values. Every trace must be the same to the
 bit with the sharing on and off, for every policy, on every family's test model and on both packaged models."""
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -167,10 +171,6 @@ def test_a_rows_product_does_not_depend_on_how_many_rows_share_its_batch():
     """What the to-the-bit tests above rest on, and on an AVX-512 machine MKL gives only in its strict mode, which
     ``import backend`` sets (where MKL has not started): with a thread per process, as the suite's workers run, a
     row's product by SmolLM2's shapes is the same in a batch of 2 to 75 rows."""
-    import os
-    import subprocess
-    import sys
-
     env = {key: value for key, value in os.environ.items() if key != "MKL_CBWR"}
     result = subprocess.run([sys.executable, "-c", FIRST_ROW_BY_BATCH], capture_output=True, text=True, timeout=120,
                             env={**env, "OMP_NUM_THREADS": "1"})
