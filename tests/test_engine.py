@@ -210,8 +210,9 @@ def test_generate_mode_scores_equal_a_second_teacher_forced_pass(tiny, text_ids)
 
 
 def test_a_row_whose_answer_ended_goes_idle_and_every_row_answers_as_it_would_alone(tiny, text_ids, monkeypatch):
-    """Rows stop at EOS at different steps: once a row has read its EOS no policy decides for it (it is idle), and
-    every row's trace is the one it gets in a batch of its own (with Full)."""
+    """Rows stop at EOS at different steps: once a row has read its EOS it leaves the forward calls (no policy
+    decides for it, no matmul carries it), and every row's trace is the one it gets in a batch of its own (with
+    Full), to the bit."""
     from backend.engine import attention
     from backend.policies import parse_spec
 
@@ -228,10 +229,19 @@ def test_a_row_whose_answer_ended_goes_idle_and_every_row_answers_as_it_would_al
         return attend(state, *args, **kwargs)
 
     monkeypatch.setattr(attention.RowLayerState, "attend", counted)
-    batched, _ = compute_traces(tiny, specs, [parse_spec(s) for s in specs], ids, mode="generate", max_new_tokens=10,
-                                record_layers=(0,))
+    carried = []  # how many rows each one-token forward call carries through the MLPs
+    hook = tiny.model.model.layers[0].mlp.register_forward_pre_hook(
+        lambda _module, args: carried.append(args[0].shape[0]) if args[0].shape[1] == 1 else None)
+    try:
+        batched, full = compute_traces(tiny, specs, [parse_spec(s) for s in specs], ids, mode="generate",
+                                       max_new_tokens=10, record_layers=(0,))
+    finally:
+        hook.remove()
     lengths = [len(t.generated_ids) for t in batched]
     assert min(lengths) < max(lengths) == 10, lengths  # some rows stopped early, one ran to the limit
+    # Decoding step s carries the rows still answering: those with more than s tokens, Full's row among them.
+    answering = [len(full.generated_ids), *lengths]
+    assert carried == [sum(n > step for n in answering) for step in range(10)], (carried, answering)
     early, late = parse_spec(specs[lengths.index(min(lengths))]), parse_spec(specs[lengths.index(10)])
     if not early.attends and not late.attends:  # an attending row (SparQ) computes its output elsewhere
         assert calls[early] < calls[late]  # the early row stopped attending, once its EOS was read
@@ -239,7 +249,8 @@ def test_a_row_whose_answer_ended_goes_idle_and_every_row_answers_as_it_would_al
         (alone,), _ = compute_traces(tiny, [spec], [parse_spec(spec)], ids, mode="generate", max_new_tokens=10,
                                      record_layers=(0,))
         np.testing.assert_array_equal(trace.generated_ids, alone.generated_ids, err_msg=spec)
-        np.testing.assert_allclose(trace.logprobs, alone.logprobs, atol=1e-9, err_msg=spec)
+        np.testing.assert_array_equal(trace.logprobs, alone.logprobs, err_msg=spec)
         for layer in range(tiny.n_layers):  # what every query read, whatever the kind
             np.testing.assert_array_equal(trace.reads(layer), alone.reads(layer), err_msg=f"{spec} layer {layer}")
-        np.testing.assert_allclose(trace.attention.dense(0), alone.attention.dense(0), atol=1e-9, err_msg=spec)
+        np.testing.assert_array_equal(trace.attention.dense(0), alone.attention.dense(0), err_msg=spec)
+        np.testing.assert_array_equal(trace.keys, alone.keys, err_msg=spec)

@@ -824,10 +824,31 @@ class PolicyCache(DynamicCache):
                      for layer in range(n_layers)]
         self.decoding = False  # True: the next blocks' queries are decoding steps (see Block.decoding)
         self.n_prompt: int | None = None  # generate mode: where the prompt ends (compression policies act there)
-        # Rows whose answer has ended (their EOS read): they still go through the model with the batch, but no
-        # policy decides for them and nothing is recorded (their output is zero), so a row that rambles on costs
-        # the others nothing but the batch's matmuls.
-        self.idle: frozenset[int] = frozenset()
+        # The rows a forward call carries, in batch order, while some are idle: a row whose answer has ended (its
+        # EOS read) goes through the model no more, so a row that rambles on costs the others nothing. None: the
+        # leading rows (``batch_for``).
+        self.members: tuple[int, ...] | None = None
+
+    @property
+    def idle(self) -> frozenset[int]:
+        """The rows left out of the forward calls while their answers have ended (``members``)."""
+        return frozenset() if self.members is None else frozenset(range(len(self.policies))) - set(self.members)
+
+    def entries(self, batch: int) -> list[int]:
+        """The rows of a forward call's ``batch`` batch entries, in order."""
+        return list(range(batch)) if self.members is None else list(self.members)
+
+    def in_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x [len(members), ...], a forward call's entries, as [rows, ...]: an idle row's entry is zeros, which no
+        query reads (its trace ends where it went idle). x itself when the call carries the leading rows."""
+        if self.members is None:
+            return x
+        every = x.new_zeros((len(self.policies), *x.shape[1:]))
+        every[list(self.members)] = x
+        return every
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        return super().update(self.in_rows(key_states), self.in_rows(value_states), layer_idx, *args, **kwargs)
 
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scaling: float, softcap: float | None = None, window: int | None = None) -> torch.Tensor:
@@ -836,13 +857,16 @@ class PolicyCache(DynamicCache):
         n_kv_heads, total = key.shape[1], key.shape[2]
         group = n_q_heads // n_kv_heads
         first = total - n
+        at = {b: i for i, b in enumerate(self.entries(batch))}  # row -> its entry in the batch (key, value: row)
         # The rows that walk on the device walk together, in one launch for the layer (``DeviceWalk``).
-        together = self._walk_on_device(layer, query, key, value, scaling, softcap, window) if any(
-            state.walks_on_device(query.device) and b not in self.idle and not state.reads_as_full(total, self.n_prompt)
-            for b, state in enumerate(self.rows[layer][:batch])) else {}
+        together = self._walk_on_device(layer, query, key, value, scaling, softcap, window, at) if any(
+            self.rows[layer][b].walks_on_device(query.device)
+            and not self.rows[layer][b].reads_as_full(total, self.n_prompt) for b in at) else {}
         outputs = []
         for b, state in enumerate(self.rows[layer]):
-            if b >= batch:  # not in the batch: it reads as Full and takes Full's queries, keys and values (``share``)
+            if b in self.idle:  # out of the batch: no policy decides for it and nothing is recorded
+                continue
+            if b not in at:  # not in the batch: it reads as Full and takes Full's queries, keys and values (``share``)
                 full_q = query[0].view(n_kv_heads, group, n, dim)
                 state.begin(total, softcap, window)
                 if state.top is not None:
@@ -852,11 +876,8 @@ class PolicyCache(DynamicCache):
             if b in together:
                 outputs.append(together[b])
                 continue
-            if b in self.idle:
-                outputs.append(query.new_zeros(n, n_q_heads, dim))
-                continue
             if state.policy.attends and not state.reads_as_full(total, self.n_prompt):
-                block = Block(q=query[b], k=key[b], v=value[b], first=first, scaling=scaling, rope=self.ropes[layer],
+                block = Block(q=query[at[b]], k=key[b], v=value[b], first=first, scaling=scaling, rope=self.ropes[layer],
                               softcap=softcap, window=window,
                               decoding=self.decoding, layer=layer, n_layers=len(self.rows), n_prompt=self.n_prompt,
                               q_pre=self.prerope_q[layer][b] if self.needs_prerope else None,
@@ -864,20 +885,20 @@ class PolicyCache(DynamicCache):
                 outputs.append(state.run_attending(block).to(query.dtype))
                 continue
             # Query head h shares KV head h // group (transformers' repeat_kv order).
-            q = query[b].view(n_kv_heads, group, n, dim)
+            q = query[at[b]].view(n_kv_heads, group, n, dim)
             out = state.attend(q, key[b], value[b], first, scaling, self.n_prompt, softcap, window)
             outputs.append(out.reshape(n_q_heads, n, dim).transpose(0, 1))
         return torch.stack(outputs).contiguous()
 
-    def _walk_on_device(self, layer, query, key, value, scaling, softcap, window) -> dict[int, torch.Tensor]:
+    def _walk_on_device(self, layer, query, key, value, scaling, softcap, window, at) -> dict[int, torch.Tensor]:
         """The block's output [n, H, d] of each row of ``layer`` that walks on the device, all at once: their
-        held keys gathered, scored and walked together (``DeviceWalk``), with one copy to the device and one back."""
+        held keys gathered, scored and walked together (``DeviceWalk``), with one copy to the device and one back.
+        ``at``: each row in the batch -> its entry."""
         batch, n_q_heads, n, dim = query.shape
         n_kv_heads, total = key.shape[1], key.shape[2]
         first = total - n
-        walking = [b for b, state in enumerate(self.rows[layer][:batch])
-                   if state.walks_on_device(query.device) and b not in self.idle
-                   and not state.reads_as_full(total, self.n_prompt)]
+        walking = [b for b in at if self.rows[layer][b].walks_on_device(query.device)
+                   and not self.rows[layer][b].reads_as_full(total, self.n_prompt)]
         # The rows that walk their heads alike side by side: one launch for each way (``eviction_walk_triton.ways``).
         way = eviction_walk_triton.ways(np.array([self.rows[layer][b].walk_params() for b in walking]))
         walking = [walking[i] for i in np.argsort(way, kind="stable")]
@@ -891,7 +912,7 @@ class PolicyCache(DynamicCache):
         # Row by row from views of the batch (a list of rows as an index would be one more copy to the device).
         keys = torch.stack([key[b][heads, at[r]] for r, b in enumerate(walking)])  # [R, H, C, d]
         values = torch.stack([value[b][heads, at[r]] for r, b in enumerate(walking)])
-        q = torch.stack([query[b] for b in walking]).view(len(walking), n_kv_heads, n_q_heads // n_kv_heads, n, dim)
+        q = torch.stack([query[at[b]] for b in walking]).view(len(walking), n_kv_heads, n_q_heads // n_kv_heads, n, dim)
         scores = attention_logits(q, keys[:, :, None], scaling, softcap)  # [R, H, G, n, C]
         hidden = (walk.where < 0)[:, :, None, None, :]  # the pads
         if window is not None and window < total:  # and held keys the layer's window has passed
@@ -1005,6 +1026,7 @@ class PolicyCache(DynamicCache):
     def feed(self, ids: torch.Tensor, start: int) -> None:
         """Remember ids [B, n] fed at positions start.. when a row's policy re-reads its context."""
         if any(p.rereads for p in self.policies):
+            ids = self.in_rows(ids)
             past = ids[:, :0].cpu() if self.fed is None else self.fed[:, :start]
             self.fed = torch.cat([past, ids.cpu()], 1)
 
@@ -1039,7 +1061,7 @@ class PreRopeCapture:
         def store(_module, _inputs, output):
             if not cache.capturing:
                 return
-            x = capture.heads(which, output, n_heads)  # [B, H, n, d]
+            x = cache.in_rows(capture.heads(which, output, n_heads))  # [B, H, n, d]
             if which == "q":
                 cache.prerope_q[layer] = x
                 return

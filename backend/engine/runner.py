@@ -177,25 +177,29 @@ def _decode(lm: LoadedModel, cache: PolicyCache, hidden: torch.Tensor, position:
     outputs: list[list[int]] = [[] for _ in cache.policies]
     done = np.zeros(len(outputs), bool)
     next_ids = torch.full((len(outputs),), eos if eos is not None else 0, dtype=torch.long, device=hidden.device)
-    for step in range(max_new_tokens):
-        # Only the rows still answering: a row that has read its EOS is idle (``PolicyCache.idle``) and its logits,
-        # a vocabulary's worth per row, are not computed.
-        active = torch.from_numpy(np.flatnonzero(~done)).to(hidden.device)
-        next_ids[active] = lm.features.logits(lm.model.lm_head(hidden[active])).argmax(-1)
-        tokens = next_ids.tolist()  # one read from the device a step
-        for row in np.flatnonzero(~done):
-            outputs[row].append(tokens[row])
-        cache.idle = frozenset(np.flatnonzero(done).tolist())
-        done |= np.array([out[-1] == eos for out in outputs])  # every row has a token from the first step on
-        # Feed every generated token, the last one too, so each has its own step in the trace.
-        hidden = _forward(lm, cache, next_ids[:, None], position)[:, -1]
-        reread(lm, cache, position)
-        position += 1
-        if done.all():
-            break
-        if progress:
-            progress((step + 1) / max_new_tokens, f"generating: token {step + 1} of at most {max_new_tokens}")
-    cache.idle = frozenset()
+    hidden = hidden.clone()  # each row's last hidden state, written in place as its row steps
+    try:
+        for step in range(max_new_tokens):
+            # Only the rows still answering go through the LM head and the model: a row that has read its EOS
+            # is idle (``PolicyCache.members``), so a row that rambles on costs the others nothing.
+            answering = np.flatnonzero(~done)
+            active = torch.from_numpy(answering).to(hidden.device)
+            next_ids[active] = lm.features.logits(lm.model.lm_head(hidden[active])).argmax(-1)
+            tokens = next_ids.tolist()  # one read from the device a step
+            for row in answering:
+                outputs[row].append(tokens[row])
+            done |= np.array([out[-1] == eos for out in outputs])  # every row has a token from the first step on
+            # Feed every generated token, the last one too, so each has its own step in the trace.
+            cache.members = None if len(answering) == len(outputs) else tuple(answering.tolist())
+            hidden[active] = _forward(lm, cache, next_ids[active][:, None], position)[:, -1]
+            reread(lm, cache, position)
+            position += 1
+            if done.all():
+                break
+            if progress:
+                progress((step + 1) / max_new_tokens, f"generating: token {step + 1} of at most {max_new_tokens}")
+    finally:
+        cache.members = None
     return outputs
 
 
