@@ -101,6 +101,39 @@ class Stopwatch:
 PHASES = ("prefill", "decode", "scoring")
 
 
+class ByPolicy:
+    """Wall time in each row's own attention and walk, by phase and policy: ``RowLayerState``'s entry points
+    wrapped in place (a call inside another is counted once, in the outer)."""
+
+    ENTRIES = ("attend", "follow", "run_attending")
+
+    def __init__(self, watch: Stopwatch):
+        from backend.engine.attention import RowLayerState
+
+        self.watch, self.owner = watch, RowLayerState
+        self.seconds: collections.Counter = collections.Counter()
+        self.inside = False
+        self.undo = [(name, getattr(RowLayerState, name)) for name in self.ENTRIES]
+        for name, original in self.undo:
+            setattr(RowLayerState, name, self._timed(original))
+
+    def _timed(self, original):
+        def timed(state, *args, **kwargs):
+            if self.inside:
+                return original(state, *args, **kwargs)
+            self.inside, start = True, time.perf_counter()
+            try:
+                return original(state, *args, **kwargs)
+            finally:
+                self.inside = False
+                self.seconds[(self.watch.phase, state.policy.name)] += time.perf_counter() - start
+        return timed
+
+    def close(self) -> None:
+        for name, original in self.undo:
+            setattr(self.owner, name, original)
+
+
 def profile_sample(lm, request: TaskRequest, specs: list[str], task_name: str) -> None:
     """One sample's wall time by phase (``--profile``), through a store of its own: prefill (the prompt read by
     every row), decode (the answers), scoring (every row teacher-forced on Full's answer), each split into the
@@ -119,8 +152,13 @@ def profile_sample(lm, request: TaskRequest, specs: list[str], task_name: str) -
         watch.wrap(PolicyCache, "attend", "attention")
         watch.wrap(runner, "_generate_and_score", "engine")
         watch.wrap(runs, "compute_traces", "traces")
+        by_policy = ByPolicy(watch)
         start = time.perf_counter()
-        answers = answer(lm, request, ["full", *specs], "agnostic", TraceStore(Path(directory)), Limits.for_machine())
+        try:
+            answers = answer(lm, request, ["full", *specs], "agnostic", TraceStore(Path(directory)),
+                             Limits.for_machine())
+        finally:
+            by_policy.close()
         total = time.perf_counter() - start
     seconds = watch.seconds
     parts = {}
@@ -139,6 +177,20 @@ def profile_sample(lm, request: TaskRequest, specs: list[str], task_name: str) -
     for name, value in parts.items():
         print(f"| {name} | {value:.1f} | {value / total:.0%} | {value / plain:.1f} |")
     print(f"| **the sample** | {total:.1f} | 100% | {total / plain:.1f} |", flush=True)
+    rows = collections.Counter(a.policy.name for a in answers)
+    print("\nEach policy's own attention and walk, all its rows (the engine's loop and the device walk of rows "
+          "together are outside):\n\n| policy | rows | prefill (s) | decode (s) | scoring (s) | plain forwards "
+          "per row |\n|---|---|---|---|---|---|")
+    names = sorted({name for _, name in by_policy.seconds}, key=lambda n: -sum(
+        by_policy.seconds[(phase, n)] for phase in PHASES))
+    for name in names:
+        spent = [by_policy.seconds[(phase, name)] for phase in PHASES]
+        per_row = "(in every run)" if name == "full" else f"{sum(spent) / plain / rows[name]:.2f}"
+        print(f"| {name} | {rows[name]} | " + " | ".join(f"{v:.1f}" for v in spent) + f" | {per_row} |")
+    lengths = sorted(len(a.trace.generated_ids) for a in answers)
+    print(f"\nAnswers' lengths in tokens (limit {request.max_new_tokens}): median {lengths[len(lengths) // 2]}, "
+          f"{sum(n <= 16 for n in lengths)} of {len(lengths)} rows at 16 or fewer, "
+          f"{sum(n >= request.max_new_tokens for n in lengths)} at the limit", flush=True)
 
 
 def grouped_cost(lm, request: TaskRequest, specs: list[str], seconds: float, json_out: str | None) -> None:
