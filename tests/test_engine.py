@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from backend.engine.attention import PolicyCache
+from kernels import eviction_walk_triton
 from backend.policies import A2SF, H2O, TOVA, Full, Oracle, ReAttention, Sinks, SparQ, Window
 from backend.engine.runner import compute_traces, generate, rope_function, score_text
 
@@ -209,12 +210,19 @@ def test_generate_mode_scores_equal_a_second_teacher_forced_pass(tiny, text_ids)
         np.testing.assert_array_equal(trace.top1_ids, stats["top1_ids"][row])
 
 
-def test_a_row_whose_answer_ended_goes_idle_and_every_row_answers_as_it_would_alone(tiny, text_ids, monkeypatch):
+@pytest.mark.parametrize("device_walk", [False, True], ids=["walks-apart", "device-walk"])
+def test_a_row_whose_answer_ended_goes_idle_and_every_row_answers_as_it_would_alone(tiny, text_ids, monkeypatch,
+                                                                                    device_walk):
     """Rows stop at EOS at different steps: once a row has read its EOS it leaves the forward calls (no policy
     decides for it, no matmul carries it), and every row's trace is the one it gets in a batch of its own (with
-    Full), to the bit."""
+    Full), to the bit. With ``device_walk`` the running-score rows walk together in one launch per layer (Triton,
+    interpreted on the CPU), as on a GPU."""
     from backend.engine import attention
     from backend.policies import parse_spec
+
+    if device_walk and not eviction_walk_triton.usable(torch.device("cpu")):
+        pytest.skip("needs TRITON_INTERPRET=1 (or a GPU)")
+    monkeypatch.setattr(attention, "DEVICE_WALK", device_walk)
 
     specs = ["window:budget=12", "tova:budget=10", "snapkv:budget=12", "sparq:budget=12,r=4", "cam:budget=12"]
     ids = text_ids[:30]
@@ -243,7 +251,8 @@ def test_a_row_whose_answer_ended_goes_idle_and_every_row_answers_as_it_would_al
     answering = [len(full.generated_ids), *lengths]
     assert carried == [sum(n > step for n in answering) for step in range(10)], (carried, answering)
     early, late = parse_spec(specs[lengths.index(min(lengths))]), parse_spec(specs[lengths.index(10)])
-    if not early.attends and not late.attends:  # an attending row (SparQ) computes its output elsewhere
+    # An attending row (SparQ), or a row walked with the others on the device, computes its output elsewhere.
+    if not early.attends and not late.attends and not device_walk:
         assert calls[early] < calls[late]  # the early row stopped attending, once its EOS was read
     for spec, trace in zip(specs, batched):
         (alone,), _ = compute_traces(tiny, [spec], [parse_spec(spec)], ids, mode="generate", max_new_tokens=10,

@@ -857,16 +857,16 @@ class PolicyCache(DynamicCache):
         n_kv_heads, total = key.shape[1], key.shape[2]
         group = n_q_heads // n_kv_heads
         first = total - n
-        at = {b: i for i, b in enumerate(self.entries(batch))}  # row -> its entry in the batch (key, value: row)
+        entry = {b: i for i, b in enumerate(self.entries(batch))}  # row -> its entry in the batch (key, value: row)
         # The rows that walk on the device walk together, in one launch for the layer (``DeviceWalk``).
-        together = self._walk_on_device(layer, query, key, value, scaling, softcap, window, at) if any(
+        together = self._walk_on_device(layer, query, key, value, scaling, softcap, window, entry) if any(
             self.rows[layer][b].walks_on_device(query.device)
-            and not self.rows[layer][b].reads_as_full(total, self.n_prompt) for b in at) else {}
-        outputs = []
+            and not self.rows[layer][b].reads_as_full(total, self.n_prompt) for b in entry) else {}
+        outputs, idle = [], self.idle
         for b, state in enumerate(self.rows[layer]):
-            if b in self.idle:  # out of the batch: no policy decides for it and nothing is recorded
+            if b in idle:  # out of the batch: no policy decides for it and nothing is recorded
                 continue
-            if b not in at:  # not in the batch: it reads as Full and takes Full's queries, keys and values (``share``)
+            if b not in entry:  # not in the batch: it reads as Full and takes Full's queries, keys and values (``share``)
                 full_q = query[0].view(n_kv_heads, group, n, dim)
                 state.begin(total, softcap, window)
                 if state.top is not None:
@@ -877,7 +877,7 @@ class PolicyCache(DynamicCache):
                 outputs.append(together[b])
                 continue
             if state.policy.attends and not state.reads_as_full(total, self.n_prompt):
-                block = Block(q=query[at[b]], k=key[b], v=value[b], first=first, scaling=scaling, rope=self.ropes[layer],
+                block = Block(q=query[entry[b]], k=key[b], v=value[b], first=first, scaling=scaling, rope=self.ropes[layer],
                               softcap=softcap, window=window,
                               decoding=self.decoding, layer=layer, n_layers=len(self.rows), n_prompt=self.n_prompt,
                               q_pre=self.prerope_q[layer][b] if self.needs_prerope else None,
@@ -885,19 +885,19 @@ class PolicyCache(DynamicCache):
                 outputs.append(state.run_attending(block).to(query.dtype))
                 continue
             # Query head h shares KV head h // group (transformers' repeat_kv order).
-            q = query[at[b]].view(n_kv_heads, group, n, dim)
+            q = query[entry[b]].view(n_kv_heads, group, n, dim)
             out = state.attend(q, key[b], value[b], first, scaling, self.n_prompt, softcap, window)
             outputs.append(out.reshape(n_q_heads, n, dim).transpose(0, 1))
         return torch.stack(outputs).contiguous()
 
-    def _walk_on_device(self, layer, query, key, value, scaling, softcap, window, at) -> dict[int, torch.Tensor]:
+    def _walk_on_device(self, layer, query, key, value, scaling, softcap, window, entry) -> dict[int, torch.Tensor]:
         """The block's output [n, H, d] of each row of ``layer`` that walks on the device, all at once: their
         held keys gathered, scored and walked together (``DeviceWalk``), with one copy to the device and one back.
-        ``at``: each row in the batch -> its entry."""
+        ``entry``: each row in the batch -> its entry."""
         batch, n_q_heads, n, dim = query.shape
         n_kv_heads, total = key.shape[1], key.shape[2]
         first = total - n
-        walking = [b for b in at if self.rows[layer][b].walks_on_device(query.device)
+        walking = [b for b in entry if self.rows[layer][b].walks_on_device(query.device)
                    and not self.rows[layer][b].reads_as_full(total, self.n_prompt)]
         # The rows that walk their heads alike side by side: one launch for each way (``eviction_walk_triton.ways``).
         way = eviction_walk_triton.ways(np.array([self.rows[layer][b].walk_params() for b in walking]))
@@ -912,7 +912,7 @@ class PolicyCache(DynamicCache):
         # Row by row from views of the batch (a list of rows as an index would be one more copy to the device).
         keys = torch.stack([key[b][heads, at[r]] for r, b in enumerate(walking)])  # [R, H, C, d]
         values = torch.stack([value[b][heads, at[r]] for r, b in enumerate(walking)])
-        q = torch.stack([query[at[b]] for b in walking]).view(len(walking), n_kv_heads, n_q_heads // n_kv_heads, n, dim)
+        q = torch.stack([query[entry[b]] for b in walking]).view(len(walking), n_kv_heads, n_q_heads // n_kv_heads, n, dim)
         scores = attention_logits(q, keys[:, :, None], scaling, softcap)  # [R, H, G, n, C]
         hidden = (walk.where < 0)[:, :, None, None, :]  # the pads
         if window is not None and window < total:  # and held keys the layer's window has passed
