@@ -55,6 +55,22 @@ def test_spans_recorded_block_by_block_equal_spans_of_the_whole_mask():
                 np.testing.assert_array_equal(mine, theirs)
 
 
+@pytest.mark.parametrize("prompt", [0, 1, 13])
+def test_spans_recorded_a_query_at_a_time_equal_spans_of_the_whole_mask(prompt):
+    """A prompt block, then one query a step (decoding, ``SpanRecorder.add``'s one-query path)."""
+    masks = random_masks(seed=4)
+    whole = ReadSpans.from_masks(masks)
+    for layer in range(masks.shape[0]):
+        recorder = SpanRecorder(masks.shape[1])
+        if prompt:
+            recorder.add(masks[layer][:, :prompt, :prompt], 0)
+        for t in range(prompt, 40):
+            recorder.add(masks[layer][:, t:t + 1, :t + 1], t)
+        for head, (pos, start, end) in enumerate(recorder.finish(40)):
+            for mine, theirs in zip((pos, start, end), whole.head(layer, head)):
+                np.testing.assert_array_equal(mine, theirs)
+
+
 @pytest.mark.parametrize("seed, share", [(0, 0.3), (1, 0.05), (2, 0.9)])
 def test_stored_spans_give_back_the_same_spans(seed, share):
     """The stored form (per-position counts, gaps and lengths: trace format 3) decodes to the very spans."""

@@ -149,10 +149,13 @@ class SpanRecorder:
     def add(self, reads: np.ndarray, first: int) -> None:
         """reads: bool [H, n, M], row i = what query ``first + i`` read (positions beyond a row's reach False)."""
         n_heads, n, total = reads.shape
-        if total > self.open_since.shape[1]:
-            grown = np.full((n_heads, total), -1, np.int64)
+        if total > self.open_since.shape[1]:  # room to spare, so decoding's one more position a step copies nothing
+            grown = np.full((n_heads, total + max(total // 4, n)), -1, np.int64)
             grown[:, : self.open_since.shape[1]] = self.open_since
             self.open_since = grown
+        if n == 1:
+            self._add_step(reads[:, 0], first)
+            return
         before = self.open_since[:, None, :total] >= 0
         changed = np.concatenate([before, reads], axis=1)
         h, i, p = np.nonzero(changed[:, 1:] != changed[:, :-1])
@@ -172,6 +175,18 @@ class SpanRecorder:
                 self.closed[head].append(np.stack([p[mine], opened[mine], steps[mine]]).astype(np.int32))
         last = np.r_[~same[1:], True]
         self.open_since[h[last], p[last]] = np.where(opens[last], steps[last], -1)
+
+    def _add_step(self, read: np.ndarray, t: int) -> None:
+        """``add`` for one query (a decoding step): read bool [H, M]. The spans it does not continue close at t, in
+        position order; those it starts open at t."""
+        open_since = self.open_since[:, : read.shape[1]]  # a view: what is set here is the recorder's
+        was = open_since >= 0
+        closes = was & ~read
+        for head in np.flatnonzero(closes.any(1)):
+            p = np.flatnonzero(closes[head])
+            self.closed[head].append(np.stack([p, open_since[head, p], np.full(len(p), t)]).astype(np.int32))
+        open_since[closes] = -1
+        open_since[read & ~was] = t
 
     def finish(self, length: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """Close the spans still open at the end of the text; return (pos, start, end) per head, sorted by position
