@@ -81,9 +81,9 @@ def test_the_packaged_models_read_the_same_with_and_without_full_s_prefill(packa
 
 
 def test_rows_that_read_as_full_stay_out_of_the_batch_until_they_depart(tiny, text_ids, monkeypatch):
-    """TOVA first drops after its 10th query, SnapKV and Knorm compress once the context (24 tokens) is read: the
-    first block carries Full alone, the next two Full and TOVA, the rest every row. With the sharing off, every
-    block carries every row."""
+    """TOVA first drops after its 10th query, SnapKV, Knorm and KVzip (after its second pass) compress once the
+    context (24 tokens) is read: the first block carries Full alone, the next two Full and TOVA, the rest every row.
+    With the sharing off, every block carries every row."""
     sizes = []
     forward = attention.PolicyCache.attend
 
@@ -93,18 +93,18 @@ def test_rows_that_read_as_full_stay_out_of_the_batch_until_they_depart(tiny, te
         return forward(cache, layer, query, *args, **kwargs)
 
     monkeypatch.setattr(attention.PolicyCache, "attend", counted)
-    specs = ["snapkv:budget=12", "tova:budget=10", "knorm:budget=12"]
-    (snap, _, knorm), _ = compute_traces(tiny, specs, [parse_spec(s) for s in specs], text_ids[:30],
-                                            mode="generate", max_new_tokens=3, chunk=8, context_end=24)
+    specs = ["snapkv:budget=12", "tova:budget=10", "knorm:budget=12", "kvzip:budget=12"]
+    (snap, _, knorm, kvzip), _ = compute_traces(tiny, specs, [parse_spec(s) for s in specs], text_ids[:30],
+                                                mode="generate", max_new_tokens=3, chunk=8, context_end=24)
     assert sizes[:3] == [(1, 8), (2, 8), (2, 8)]  # the context's blocks
-    assert {rows for rows, _ in sizes[3:]} == {4}  # the question, then the answers: every row
+    assert {rows for rows, _ in sizes[3:]} == {5}  # the question, then the answers: every row
     monkeypatch.setattr(PolicyCache, "share", False)
     sizes.clear()
     compute_traces(tiny, specs, [parse_spec(s) for s in specs], text_ids[:30], mode="generate", max_new_tokens=3,
                    chunk=8, context_end=24)
-    assert {rows for rows, _ in sizes} == {4}
+    assert {rows for rows, _ in sizes} == {5}
     # What they read: every earlier token until the context's end, less from then on.
-    for trace in (snap, knorm):
+    for trace in (snap, knorm, kvzip):
         reads = trace.reads(0)  # [H, steps, positions]
         causal = np.tril(np.ones((24, 24), bool))
         assert (reads[:, :24, :24] == causal).all() and not reads[:, :24, 24:].any(), trace.spec
@@ -138,7 +138,8 @@ def test_an_eviction_policy_that_drops_before_its_declared_departure_is_caught(t
 def test_a_row_departs_where_its_policy_first_reads_less():
     snap = SnapKV(budget=12)
     assert snap.first_departure(24) == 24 and snap.first_departure(None) == 0  # prompt mode: every interval
-    assert parse_spec("kvzip:budget=12").first_departure(24) == 0  # its second pass reads between the blocks
+    assert parse_spec("kvzip:budget=12").first_departure(24) == 24  # its second pass comes after the context
+    assert parse_spec("kvzip:budget=12").first_departure(None) == 0  # prompt mode: a pass every interval
     assert parse_spec("tova:budget=12").first_departure(None) == 12  # the query after the one that fills it
     assert parse_spec("quest:budget=32").first_departure(24) == 0
 

@@ -152,6 +152,8 @@ def reread(lm: LoadedModel, cache: PolicyCache, t: int) -> None:
         states = [layer[row] for layer in cache.rows]
         if not policy.compresses_after(t, cache.n_prompt):
             continue
+        # A row that took Full's prefill departs here: it joins the batch with Full's cache, its own to the bit.
+        cache.grow_batch(max(row + 1, cache.batch_for(t + 2)))
         held = [s.alive[:, : t + 1] for s in states]
         ids = cache.fed[row, : t + 1].tolist()
         prefix = template_header(lm, ids)

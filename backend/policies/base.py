@@ -391,8 +391,8 @@ class CompressionPolicy(Policy):
     def first_departure(self, n_prompt: int | None) -> int:
         # In generate mode nothing is compressed before the prompt's last query has read (``compresses_after``):
         # the queries after it are the first to read less. A policy that scores from a second pass over the text
-        # (``rereads``) reads it between the prompt's blocks, and departs from the start.
-        return n_prompt if n_prompt is not None and not self.rereads else 0
+        # (``rereads``) makes it there too, once the row has joined the batch (``reconstruction.reread``).
+        return n_prompt if n_prompt is not None else 0
 
     def compresses_after(self, t: int, n_prompt: int | None) -> bool:
         if n_prompt is None:
