@@ -177,7 +177,9 @@ def _decode(lm: LoadedModel, cache: PolicyCache, hidden: torch.Tensor, position:
     outputs: list[list[int]] = [[] for _ in cache.policies]
     done = np.zeros(len(outputs), bool)
     next_ids = torch.full((len(outputs),), eos if eos is not None else 0, dtype=torch.long, device=hidden.device)
-    hidden = hidden.clone()  # each row's last hidden state, written in place as its row steps
+    # Each row's last hidden state, written in place as its row steps: a copy, since the caller scores the prompt's
+    # last hidden states after decoding.
+    hidden = hidden.clone()
     try:
         for step in range(max_new_tokens):
             # Only the rows still answering go through the LM head and the model: a row that has read its EOS
