@@ -3,15 +3,19 @@
     npm i -E lighthouse@12.2.3 --prefix /tmp/lh          # once; Debian's chromium runs it
     python -m benchmarks.web_quality                     # starts the app on a free port, measures, stops it
     python -m benchmarks.web_quality --url http://127.0.0.1:7860/ --lighthouse /tmp/lh/node_modules/.bin/lighthouse
+    python -m benchmarks.web_quality --baseline          # also a minimal Gradio Blocks page, measured alike
 
-Prints performance, accessibility, layout shift and page weight (Lighthouse's desktop preset), and axe-core's
-violations by impact (``axe-playwright-python``, at 1366x768). Scores are not asserted in the tests: a timed figure
-belongs here.
+Prints performance, accessibility, layout shift and page weight (Lighthouse's desktop preset), each run's and their
+medians, then axe-core's violations by impact (``axe-playwright-python``, at 1366x768). Lighthouse's performance
+depends on the machine's speed as much as on the page: ``--baseline`` measures a minimal Gradio page (one textbox,
+one button) in the same way right after, so the two read against each other. Scores are not asserted in the tests: a
+timed figure belongs here.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import os
 import shutil
 import subprocess
@@ -33,15 +37,50 @@ def serve() -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}/"
+    wait_for(proc, url)
+    time.sleep(30)  # the model loads in the background at start: measure the page, not the loading
+    return proc, url
+
+
+MINIMAL_PAGE = """import gradio as gr
+with gr.Blocks() as demo:
+    box = gr.Textbox(label="Prompt")
+    gr.Button("Run").click(lambda text: text, box, box)
+demo.launch()
+"""
+
+
+def wait_for(proc: subprocess.Popen, url: str) -> None:
     for _ in range(240):
         try:
             urllib.request.urlopen(url, timeout=2)
-            time.sleep(30)  # the model loads in the background at start: measure the page, not the loading
-            return proc, url
+            return
         except OSError:
+            if proc.poll() is not None:
+                break
             time.sleep(0.5)
     proc.kill()
-    raise SystemExit("the app did not start")
+    raise SystemExit(f"the page at {url} did not start")
+
+
+def serve_minimal() -> tuple[subprocess.Popen, str]:
+    """A minimal Gradio Blocks page (Gradio's own floor on this machine)."""
+    from tests.conftest import free_port
+
+    port = free_port()
+    script = Path(tempfile.mkdtemp(prefix="kvlens-web-")) / "minimal.py"
+    script.write_text(MINIMAL_PAGE)
+    env = {**os.environ, "GRADIO_SERVER_PORT": str(port), "GRADIO_ANALYTICS_ENABLED": "False"}
+    proc = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}/"
+    wait_for(proc, url)
+    return proc, url
+
+
+def medians(runs: list[dict]) -> dict:
+    return {name: statistics.median(run[name] for run in runs)
+            for name in ("performance", "accessibility", "layout_shift", "page_kib", "lcp_s", "tbt_ms")}
 
 
 def lighthouse(url: str, binary: str) -> dict:
@@ -63,7 +102,10 @@ def lighthouse(url: str, binary: str) -> dict:
 
 
 def axe(url: str) -> dict:
-    from axe_playwright_python.sync_playwright import Axe
+    try:
+        from axe_playwright_python.sync_playwright import Axe
+    except ImportError:
+        return {"not measured": ["axe-playwright-python is not installed: pip install axe-playwright-python"]}
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
@@ -87,14 +129,23 @@ def main(argv=None) -> int:
     parser.add_argument("--url", help="a running app (default: start one)")
     parser.add_argument("--runs", type=int, default=3, help="Lighthouse runs (its scores vary run to run)")
     parser.add_argument("--lighthouse", default=shutil.which("lighthouse") or "/tmp/lh/node_modules/.bin/lighthouse")
+    parser.add_argument("--baseline", action="store_true", help="also measure a minimal Gradio page alike")
     args = parser.parse_args(argv)
     proc, url = (None, args.url) if args.url else serve()
     try:
         urllib.request.urlopen(url, timeout=30)
         runs = [lighthouse(url, args.lighthouse) for _ in range(args.runs)]
-        print(json.dumps({"lighthouse_desktop": runs, "axe_violations_by_impact": axe(url)}, indent=1))
+        print(json.dumps({"lighthouse_desktop": runs, "median": medians(runs)}, indent=1), flush=True)
+        print(json.dumps({"axe_violations_by_impact": axe(url)}, indent=1), flush=True)
     finally:
         if proc is not None:
+            proc.terminate()
+    if args.baseline:
+        proc, url = serve_minimal()
+        try:
+            runs = [lighthouse(url, args.lighthouse) for _ in range(args.runs)]
+            print(json.dumps({"minimal_gradio_page": runs, "median": medians(runs)}, indent=1), flush=True)
+        finally:
             proc.terminate()
     return 0
 
