@@ -4,6 +4,7 @@ small grid's wall time serially and on a local Ray.
 
     python -m benchmarks.task_cost [--lengths 1024,4096] [--policies ...] [--ratios ...] [--pairs 1]
     python -m benchmarks.task_cost --lengths 1024 --profile          # one sample's time by part
+    python -m benchmarks.task_cost --lengths 1024 --max-rows 80      # the sample in fewer, larger runs
     python -m benchmarks.task_cost --grid [--samples 4] [--workers 2]
     python -m benchmarks.task_cost --lengths 4096 --save-request R.json      # the sample's prompt, for a GPU
     python -m benchmarks.task_cost --request R.json --model DIR --device cuda [--dtype bfloat16] [--json F]
@@ -32,7 +33,8 @@ from pathlib import Path
 import torch
 
 from backend.experiments.leaderboard import SHIPPED_POLICIES, SHIPPED_RATIOS, task_jobs, task_specs
-from backend.experiments.task_runs import MAX_ROWS, TaskRequest, answer, encode, lm_eval_request
+from backend.experiments import task_runs
+from backend.experiments.task_runs import TaskRequest, answer, encode, lm_eval_request
 from backend.experiments.tasks import load_task, tokenizer_source
 from backend.limits import Limits
 
@@ -204,8 +206,8 @@ def grouped_cost(lm, request: TaskRequest, specs: list[str], seconds: float, jso
         plain = time.perf_counter() - plain
     answer(lm, request, ["full", *specs[:1]], "agnostic", None, Limits.for_machine())  # warm-up: kernels, imports
     start, groups = time.perf_counter(), []
-    for lo in range(0, len(specs), MAX_ROWS):
-        group = specs[lo:lo + MAX_ROWS]
+    for lo in range(0, len(specs), task_runs.MAX_ROWS):
+        group = specs[lo:lo + task_runs.MAX_ROWS]
         began = time.perf_counter()
         answers = answer(lm, request, ["full", *group], "agnostic", None, Limits.for_machine())
         groups.append({"rows": len(group) + 1, "seconds": time.perf_counter() - began,
@@ -258,8 +260,13 @@ def main() -> None:
                         "past this many seconds")
     parser.add_argument("--json", help="with --request: append the figures here (JSON lines)")
     parser.add_argument("--profile", action="store_true", help="one sample at the first length, its time by part")
+    parser.add_argument("--max-rows", type=int, default=task_runs.MAX_ROWS,
+                        help=f"rows a batched run holds at most (task_runs.MAX_ROWS, {task_runs.MAX_ROWS})")
     add_pairs_argument(parser, 1)
     args = parser.parse_args()
+    if args.max_rows < 1:
+        parser.error(f"--max-rows must be >= 1, got {args.max_rows}")
+    task_runs.MAX_ROWS = args.max_rows  # the runs ``answer`` makes in this process (not in --grid's Ray workers)
     lm = model(args.model, args.device, args.dtype)
     print(f"torch threads: {torch.get_num_threads()}; {args.model} on {args.device} in {args.dtype}")
     if args.grid:
