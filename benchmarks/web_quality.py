@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -63,12 +63,12 @@ def wait_for(proc: subprocess.Popen, url: str) -> None:
     raise SystemExit(f"the page at {url} did not start")
 
 
-def serve_minimal() -> tuple[subprocess.Popen, str]:
-    """A minimal Gradio Blocks page (Gradio's own floor on this machine)."""
+def serve_minimal(directory: Path) -> tuple[subprocess.Popen, str]:
+    """A minimal Gradio Blocks page (Gradio's own floor on this machine), its script written in ``directory``."""
     from tests.conftest import free_port
 
     port = free_port()
-    script = Path(tempfile.mkdtemp(prefix="kvlens-web-")) / "minimal.py"
+    script = directory / "minimal.py"
     script.write_text(MINIMAL_PAGE)
     env = {**os.environ, "GRADIO_SERVER_PORT": str(port), "GRADIO_ANALYTICS_ENABLED": "False"}
     proc = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.DEVNULL,
@@ -141,12 +141,14 @@ def main(argv=None) -> int:
         if proc is not None:
             proc.terminate()
     if args.baseline:
-        proc, url = serve_minimal()
-        try:
-            runs = [lighthouse(url, args.lighthouse) for _ in range(args.runs)]
-            print(json.dumps({"minimal_gradio_page": runs, "median": medians(runs)}, indent=1), flush=True)
-        finally:
-            proc.terminate()
+        with tempfile.TemporaryDirectory(prefix="kvlens-web-") as directory:
+            proc, url = serve_minimal(Path(directory))
+            try:
+                runs = [lighthouse(url, args.lighthouse) for _ in range(args.runs)]
+                print(json.dumps({"minimal_gradio_page": runs, "median": medians(runs)}, indent=1), flush=True)
+            finally:
+                proc.terminate()
+                proc.wait(timeout=20)
     return 0
 
 
