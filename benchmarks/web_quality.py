@@ -4,12 +4,15 @@
     python -m benchmarks.web_quality                     # starts the app on a free port, measures, stops it
     python -m benchmarks.web_quality --url http://127.0.0.1:7860/ --lighthouse /tmp/lh/node_modules/.bin/lighthouse
     python -m benchmarks.web_quality --baseline          # also a minimal Gradio Blocks page, measured alike
+    python -m benchmarks.web_quality --runs 0 --long-tasks 6 --baseline   # only the long tasks, page by page
 
 Prints performance, accessibility, layout shift and page weight (Lighthouse's desktop preset), each run's and their
-medians, then axe-core's violations by impact (``axe-playwright-python``, at 1366x768). Lighthouse's performance
-depends on the machine's speed as much as on the page: ``--baseline`` measures a minimal Gradio page (one textbox,
-one button) in the same way right after, so the two read against each other. Scores are not asserted in the tests: a
-timed figure belongs here.
+medians, then axe-core's violations by impact (``axe-playwright-python``, at 1366x768). ``--long-tasks N`` loads
+the page N times in Playwright (1366x768, a fresh context each) and prints each load's longest task and the sum of
+its tasks' time past 50 ms (the blocking time, counted over the whole load): quicker and steadier than Lighthouse for
+comparing two versions of the page. Lighthouse's performance depends on the machine's speed as much as on the page:
+``--baseline`` measures a minimal Gradio page (one textbox, one button) in the same way right after, so the two read
+against each other. Scores are not asserted in the tests: a timed figure belongs here.
 """
 from __future__ import annotations
 
@@ -124,19 +127,58 @@ def axe(url: str) -> dict:
     return by_impact
 
 
+def blocking(durations_ms: list[float]) -> tuple[float, float]:
+    """The longest task and the blocking time (each task's time past 50 ms, summed) of one load's long tasks."""
+    return max(durations_ms, default=0.0), sum(max(0.0, d - 50.0) for d in durations_ms)
+
+
+LONG_TASKS = """window.__longTasks = [];
+new PerformanceObserver((list) => { for (const e of list.getEntries()) window.__longTasks.push(e.duration); })
+  .observe({type: "longtask", buffered: true});"""
+
+
+def long_tasks(url: str, loads: int, settle_s: float = 2.5) -> dict:
+    """The page loaded ``loads`` times: each load's longest task and blocking time in ms, and their medians."""
+    from playwright.sync_api import sync_playwright
+
+    longest, blocked = [], []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=shutil.which("chromium"), args=["--no-sandbox"])
+        for _ in range(loads):
+            context = browser.new_context(viewport={"width": 1366, "height": 768})
+            page = context.new_page()
+            page.add_init_script(LONG_TASKS)
+            page.goto(url, timeout=120_000)
+            page.wait_for_selector("footer", timeout=120_000)  # Gradio's footer comes with the built page
+            time.sleep(settle_s)  # and what the page draws after it
+            top, total = blocking(page.evaluate("window.__longTasks"))
+            longest.append(round(top))
+            blocked.append(round(total))
+            context.close()
+        browser.close()
+    return {"longest_ms": longest, "blocking_ms": blocked, "median_longest_ms": statistics.median(longest),
+            "median_blocking_ms": statistics.median(blocked)}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="a running app (default: start one)")
-    parser.add_argument("--runs", type=int, default=3, help="Lighthouse runs (its scores vary run to run)")
+    parser.add_argument("--runs", type=int, default=3,
+                        help="Lighthouse runs (its scores vary run to run; 0: neither Lighthouse nor axe)")
     parser.add_argument("--lighthouse", default=shutil.which("lighthouse") or "/tmp/lh/node_modules/.bin/lighthouse")
     parser.add_argument("--baseline", action="store_true", help="also measure a minimal Gradio page alike")
+    parser.add_argument("--long-tasks", type=int, default=0, metavar="N",
+                        help="also load the page N times and print its long tasks")
     args = parser.parse_args(argv)
     proc, url = (None, args.url) if args.url else serve()
     try:
         urllib.request.urlopen(url, timeout=30)
-        runs = [lighthouse(url, args.lighthouse) for _ in range(args.runs)]
-        print(json.dumps({"lighthouse_desktop": runs, "median": medians(runs)}, indent=1), flush=True)
-        print(json.dumps({"axe_violations_by_impact": axe(url)}, indent=1), flush=True)
+        if args.runs:
+            runs = [lighthouse(url, args.lighthouse) for _ in range(args.runs)]
+            print(json.dumps({"lighthouse_desktop": runs, "median": medians(runs)}, indent=1), flush=True)
+            print(json.dumps({"axe_violations_by_impact": axe(url)}, indent=1), flush=True)
+        if args.long_tasks:
+            print(json.dumps({"long_tasks": long_tasks(url, args.long_tasks)}, indent=1), flush=True)
     finally:
         if proc is not None:
             proc.terminate()
@@ -144,8 +186,12 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory(prefix="kvlens-web-") as directory:
             proc, url = serve_minimal(Path(directory))
             try:
-                runs = [lighthouse(url, args.lighthouse) for _ in range(args.runs)]
-                print(json.dumps({"minimal_gradio_page": runs, "median": medians(runs)}, indent=1), flush=True)
+                if args.runs:
+                    runs = [lighthouse(url, args.lighthouse) for _ in range(args.runs)]
+                    print(json.dumps({"minimal_gradio_page": runs, "median": medians(runs)}, indent=1), flush=True)
+                if args.long_tasks:
+                    print(json.dumps({"minimal_gradio_page_long_tasks": long_tasks(url, args.long_tasks)}, indent=1),
+                          flush=True)
             finally:
                 proc.terminate()
                 proc.wait(timeout=20)
