@@ -87,3 +87,20 @@ def test_the_command_line_runs_gemma_by_name(tmp_path):
     assert result.returncode == 0, result.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["tova:budget=32"]["ppl"] > 1
+
+
+def test_the_packaged_gguf_is_assembled_whole_when_a_file_was_cut_short_or_processes_race(tmp_path, monkeypatch):
+    """An assembly cut short leaves part of the file: the next load assembles it again instead of refusing. Two
+    loads at once (the suite's workers) each read a whole file: each writes under its own name, then moves it in."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from backend.engine import models
+
+    monkeypatch.setenv("KVLENS_MODEL_CACHE", str(tmp_path))
+    target = tmp_path / "gguf" / "gemma-3-270m-q4_k_m.gguf"
+    target.parent.mkdir()
+    target.write_bytes(b"GGUF" + bytes(1000))  # the first kilobyte of an interrupted assembly
+    with ThreadPoolExecutor(2) as pool:
+        paths = list(pool.map(lambda _: models._gemma_gguf(), range(2)))
+    assert paths == [target, target] and target.stat().st_size == 253_113_024
+    assert sorted(p.name for p in target.parent.iterdir()) == [target.name]  # no partial file is left

