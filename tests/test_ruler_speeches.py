@@ -49,7 +49,7 @@ def test_a_stand_in_sample_hides_its_needles_in_the_speeches_and_scores_with_lm_
     # The rest is lm-eval's niah_multivalue: its template, generation settings and metric.
     assert task.config.task == name and task.config.generation_kwargs["max_gen_toks"] == 128
     assert task.config.process_results.__module__ == "lm_eval.tasks.ruler.common_utils"
-    index = _manager(tokenizer, LENGTH).task_index  # in none of lm-eval's tags of its own tasks
+    index = _manager(tokenizer, LENGTH, False).task_index  # in none of lm-eval's tags of its own tasks
     assert not index[name].tags and "niah_multivalue" in index["longcxt"].tags and name not in index["longcxt"].tags
 
 

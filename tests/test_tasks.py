@@ -72,9 +72,17 @@ def test_a_task_makes_the_same_samples_whatever_a_process_loaded_before(default_
     assert outputs[("ruler_fwe",)] == outputs[("ruler_cwe", "ruler_fwe")] == shipped
 
 
-def test_an_unknown_task_is_one_line(default_lm):
+def test_an_unknown_task_is_one_line_after_rulers_index_and_lm_evals_whole_one(default_lm):
+    """A task is looked up among RULER's and the stand-ins first, in lm-eval's whole index only where it is none of
+    them (one of lm-eval's other tasks, or no task)."""
+    from backend.experiments.tasks import _manager
+
     with pytest.raises(TaskUnavailable, match=r"^lm-eval has no task 'niah_nowhere'; the offline tasks are"):
         load_task("niah_nowhere", SHORT, tokenizer_source(default_lm))
+    ruler, everything = (_manager(tokenizer_source(default_lm), SHORT, whole) for whole in (False, True))
+    assert ruler.match_tasks(["niah_single_1", "niah_single_2_speeches", "ruler"]) and len(ruler.all_tasks) < 100
+    assert not ruler.match_tasks(["hellaswag"])
+    assert everything.match_tasks(["hellaswag", "niah_single_2_speeches"]) and len(everything.all_tasks) > 10_000
 
 
 def test_a_length_too_short_for_a_generator_is_one_line_before_it_runs():

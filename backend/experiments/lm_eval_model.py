@@ -49,7 +49,7 @@ from ..limits import Limits
 from ..policies import parse_spec
 from ..traces.store import TraceStore
 from .task_runs import SETTINGS, TaskRequest, answer, chat_template, link
-from .tasks import splits_essays, tokenizer_source
+from .tasks import splits_essays, task_manager, tokenizer_source
 
 eval_logger = logging.getLogger("lm_eval")  # lm-eval's own logger, which its command line shows at INFO
 DEFAULT_GEN_TOKS = 256  # lm-eval's default for its own models
@@ -140,14 +140,13 @@ def evaluate(tasks: list[str], length: int, model: str = DEFAULT_MODEL, policy: 
     ``length`` tokens by the model's own tokenizer (``chat``: in the model's chat template, lm-eval's
     ``apply_chat_template``); lm-eval's results dict."""
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
-    from .ruler_speeches import import_generators, task_folder
+    from .ruler_speeches import import_generators
 
     if not splits_essays(tasks):  # RULER's needle module without its look for NLTK's download
         import_generators(essays=False)
     lm = KVLensLM(model=model, policy=policy, **model_args)
     metadata = {"tokenizer": tokenizer_source(lm.lm), "max_seq_lengths": [int(length)]}
-    manager = TaskManager(include_path=str(task_folder()), metadata=metadata)  # the essay tasks' stand-ins too
+    manager = task_manager(tasks, metadata)  # the essay tasks' stand-ins too
     return lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
                                    apply_chat_template=chat, metadata=metadata)

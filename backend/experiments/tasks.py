@@ -24,6 +24,7 @@ import random
 from collections.abc import Sequence
 from contextlib import contextmanager
 from functools import lru_cache
+from pathlib import Path
 
 from ..engine.models import LoadedModel
 from . import ruler_speeches
@@ -48,12 +49,29 @@ def tokenizer_source(lm: LoadedModel) -> str:
     return lm.model.config._name_or_path
 
 
-@lru_cache(maxsize=4)  # indexing lm-eval's tasks takes seconds: one manager per (tokenizer, length)
-def _manager(tokenizer: str, length: int):
+def _index(metadata: dict | None, whole: bool):
+    """An lm-eval TaskManager over RULER's tasks and the stand-ins (a hundredth of a second), or with ``whole`` over
+    lm-eval's whole index of its 14,000 tasks too (15 s on a slow core)."""
+    import lm_eval.tasks
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=str(ruler_speeches.task_folder()),
-                       metadata={"tokenizer": tokenizer, "max_seq_lengths": [length]})
+    if whole:
+        return TaskManager(include_path=str(ruler_speeches.task_folder()), metadata=metadata)
+    ruler = Path(lm_eval.tasks.__file__).resolve().parent / "ruler"
+    return TaskManager(include_path=[str(ruler), str(ruler_speeches.task_folder())], include_defaults=False,
+                       metadata=metadata)
+
+
+def task_manager(names: Sequence[str], metadata: dict | None = None):
+    """An lm-eval TaskManager that knows ``names`` where lm-eval has them: lm-eval's whole index only where a name
+    is none of RULER's or the stand-ins'."""
+    manager = _index(metadata, whole=False)
+    return manager if len(manager.match_tasks(list(names))) == len(set(names)) else _index(metadata, whole=True)
+
+
+@lru_cache(maxsize=4)  # one manager per (tokenizer, length) and index
+def _manager(tokenizer: str, length: int, whole: bool):
+    return _index({"tokenizer": tokenizer, "max_seq_lengths": [length]}, whole)
 
 
 def splits_essays(names) -> bool:
@@ -98,15 +116,13 @@ def _no_task(name: str) -> str:
 def check_tasks(names: Sequence[str], lengths: Sequence[int]) -> None:
     """TaskUnavailable for a task lm-eval does not have or a length its generator does not finish at, before any
     model loads or sample is made. The offline tasks are known by name; any other is looked up in lm-eval's index
-    of its tasks (several seconds)."""
+    of its tasks (``task_manager``)."""
     for name in names:
         if min(lengths) < SHORTEST.get(name, 0):
             raise TaskUnavailable(_too_short(name, min(lengths)))
     others = [name for name in dict.fromkeys(names) if name not in OFFLINE]
     if others:
-        from lm_eval.tasks import TaskManager
-
-        known = set(TaskManager(include_path=str(ruler_speeches.task_folder())).match_tasks(others))
+        known = set(task_manager(others).match_tasks(others))
         for name in others:
             if name not in known:
                 raise TaskUnavailable(_no_task(name))
@@ -120,7 +136,9 @@ def load_task(name: str, length: int, tokenizer: str):
 
     if int(length) < SHORTEST.get(name, 0):
         raise TaskUnavailable(_too_short(name, length))
-    manager = _manager(tokenizer, int(length))
+    manager = _manager(tokenizer, int(length), False)
+    if not manager.match_tasks([name]):
+        manager = _manager(tokenizer, int(length), True)
     if not manager.match_tasks([name]):
         raise TaskUnavailable(_no_task(name))
     try:
