@@ -36,6 +36,30 @@ def assert_same(shared, alone) -> None:
             np.testing.assert_array_equal(mine[name], theirs[name], err_msg=f"{one.spec}: {name}")
 
 
+def assert_scored_alike(monkeypatch, lm, specs, ids, **kwargs) -> None:
+    """Prompt mode: every trace, Full's too, the same to the bit with the sharing on and off."""
+    runs = []
+    for share in (True, False):
+        monkeypatch.setattr(PolicyCache, "share", share)
+        runs.append(compute_traces(lm, specs, [parse_spec(s, len(ids)) for s in specs], ids, mode="prompt", **kwargs))
+    (shared, full_shared), (alone, full_alone) = runs
+    assert_same([*shared, full_shared], [*alone, full_alone])
+
+
+def block_sizes(monkeypatch) -> list[tuple[int, int]]:
+    """(rows, tokens) of every forward call's block in layer 0 from here on."""
+    sizes = []
+    forward = attention.PolicyCache.attend
+
+    def counted(cache, layer, query, *args, **kwargs):
+        if layer == 0:
+            sizes.append((query.shape[0], query.shape[2]))
+        return forward(cache, layer, query, *args, **kwargs)
+
+    monkeypatch.setattr(attention.PolicyCache, "attend", counted)
+    return sizes
+
+
 def every_policy(lm, context: int) -> list[str]:
     """Every registered policy at half the context's tokens (or its own settings), where it runs on this model."""
     return [POLICIES[name].for_ratio(0.5, context).spec() for name in POLICIES
@@ -57,13 +81,7 @@ def test_a_text_scored_teacher_forced_reads_the_same_with_and_without_full_s_pre
     """Prompt mode: an eviction row follows Full until its budget fills; one whose budget the text never fills
     never joins the batch, and its trace, recorded keys included, is Full's reading."""
     lm = tiny_family(family)
-    specs = every_policy(lm, len(IDS)) + ["h2o:budget=64", "tova:budget=8"]
-    runs = []
-    for share in (True, False):
-        monkeypatch.setattr(PolicyCache, "share", share)
-        runs.append(compute_traces(lm, specs, [parse_spec(s, len(IDS)) for s in specs], IDS, mode="prompt"))
-    (shared, full_shared), (alone, full_alone) = runs
-    assert_same([*shared, full_shared], [*alone, full_alone])
+    assert_scored_alike(monkeypatch, lm, every_policy(lm, len(IDS)) + ["h2o:budget=64", "tova:budget=8"], IDS)
 
 
 @pytest.mark.parametrize("packaged", ["default", pytest.param("gemma", marks=pytest.mark.slow)])
@@ -81,28 +99,14 @@ def test_the_packaged_models_read_the_same_with_and_without_full_s_prefill(packa
         alone = traces(monkeypatch, lm, specs, ids, False, context_end, max_new_tokens=4)
         assert_same([*shared[0], shared[1]], [*alone[0], alone[1]])
     # A text scored whose last block is short (2 tokens), Full alone in the model until its end.
-    evicting = ["tova:budget=64", "h2o:budget=64", "tova:budget=32"]
-    runs = []
-    for share in (True, False):
-        monkeypatch.setattr(PolicyCache, "share", share)
-        runs.append(compute_traces(lm, evicting, [parse_spec(s) for s in evicting], ids[:18], mode="prompt", chunk=8))
-    (shared, full_shared), (alone, full_alone) = runs
-    assert_same([*shared, full_shared], [*alone, full_alone])
+    assert_scored_alike(monkeypatch, lm, ["tova:budget=64", "h2o:budget=64", "tova:budget=32"], ids[:18], chunk=8)
 
 
 def test_rows_that_read_as_full_stay_out_of_the_batch_until_they_depart(tiny, text_ids, monkeypatch):
     """TOVA first drops after its 10th query, SnapKV, Knorm and KVzip (after its second pass) compress once the
     context (24 tokens) is read: the first block carries Full alone, the next two Full and TOVA, the rest every row.
     With the sharing off, every block carries every row."""
-    sizes = []
-    forward = attention.PolicyCache.attend
-
-    def counted(cache, layer, query, *args, **kwargs):
-        if layer == 0:
-            sizes.append((query.shape[0], query.shape[2]))
-        return forward(cache, layer, query, *args, **kwargs)
-
-    monkeypatch.setattr(attention.PolicyCache, "attend", counted)
+    sizes = block_sizes(monkeypatch)
     specs = ["snapkv:budget=12", "tova:budget=10", "knorm:budget=12", "kvzip:budget=12"]
     (snap, _, knorm, kvzip), _ = compute_traces(tiny, specs, [parse_spec(s) for s in specs], text_ids[:30],
                                                 mode="generate", max_new_tokens=3, chunk=8, context_end=24)
@@ -175,24 +179,10 @@ def test_a_block_of_a_few_tokens_carries_enough_rows_for_products_of_four(text_i
     tokens carries two rows: products of 4 rows, whose rounding is that of any larger batch (MKL on AMD multiplies
     1 to 3 rows with other kernels), as is its one prediction's (``runner._log_softmax`` makes up the rows). In
     float32, the traces are the same to the bit with the sharing on and off."""
-    tiny = make_tiny(dtype=torch.float32)
-    sizes = []
-    forward = attention.PolicyCache.attend
-
-    def counted(cache, layer, query, *args, **kwargs):
-        if layer == 0:
-            sizes.append((query.shape[0], query.shape[2]))
-        return forward(cache, layer, query, *args, **kwargs)
-
-    monkeypatch.setattr(attention.PolicyCache, "attend", counted)
-    specs = ["tova:budget=64", "h2o:budget=64", "tova:budget=32"]
-    runs = []
-    for share in (True, False):
-        monkeypatch.setattr(PolicyCache, "share", share)
-        runs.append(compute_traces(tiny, specs, [parse_spec(s) for s in specs], text_ids[:18], mode="prompt", chunk=8))
+    sizes = block_sizes(monkeypatch)
+    assert_scored_alike(monkeypatch, make_tiny(dtype=torch.float32), ["tova:budget=64", "h2o:budget=64",
+                                                                      "tova:budget=32"], text_ids[:18], chunk=8)
     assert sizes[:3] == [(1, 8), (1, 8), (2, 2)] and {rows for rows, _ in sizes[3:]} == {4}
-    (shared, full_shared), (alone, full_alone) = runs
-    assert_same([*shared, full_shared], [*alone, full_alone])
 
 
 # Run in a fresh interpreter: the first matrix product comes after ``import backend``, as in every front end.
