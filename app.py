@@ -1256,11 +1256,14 @@ def build() -> gr.Blocks:
             """The run's views, after ``then`` (an event's ``then``, or a trigger): the summary and the view in
             sight. The plots are taken off the page first and drawn anew: plotly cannot redraw four panels as one
             in place (its axes fail to scale)."""
-            shown_ = views_ if documented else views_hidden
-            cleared = then(lambda: [gr.update(visible=False)] * len(plots), None, plots, **quick)
+            # Each step defers, never drops: a step still pending from an earlier chain (a second tab opened
+            # while the first draws) would otherwise skip this chain's step, and with it the rest of the chain.
+            last = {"trigger_mode": "always_last"}
+            shown_ = {**(views_ if documented else views_hidden), **last}
+            cleared = then(lambda: [gr.update(visible=False)] * len(plots), None, plots, **quick, **last)
             return cleared.then(render_run, [run_id, view], run_views, **shown_).then(
                 render_views, [*selectors, *zoom_controls, view], views, **shown_).then(
-                lambda: [gr.update(visible=True)] * len(plots), None, plots, **quick)
+                lambda: [gr.update(visible=True)] * len(plots), None, plots, **quick, **last)
 
         for control in (prompt, mode, max_new, names, custom, model):
             control.change(on_cost, run_inputs, cost_line, **cost_)
@@ -1276,7 +1279,8 @@ def build() -> gr.Blocks:
             ran.then(on_cost, run_inputs, cost_line, **cost_)
         for control in (layer, head_, curve_alpha):
             control.change(render_views, [*selectors, *zoom_controls, view], views, **views_hidden)
-        step.release(render_views, [*selectors, *zoom_controls, view], views, **views_hidden)
+        step.release(render_views, [*selectors, *zoom_controls, view], views, trigger_mode="always_last",
+                     **views_hidden)
         # A view drawn when it opens: only the one in sight is kept up to date.
         for tab, name in ((kept_tab, "kept"), (masks_tab, "masks"), (reach_tab, "reach"), (forms_tab, "forms"),
                           (curves_tab, "curves"), (tsne_tab, "tsne"), (divergence_tab, "divergence"),
@@ -1288,7 +1292,8 @@ def build() -> gr.Blocks:
             control.change(render_heatmap, [run_id, layer, head_, *zoom_controls, step], heatmap, **views_hidden)
         for control in (zoom_step, zoom_pos):  # typed numbers count once done (Enter or leaving the box)
             for event in (control.submit, control.blur):
-                event(render_heatmap, [run_id, layer, head_, *zoom_controls, step], heatmap, **views_hidden)
+                event(render_heatmap, [run_id, layer, head_, *zoom_controls, step], heatmap, trigger_mode="always_last",
+                      **views_hidden)
         # Play: each tick redraws only what is cheap at 8k tokens; a tick that comes while one is drawn is skipped.
         players = [timer, play, playing]
         play.click(on_play, [run_id, step, playing, layer, head_, curve_alpha, *zoom_controls],
@@ -1347,8 +1352,9 @@ def build() -> gr.Blocks:
         page_query = gr.Textbox("", visible=False, elem_id="page-query")
         demo.load(None, None, page_query, js="() => window.location.search", **hidden)
         loaded = page_query.change(on_load, None, lesson_outputs, queue=False, **hidden)
-        drawn = loaded.then(render_run_after_load, [run_id, view], run_views, **views_hidden).then(
-            render_views, [*selectors, *zoom_controls, view], views, **views_hidden)
+        drawn = loaded.then(render_run_after_load, [run_id, view], run_views, trigger_mode="always_last",
+                            **views_hidden).then(
+            render_views, [*selectors, *zoom_controls, view], views, trigger_mode="always_last", **views_hidden)
         drawn.then(lesson_board, [lesson, board], board_outputs, **views_hidden)
     return demo
 

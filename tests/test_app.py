@@ -126,6 +126,22 @@ def test_a_shown_run_computes_its_slow_views_once(tiny_session, monkeypatch):
     assert sorted(calls) == ["non_recent_shares", "pos_lifetime_table", "tsne_embedding", "tsne_embedding"]
 
 
+def test_the_views_draw_chain_defers_a_step_still_pending_and_never_drops_it():
+    """Gradio skips an event whose own earlier call is pending (trigger mode "once"), and with it the rest of its
+    chain: a second view opened while the first still draws would stay empty, or its plots hidden. So every step
+    that draws or shows the run's views waits for the pending one instead. Play is the exception: a tick that comes
+    while one is drawn is meant to be skipped, and so is a second press of Play before the first is answered."""
+    config = app.demo.get_config_file()
+    elem_ids = {c["id"]: c.get("props", {}).get("elem_id") for c in config["components"]}
+    plots = {"heatmap", "curves", "kept", "reach", "summary"}
+    drawing = [d for d in config["dependencies"] if plots & {elem_ids[i] for i in d["outputs"]}
+               and d["api_name"] not in ("on_play", "on_tick")]
+    chained = [d for d in drawing if d.get("trigger_after") is not None]
+    assert len(chained) >= 6  # the Run button's, the budget's and the view's chains: draw, then show
+    dropped = [(d["api_name"], d["targets"]) for d in drawing if d["trigger_mode"] == "once"]
+    assert not dropped, f"events that would drop a draw: {dropped}"
+
+
 def test_zoom_controls_become_a_window_inside_the_text():
     run = SimpleNamespace(traces=[SimpleNamespace(tokens=np.arange(1000))])
     assert app.panels.zoom_window(run, False, 10, 10, 64) is None  # off: the whole text, binned
