@@ -36,6 +36,7 @@ import pydantic
 from gradio.route_utils import FnIndexInferError
 from gradio.utils import get_upload_folder as gradio_upload_folder
 from starlette.middleware import Middleware
+from starlette.datastructures import MutableHeaders
 from starlette.middleware.gzip import GZipMiddleware
 from starlette.responses import PlainTextResponse
 
@@ -61,6 +62,7 @@ from backend.runs import Run  # noqa: E402
 from backend.traces.store import TraceStore  # noqa: E402
 from viz import panels  # noqa: E402
 from viz.leaderboard import leaderboard_heatmap, leaderboard_table_html, ordered_groups_html  # noqa: E402
+from viz.first_paint import first_paint_html  # noqa: E402
 from viz.policy_menu import KINDS, SETS, by_kind, hover_script  # noqa: E402
 from viz.needle import found_rates, needle_figure, needle_table_html  # noqa: E402
 from viz.style import markdown_text  # noqa: E402
@@ -866,6 +868,7 @@ def named_set(label):
     return list(dict(SETS)[label]) if label in dict(SETS) else gr.skip()
 
 
+POLICIES_FOLD = "Policies by kind (hover for each one's paper)"
 FIRST_STATUS = "A finished run, shipped with the app: change the prompt or the policies and press Run."
 
 
@@ -899,6 +902,48 @@ def first_screen() -> FirstScreen:
         cost = str(err)
     return FirstScreen(FIRST_RUN_ID, FIRST_STATUS, panels.summary_html(run, shown_run.non_recent_shares), last,
                        panels.kept_tokens(run, last, "all", "all"), markdown_text(cost))
+
+
+def first_paint(first: FirstScreen, pages: list[str]) -> bytes:
+    """The first screen's still copy (``viz.first_paint``) that the plain landing's HTML carries; nothing without
+    a shipped first run."""
+    if first.run_id is None:
+        return b""
+    return first_paint_html(header_html(), pages, EXAMPLES[FIRST_EXAMPLE], SETS[0][0], POLICIES_FOLD, first.summary,
+                            [html.unescape(first.cost), first.status], (ROOT / "assets" / "style.css").read_text()).encode()
+
+
+class FirstPaint:
+    """ASGI middleware: the plain landing page (GET /, no query: a lesson or a run opens on something else) carries
+    the first screen's still copy first in its body, so its answers show while Gradio's client builds the page."""
+
+    def __init__(self, app, fragment: bytes):
+        self.app, self.fragment = app, fragment
+
+    async def __call__(self, scope, receive, send):
+        if not self.fragment or scope["type"] != "http" or scope["method"] != "GET" or scope["path"] != "/" \
+                or scope.get("query_string"):
+            return await self.app(scope, receive, send)
+        start, chunks = None, []
+
+        async def insert(message):
+            nonlocal start
+            if message["type"] == "http.response.start":
+                start = message
+                return
+            if message["type"] != "http.response.body" or start is None:
+                return await send(message)
+            chunks.append(message.get("body", b""))
+            if message.get("more_body"):
+                return
+            body, headers = b"".join(chunks), MutableHeaders(raw=list(start["headers"]))
+            if headers.get("content-type", "").startswith("text/html") and b"<gradio-app" in body:
+                body = body.replace(b"<gradio-app", self.fragment + b"<gradio-app", 1)
+                headers["content-length"] = str(len(body))
+            await send({**start, "headers": headers.raw})
+            await send({"type": "http.response.body", "body": body})
+
+        await self.app(scope, receive, insert)
 
 
 def render_run_after_load(run_id, view, request: gr.Request = None):
@@ -1059,7 +1104,7 @@ def build() -> gr.Blocks:
                                                  label="Policies: a named set, or pick below", elem_id="policy-set")
                         names = gr.CheckboxGroup(POLICY_CHOICES, value=DEFAULT_POLICIES, visible=False,
                                                  label="Policies, side by side", elem_id="policy-names")
-                        with gr.Accordion("Policies by kind (hover for each one's paper)", open=False,
+                        with gr.Accordion(POLICIES_FOLD, open=False,
                                           elem_id="policies"):
                             kind_boxes = [gr.CheckboxGroup(members, value=[n for n in DEFAULT_POLICIES if n in members],
                                                            label=heading, elem_id=f"policies-{kind}")
@@ -1356,6 +1401,7 @@ def build() -> gr.Blocks:
                             **views_hidden).then(
             render_views, [*selectors, *zoom_controls, view], views, trigger_mode="always_last", **views_hidden)
         drawn.then(lesson_board, [lesson, board], board_outputs, **views_hidden)
+    demo.first_paint = first_paint(first, [tab.label for tab in pages.children])
     return demo
 
 
@@ -1427,7 +1473,8 @@ def launch(**options) -> None:
                     # The page inlines its config (300 kB): compressed, it is a seventh of that. Event streams pass
                     # as they are.
                     app_kwargs={"middleware": [Middleware(RequestGuard, max_body=MAX_BODY, refuse=unknown_function),
-                                               Middleware(GZipMiddleware, minimum_size=4096)],
+                                               Middleware(GZipMiddleware, minimum_size=4096),
+                                               Middleware(FirstPaint, fragment=demo.first_paint)],
                                 "exception_handlers": {FnIndexInferError: unknown_endpoint}},
                     prevent_thread_lock=True, **settings)
     # Load (and on first use convert) the default model before the first click, but once the page is served: during

@@ -2,6 +2,7 @@
 import io
 import json
 import os
+import re
 import sqlite3
 import subprocess
 import threading
@@ -309,3 +310,48 @@ def test_the_page_lists_example_labels_and_a_click_fetches_the_text():
     assert app.example_text(["needle 8k tokens"]) == app.EXAMPLES["needle 8k tokens"]
     for sample in (["no such example"], [], None, [3], "needle"[:2]):  # what a raw API call may send
         assert app.example_text(sample) == {"__type__": "update"}  # nothing changes
+
+
+def _served(fragment: bytes, path: str, body: bytes, content_type: str = "text/html; charset=utf-8",
+            method: str = "GET") -> tuple[int, bytes, str]:
+    """What ``app.FirstPaint`` sends for one request to a page that answers ``body``."""
+    from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+    from starlette.responses import Response
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    page = Starlette(routes=[Route("/", lambda request: Response(body, media_type=content_type),
+                                   methods=["GET", "POST"]),
+                             Route("/config", lambda request: Response(body, media_type=content_type))],
+                     middleware=[Middleware(app.FirstPaint, fragment=fragment)])
+    answer = TestClient(page).request(method, path)
+    assert int(answer.headers["content-length"]) == len(answer.content)
+    return answer.status_code, answer.content, answer.headers["content-type"]
+
+
+def test_the_plain_landing_alone_carries_the_first_screens_copy_first_in_its_body():
+    body = b"<html><head></head><body><gradio-app eager></gradio-app><gradio-app></gradio-app></body></html>"
+    status, sent, _ = _served(b"<div>copy</div>", "/", body)
+    assert status == 200 and sent == body.replace(b"<gradio-app eager>", b"<div>copy</div><gradio-app eager>")
+    for path, method in (("/?lesson=window", "GET"), ("/?run=0123456789ab", "GET"), ("/config", "GET"),
+                         ("/", "POST")):
+        assert _served(b"<div>copy</div>", path, body, method=method)[1] == body, path  # a lesson opens on its own
+    assert _served(b"<div>copy</div>", "/", body, content_type="application/json")[1] == body
+    assert _served(b"", "/", body)[1] == body  # no shipped first run: nothing to copy
+
+
+def test_the_first_paint_is_the_shipped_runs_answers_inert_and_without_the_pages_ids():
+    copy = app.demo.first_paint.decode()
+    assert copy.startswith('<div id="kvl-first-paint" aria-hidden="true" inert>')
+    assert re.findall(r'\sid="([^"]*)"', copy) == ["kvl-first-paint"]  # nothing answers for the page's elements
+    assert "The meeting room number is 317." in copy and "The meeting room number is 1234." in copy
+    assert ">Run<" in copy and "Tasks leaderboard" in copy and app.FIRST_STATUS in copy
+    assert not re.search(r"<(button|input|textarea|select|a)\b", copy)  # nothing to click or type into
+    # Text is escaped where it becomes HTML; the page's own HTML (header, summary) goes in as it is.
+    from viz.first_paint import first_paint_html
+
+    hostile = first_paint_html("<h1>KV</h1>", ["<b>tab</b>"], "<script>x()</script>", "a & b", "fold",
+                               "<table></table>", ["<img src=x>"])
+    assert "<script>x()" not in hostile and "&lt;script&gt;x()" in hostile and "&lt;b&gt;tab" in hostile
+    assert "&lt;img src=x&gt;" in hostile and "a &amp; b" in hostile and "<h1>KV</h1>" in hostile

@@ -42,10 +42,34 @@ def browser():
 
 
 def opened(browser, url, width, height):
+    """The plain landing once the page has replaced its first paint (the copy of its first screen)."""
     page = browser.new_page(viewport={"width": width, "height": height})
     page.goto(url)
     page.wait_for_selector("#summary svg.kvl-strip", timeout=60_000)
+    page.wait_for_selector("html.kvl-ready", state="attached", timeout=30_000)
     return page
+
+
+@pytest.mark.parametrize("width, height", [(1366, 768), (390, 844)])
+def test_the_html_alone_shows_the_answers_and_run_then_the_page_takes_their_place(browser, app_url, width,  # noqa: F811
+                                                                                   height):
+    # Gradio's script held back: what the HTML itself draws, while the page beneath it stays hidden.
+    page = browser.new_page(viewport={"width": width, "height": height})
+    page.route("**/assets/index-*.js", lambda route: route.abort())
+    page.goto(app_url)
+    copy = page.locator("#kvl-first-paint")
+    assert copy.is_visible()
+    assert "The meeting room number is 317." in copy.inner_text() and "1234" in copy.inner_text()
+    assert page.evaluate(IN_VIEW_JS, "#kvl-first-paint .kvl-story tbody tr:last-child svg")  # the picture
+    assert page.evaluate("document.documentElement.scrollWidth <= innerWidth")
+    if width > 700:  # on a phone the answers come first and the controls under them, as on the page
+        assert page.evaluate(IN_VIEW_JS, "#kvl-first-paint .kvl-fp-run")
+    page.close()
+    # With it: the page takes the copy's place once its first screen is all there, not when the wait runs out.
+    page = opened(browser, app_url, width, height)
+    assert page.evaluate("document.documentElement.dataset.shown") == "parts"
+    assert page.locator("#kvl-first-paint").count() == 0 and page.locator("#run").is_visible()
+    page.close()
 
 
 def test_the_plain_page_asks_the_server_nothing_as_it_loads(browser, app_url):  # noqa: F811
