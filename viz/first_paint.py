@@ -34,6 +34,7 @@ REVEAL_AFTER_MS = 10_000
 STYLE = f"""
 #{ELEMENT_ID} {{ position: fixed; inset: 0; z-index: 50; overflow: hidden; pointer-events: none; background: #fff;
   color: #27272a; font-family: ui-sans-serif, system-ui, sans-serif; font-size: 14px; }}
+@media (prefers-color-scheme: dark) {{ #{ELEMENT_ID} {{ background: #0b0f19; color: #f3f4f6; }} }}
 html:not(.{READY_CLASS}) gradio-app {{ visibility: hidden; }}
 #{ELEMENT_ID} .kvl-fp-page {{ box-sizing: border-box; margin: 0 auto; padding: 16px 32px; }}
 @media (min-width: 640px) {{ #{ELEMENT_ID} .kvl-fp-page {{ max-width: 640px; }} }}
