@@ -98,3 +98,32 @@ def test_a_local_model_directory_loads_in_bfloat16_and_runs(default_lm):
     assert np.isfinite(tova.logprobs).all() and (tova.evicted_at >= 0).any()
     assert abs(float(np.exp(-full.logprobs.mean())) - float(np.exp(-compute_traces(
         default_lm, [], [], ids, record_layers=())[1].logprobs.mean()))) < 0.5  # bfloat16 stays close
+
+
+def test_loaders_that_meet_on_a_gguf_convert_it_once_and_read_the_same_directory(tmp_path, monkeypatch):
+    """Two loaders at once (the suite's workers, the app beside a command): one converts, the other waits for it
+    and reads what it wrote, where each would otherwise spend the 15-45 s again."""
+    import threading
+    import time
+
+    from backend.engine import models
+
+    monkeypatch.setenv("KVLENS_MODEL_CACHE", str(tmp_path / "cache"))
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"GGUF not really")
+    converted = []
+
+    def convert(source, target, fingerprint):
+        converted.append(target)
+        time.sleep(0.5)  # long enough for the other loader to arrive while it runs
+        target.mkdir()
+        (target / "kvlens-source.json").write_text("{}")
+
+    monkeypatch.setattr(models, "_convert", convert)
+    found = []
+    loaders = [threading.Thread(target=lambda: found.append(models._converted(source, "m"))) for _ in range(2)]
+    for loader in loaders:
+        loader.start()
+    for loader in loaders:
+        loader.join()
+    assert len(converted) == 1 and len(found) == 2 and found[0] == found[1] == (converted[0], found[0][1])

@@ -14,6 +14,7 @@ stored traces of the two never mix. Who may name which model is the front door's
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib
 import importlib.util
@@ -185,17 +186,27 @@ def _file_fingerprint(path: Path) -> str:
 
 
 def _converted(source: Path, name: str) -> tuple[Path, str]:
-    """Directory of a GGUF's model as safetensors, converting it on first use (keyed by the file's hash)."""
+    """Directory of a GGUF's model as safetensors, converting it on first use (keyed by the file's hash). Processes
+    that load it at once (the app's and a command's, the test suite's workers) convert it once: the others wait for
+    that conversion, then read it."""
     fingerprint = _file_fingerprint(source)
     target = cache_dir() / f"{name}-{fingerprint}"
     if (target / "kvlens-source.json").is_file():
         return target, fingerprint
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when its process dies
+        if not (target / "kvlens-source.json").is_file():
+            _convert(source, target, fingerprint)
+    return target, fingerprint
+
+
+def _convert(source: Path, target: Path, fingerprint: str) -> None:
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-    target.parent.mkdir(parents=True, exist_ok=True)
     # Write into a temporary directory and rename, so a concurrent loader never sees half a model.
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
     # save_pretrained refuses models loaded from GGUF; the weights are plain float32 by now, so
@@ -208,9 +219,8 @@ def _converted(source: Path, name: str) -> tuple[Path, str]:
     (tmp / "kvlens-source.json").write_text(json.dumps({"gguf": source.name, "fingerprint": fingerprint}))
     try:
         tmp.rename(target)
-    except OSError:  # another process finished first
+    except OSError:  # another process finished first (one that took no lock: an older KV Lens)
         shutil.rmtree(tmp, ignore_errors=True)
-    return target, fingerprint
 
 
 def _directory_fingerprint(path: Path) -> str:
