@@ -909,8 +909,9 @@ def first_paint(first: FirstScreen, pages: list[str]) -> bytes:
     a shipped first run."""
     if first.run_id is None:
         return b""
-    return first_paint_html(header_html(), pages, EXAMPLES[FIRST_EXAMPLE], SETS[0][0], POLICIES_FOLD, first.summary,
-                            [html.unescape(first.cost), first.status], (ROOT / "assets" / "style.css").read_text()).encode()
+    stylesheet = (ROOT / "assets" / "style.css").read_text()
+    return first_paint_html(header_html(), pages, EXAMPLES[FIRST_EXAMPLE], SETS[0][0], POLICIES_FOLD,
+                            first.summary, [html.unescape(first.cost), first.status], stylesheet).encode()
 
 
 class FirstPaint:
@@ -1104,8 +1105,7 @@ def build() -> gr.Blocks:
                                                  label="Policies: a named set, or pick below", elem_id="policy-set")
                         names = gr.CheckboxGroup(POLICY_CHOICES, value=DEFAULT_POLICIES, visible=False,
                                                  label="Policies, side by side", elem_id="policy-names")
-                        with gr.Accordion(POLICIES_FOLD, open=False,
-                                          elem_id="policies"):
+                        with gr.Accordion(POLICIES_FOLD, open=False, elem_id="policies"):
                             kind_boxes = [gr.CheckboxGroup(members, value=[n for n in DEFAULT_POLICIES if n in members],
                                                            label=heading, elem_id=f"policies-{kind}")
                                           for (kind, heading), members in zip(KINDS, POLICY_KINDS.values())]

@@ -318,9 +318,10 @@ def test_evidence_typed_with_a_prompt_is_marked_and_play_shows_it_leave(page, ap
         timeout=60_000)
     open_view(page, "Kept tokens")
     page.wait_for_selector("#kept .kvl-evidence", timeout=60_000)
-    # Play at one step a tick from the start: the kept tokens follow it; note the evidence's state at every frame.
+    # Play at four steps a tick from the start: the kept tokens follow it; note the evidence's state at every frame.
+    # The budget holds every token up to step 32, so the evidence (from about step 8) is kept in several frames.
     page.get_by_text("Play's speed, and what it shows").click()
-    page.locator("#play-speed label", has_text="1 step per tick").click()
+    page.locator("#play-speed").get_by_text("4 steps", exact=True).click()
     page.locator("#play").click()  # from the last step Play starts over at 0
     seen, deadline = [], time.time() + 150
     while time.time() < deadline:

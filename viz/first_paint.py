@@ -59,8 +59,8 @@ html:not(.{READY_CLASS}) gradio-app {{ visibility: hidden; }}
   margin-bottom: 16px; overflow: hidden; }}
 #{ELEMENT_ID} .kvl-fp-box b {{ display: block; font-weight: 400; color: #6b7280; margin: 6px 0 8px; }}
 #{ELEMENT_ID} .kvl-fp-prompt {{ height: 316px; }}
-#{ELEMENT_ID} .kvl-fp-prompt p {{ margin: 0 0 28px; height: 176px; overflow: hidden; line-height: 1.4; border: 1px solid #e5e7eb;
-  border-radius: 6px; padding: 8px 10px; }}
+#{ELEMENT_ID} .kvl-fp-prompt p {{ margin: 0 0 28px; height: 176px; overflow: hidden; line-height: 1.4;
+  border: 1px solid #e5e7eb; border-radius: 6px; padding: 8px 10px; }}
 #{ELEMENT_ID} .kvl-fp-fold {{ height: 40px; line-height: 40px; padding: 0 12px; }}
 #{ELEMENT_ID} .kvl-fp-run {{ height: 40px; line-height: 40px; border-radius: 8px; text-align: center;
   background: #a63d00; color: #fff; font-weight: 600; font-size: 16px; margin-bottom: 16px; }}
