@@ -10,6 +10,9 @@ _GAMMA = np.uint64(0x9E3779B97F4A7C15)  # splitmix64's increment
 LAYERS = ("shared", "each")  # every layer drops alike, or each layer draws its own
 
 
+_MASK = (1 << 64) - 1
+
+
 def _mix(x: np.ndarray) -> np.ndarray:
     """splitmix64's finaliser on uint64 arrays (wraps around, as it should)."""
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
@@ -17,16 +20,25 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
+def _mix_int(x: int) -> int:
+    """``_mix`` on one number, a Python int kept to 64 bits."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
 def uniform(seed: int, t: int, positions: np.ndarray, layer: int | None = None) -> np.ndarray:
     """A uniform number in [0, 1) for each (seed, step t, KV head h, position) of ``positions`` [H, m], and
     ``layer`` unless None: a counter-based hash, so a draw never depends on the order columns come in or on
-    earlier draws."""
+    earlier draws. Only the positions' round runs on arrays: the seed's, the layer's, the step's and each head's
+    are a few numbers, on Python ints (this runs once per token, layer and row)."""
     positions = np.asarray(positions, dtype=np.int64)
-    heads = np.arange(positions.shape[0], dtype=np.uint64)[:, None]
-    x = _mix(np.full(positions.shape, seed, np.uint64) + _GAMMA)
-    values = (np.uint64(t), heads, positions.astype(np.uint64))
-    for value in values if layer is None else (np.uint64(layer), *values):
-        x = _mix((x ^ value) + _GAMMA)
+    gamma = int(_GAMMA)
+    x = _mix_int((seed + gamma) & _MASK)
+    for value in (t,) if layer is None else (layer, t):
+        x = _mix_int(((x ^ value) + gamma) & _MASK)
+    heads = np.array([_mix_int(((x ^ h) + gamma) & _MASK) for h in range(positions.shape[0])], np.uint64)
+    x = _mix((heads[:, None] ^ positions.astype(np.uint64)) + _GAMMA)
     return (x >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
 
 
