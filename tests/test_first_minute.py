@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from backend.experiments.lessons import LESSONS
+from viz.first_paint import FIRST_SCREEN
 from tests.test_browser import app_url  # noqa: F401  (fixture)
 
 # The browser tests run on one pytest-xdist worker, one module after another: each module starts an app and a
@@ -67,6 +68,7 @@ def test_the_html_alone_shows_the_answers_and_run_then_the_page_takes_their_plac
     page.close()
     # With it: the page takes the copy's place once its first screen is all there, not when the wait runs out.
     page = opened(browser, app_url, width, height)
+    assert [part for part in FIRST_SCREEN if page.locator(part).count() == 0] == []  # what the copy waits for
     assert page.evaluate("document.documentElement.dataset.shown") == "parts"
     assert page.locator("#kvl-first-paint").count() == 0 and page.locator("#run").is_visible()
     page.close()

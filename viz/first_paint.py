@@ -9,7 +9,8 @@ out, so that the page replaces it in place.
 Gradio's components arrive one by one as their scripts load, each pushing the ones below it down. The page stays
 hidden (``visibility``: laid out, not drawn) until the first screen's components are all there; then the copy
 leaves the document and the page shows in the same frame. So the visitor sees one picture, then the page, and
-nothing jumps. Ten seconds at most: past that the page shows as it is.
+nothing jumps. Twenty seconds at most (a slow phone builds the page for several): past that the page shows as it
+is.
 
 The copy is a picture of the page, not the page: it takes no clicks (they reach the page beneath), is inert
 (nothing in it takes focus, screen readers skip it), and repeats none of the page's ids. It names no font the page
@@ -26,7 +27,7 @@ READY_CLASS = "kvl-ready"  # on <html> once the page shows
 # The first screen's components, by the last part of each to arrive.
 FIRST_SCREEN = ("#summary .kvl-story-box", "#policy-set input", "#policies button", "#run", "#layer input",
                 "#step input", "#play-options button", "#examples button")
-REVEAL_AFTER_MS = 10_000
+REVEAL_AFTER_MS = 20_000
 
 # Gradio's layout, measured in Chromium at 390-1920 px: its container's widths by breakpoint and 32 px sides, the
 # run page's two columns (scale 1 and 3, at least 300 and 320 px, 16 px apart), and on a phone the answers above
