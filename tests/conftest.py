@@ -38,7 +38,7 @@ if WORKERS > 1:
 #   build in only with debug on (the tests' sizes are far from 2**31);
 # - at every call of a jit function inside a kernel (each tl.sum, tl.max, tl.argmin calls one) it lists the members
 #   of triton.language to re-point its builtins at the interpreter's; the list is the same every time, so it is
-#   read once.
+#   read once, and inside a kernel, where they point at the interpreter's already, nothing is re-pointed again.
 if os.environ.get("TRITON_INTERPRET") == "1":
     import dataclasses
     import functools
@@ -55,8 +55,11 @@ if os.environ.get("TRITON_INTERPRET") == "1":
         return tuple((name, member) for name, member in inspect.getmembers(pkg) if tl.core.is_builtin(member))
 
     def _patch_builtin(pkg, builder, scope) -> None:
+        # A jit function called inside a kernel finds the builtins re-pointed already: as triton's own loop (which
+        # lists only members that are still builtins), it leaves those as they are.
         for name, member in _builtins_of(pkg):
-            interpreter._patch_attr(pkg, name, member, builder, scope)
+            if getattr(pkg, name, None) is member:
+                interpreter._patch_attr(pkg, name, member, builder, scope)
 
     interpreter._patch_builtin = _patch_builtin
 
