@@ -52,7 +52,8 @@ def test_random_draw_depends_on_seed_step_head_and_position_not_on_column_order(
 def _splitmix_chain(seed, t, positions, layer=None):
     """The draw as Random documents it, written plainly: splitmix64's finaliser over (seed, [layer,] step, KV head,
     position) in turn, every round on whole arrays of 64-bit integers."""
-    from backend.policies.random_eviction import _GAMMA, _mix
+    from backend.policies.base import splitmix64 as _mix
+    from backend.policies.random_eviction import _GAMMA
 
     positions = np.asarray(positions, dtype=np.int64)
     heads = np.arange(positions.shape[0], dtype=np.uint64)[:, None]

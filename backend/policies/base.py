@@ -36,6 +36,21 @@ HEAD_MODES = ("head", "layer")
 REFORMS = ("", "channels", "merge", "precision", "rotation")
 
 
+UINT64_MASK, _C1, _C2 = 2**64 - 1, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def splitmix64(x):
+    """splitmix64's finaliser, a bijection of 64-bit integers that scatters nearby inputs (a Python int, kept to 64
+    bits, or a uint64 array, which wraps around): the counter-based hash of the seeded policies."""
+    if isinstance(x, int):
+        x = (x ^ x >> 30) * _C1 & UINT64_MASK
+        x = (x ^ x >> 27) * _C2 & UINT64_MASK
+        return x ^ x >> 31
+    x = (x ^ x >> np.uint64(30)) * np.uint64(_C1)
+    x = (x ^ x >> np.uint64(27)) * np.uint64(_C2)
+    return x ^ x >> np.uint64(31)
+
+
 def grow(a: np.ndarray, length: int) -> np.ndarray:
     """Pad the last axis with zeros up to ``length`` (per-token state grows by one token a step)."""
     missing = length - a.shape[-1]

@@ -3,31 +3,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import EvictionPolicy, grow
+from .base import EvictionPolicy, grow, splitmix64
 from .registry import register
-
-_M64, _C1, _C2 = 2**64 - 1, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-
-
-def _mix(x):
-    """splitmix64's finaliser, a bijection of 64-bit integers that scatters nearby inputs (Python ints or a
-    uint64 array)."""
-    if isinstance(x, int):
-        x = (x ^ x >> 30) * _C1 & _M64
-        x = (x ^ x >> 27) * _C2 & _M64
-        return x ^ x >> 31
-    x = (x ^ x >> np.uint64(30)) * np.uint64(_C1)  # uint64 arrays wrap around, as the masks above do
-    x = (x ^ x >> np.uint64(27)) * np.uint64(_C2)
-    return x ^ x >> np.uint64(31)
 
 
 def gumbel(seed: int, layer: int, t: int, positions: np.ndarray) -> np.ndarray:
     """Standard Gumbel noise [H, m], a function of (seed, layer, step t, KV head, token position) only: every
     layer draws its own, and the same token gets the same draw whichever column it sits in (the prompt and
     decode paths order them alike but compact them at different times)."""
-    step = _mix(_mix(seed << 32 | t) ^ _mix(layer))
-    heads = np.array([_mix(step ^ h) for h in range(len(positions))], np.uint64)
-    x = _mix(positions.astype(np.uint64) ^ heads[:, None])
+    step = splitmix64(splitmix64(seed << 32 | t) ^ splitmix64(layer))
+    heads = np.array([splitmix64(step ^ h) for h in range(len(positions))], np.uint64)
+    x = splitmix64(positions.astype(np.uint64) ^ heads[:, None])
     u = (x >> np.uint64(11)) * 2.0**-53 + 2.0**-54  # in (0, 1)
     return -np.log(-np.log(u))
 

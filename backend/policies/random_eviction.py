@@ -3,28 +3,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import EvictionPolicy
+from .base import UINT64_MASK, EvictionPolicy, splitmix64
 from .registry import register
 
 _GAMMA = np.uint64(0x9E3779B97F4A7C15)  # splitmix64's increment
 LAYERS = ("shared", "each")  # every layer drops alike, or each layer draws its own
-
-
-_MASK = (1 << 64) - 1
-
-
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser on uint64 arrays (wraps around, as it should)."""
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
-def _mix_int(x: int) -> int:
-    """``_mix`` on one number, a Python int kept to 64 bits."""
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
-    return x ^ (x >> 31)
 
 
 def uniform(seed: int, t: int, positions: np.ndarray, layer: int | None = None) -> np.ndarray:
@@ -34,11 +17,11 @@ def uniform(seed: int, t: int, positions: np.ndarray, layer: int | None = None) 
     are a few numbers, on Python ints (this runs once per token, layer and row)."""
     positions = np.asarray(positions, dtype=np.int64)
     gamma = int(_GAMMA)
-    x = _mix_int((seed + gamma) & _MASK)
+    x = splitmix64((seed + gamma) & UINT64_MASK)
     for value in (t,) if layer is None else (layer, t):
-        x = _mix_int(((x ^ value) + gamma) & _MASK)
-    heads = np.array([_mix_int(((x ^ h) + gamma) & _MASK) for h in range(positions.shape[0])], np.uint64)
-    x = _mix((heads[:, None] ^ positions.astype(np.uint64)) + _GAMMA)
+        x = splitmix64(((x ^ value) + gamma) & UINT64_MASK)
+    heads = np.array([splitmix64(((x ^ h) + gamma) & UINT64_MASK) for h in range(positions.shape[0])], np.uint64)
+    x = splitmix64((heads[:, None] ^ positions.astype(np.uint64)) + _GAMMA)
     return (x >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
 
 
