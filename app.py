@@ -50,7 +50,7 @@ except SettingError as err:
 from backend import api, texts  # noqa: E402
 from backend.api import LIMITS, RequestError  # noqa: E402
 from backend.experiments import shipped  # noqa: E402
-from backend.experiments.leaderboard import ordered_groups, paired_tests  # noqa: E402
+from backend.experiments.leaderboard import ordered_groups, paired_tests, partly_graded  # noqa: E402
 from backend.experiments.sweep import SWEEP_BUDGETS  # noqa: E402
 from backend.experiments.task_runs import SETTINGS  # noqa: E402
 from backend.experiments.tasks import OFFLINE  # noqa: E402
@@ -608,32 +608,52 @@ def shipped_leaderboard(model, task, setting, pick=None, folder: Path | None = N
         where = f"{str(task)[:80]} (query-{str(setting)[:20]})"
         return None, "", f"**{markdown_text(f'The leaderboard of {model} has no rows for {where}.')}**"
     table = leaderboard_table_html(rows)
-    groups = told_apart(model, setting, folder) if task == "average" else []
-    if groups:
-        table += ordered_groups_html(groups)
+    if task == "average":
+        groups = told_apart(model, setting, folder)
+        table += ordered_groups_html(groups) + _partly_graded_html(df[(df["task"] != "average")
+                                                                      & (df["setting"] == setting)])
+    else:  # a task's samples at each length Full solves it, every policy graded there
+        solved = sorted({int(n) for n in rows.loc[rows["full_solves"].astype(bool), "length"]})
+        by_length = {n: told_apart(model, setting, folder, (str(task), n)) for n in solved}
+        table += "".join(ordered_groups_html(found, f"at {n:,} tokens") for n, found in by_length.items())
+        groups = next(iter(by_length.values())) if len(by_length) == 1 and len(set(rows["length"])) == 1 else []
     ranked = {float(row["ratio"]): row["groups"] for row in groups}
     pick = pick if isinstance(pick, str) else None
     return leaderboard_heatmap(rows, str(task), pick=pick, groups=ranked), table, ""
 
 
-@lru_cache(maxsize=8)
-def _told_apart(path: str, modified: int, setting: str) -> tuple:
+def _partly_graded_html(summary: pd.DataFrame) -> str:
+    """A line naming the policies the average leaves out (graded on some of the tasks only) and where each is
+    graded, escaped; empty when every policy is graded on every task."""
+    partly = partly_graded(summary)
+    if not partly:
+        return ""
+    where: dict[str, list[str]] = {}
+    for policy, cells in partly.items():
+        where.setdefault(", ".join(f"{task} at {length:,} tokens" for task, length in cells), []).append(policy)
+    lines = "; ".join(f"{', '.join(policies)} on {cells} only" for cells, policies in where.items())
+    return f'<p class="kvlens-leaderboard-partly">{html.escape(f"Not in the average, graded on fewer tasks: {lines}.")}</p>'
+
+
+@lru_cache(maxsize=32)
+def _told_apart(path: str, modified: int, setting: str, cell: tuple[str, int] | None) -> tuple:
     """``told_apart`` of one samples file as it was at ``modified`` (its mtime: a merged file is read anew)."""
     try:
         samples = shipped.read_leaderboard_samples(Path(path))
     except shipped.ShippedFileError:
         return ()
-    return tuple(ordered_groups(paired_tests(samples, setting)))
+    return tuple(ordered_groups(paired_tests(samples, setting, cell=cell)))
 
 
-def told_apart(model, setting, folder: Path | None = None) -> list[dict]:
-    """Which policies the shipped samples, paired, tell apart at each ratio (``leaderboard.ordered_groups``); empty
-    when the model ships no samples file or it does not read."""
+def told_apart(model, setting, folder: Path | None = None, cell: tuple[str, int] | None = None) -> list[dict]:
+    """Which policies the shipped samples, paired, tell apart at each ratio (``leaderboard.ordered_groups``): on the
+    average's tasks, or on one task at one length (``cell``); empty when the model ships no samples file or it does
+    not read."""
     files = leaderboard_models(folder)
     path = shipped.samples_file(files[model]) if model in files else None
     if path is None or not path.is_file():
         return []
-    return list(_told_apart(str(path), path.stat().st_mtime_ns, str(setting)))
+    return list(_told_apart(str(path), path.stat().st_mtime_ns, str(setting), cell))
 
 
 SAMPLE_TABLE_COLUMNS = ["task", "sample", "policy", "ratio", "score", "answer"]

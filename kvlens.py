@@ -234,7 +234,8 @@ class NotebookRun:
     def scores(self, spec: str | int) -> pd.DataFrame:
         """What scores the policy, per scored position: the next token, its log-probability under the policy, the
         KL divergence from Full's next-token distribution, and whether the policy's top choice is Full's. The
-        rows metrics count start at ``counted`` (Full's continuation, in generate mode)."""
+        rows metrics count start at ``counted`` (Full's continuation, in generate mode, whose prompt positions
+        before it are not scored: NaN)."""
         trace, full = self.trace(spec), self.run.full
         ids = trace.scored_ids[1:]
         start = trace.meta["score_start"]

@@ -31,13 +31,12 @@ from .limits import Limits, machine_memory
 from .traces.store import TraceStore
 from .experiments.sweep import (DEFAULT_BUDGETS, DEFAULT_POLICIES, MAX_ROWS, budget_jobs, parse_budgets, parse_ratios,
                                 ratio_jobs, split_policies, summarize, write_tables)
-from .experiments.leaderboard import SHIPPED_POLICIES, SHIPPED_RATIOS
+from .experiments.leaderboard import SHIPPED_RATIOS, graded_policies
 from .experiments.ruler_speeches import STANDINS, import_generators, task_folder
 from .experiments.tasks import MAX_SAMPLES, RULER_OFFLINE, splits_essays
 from .traces.trace import file_stem
 
 
-DEFAULT_TASK_POLICIES = ",".join(SHIPPED_POLICIES)
 # The command line's user owns the machine: any model it can load, limits that fit its memory (limits.py).
 LIMITS = Limits.for_machine()
 
@@ -291,7 +290,7 @@ def cmd_tasks(args: argparse.Namespace) -> int:
                        f"{MAX_SAMPLES - 1}), got {args.first_sample} to {args.first_sample + args.samples - 1}")
     try:
         ratios = parse_ratios(args.ratios)
-        specs = task_specs([p for item in args.policy or [DEFAULT_TASK_POLICIES] for p in split_policies(item)],
+        specs = task_specs([p for item in args.policy or [",".join(graded_policies())] for p in split_policies(item)],
                            ratios)
     except SpecError as err:
         raise CliError(str(err)) from None
@@ -519,8 +518,8 @@ def build_parser(prog: str = "python -m backend") -> argparse.ArgumentParser:
                    help=f"start at sample K (samples K..K+N-1, below {MAX_SAMPLES}), to add samples to a leaderboard "
                         f"made before")
     p.add_argument("--policy", action="append", metavar="NAMES",
-                   help=f"comma-separated policies with parameters but no budget; repeat to add (default: "
-                        f"{DEFAULT_TASK_POLICIES})")
+                   help=f"comma-separated policies with parameters but no budget; repeat to add (default: every "
+                        f"policy that takes a ratio: {','.join(graded_policies())})")
     p.add_argument("--ratios", default=",".join(f"{r:g}" for r in SHIPPED_RATIOS),
                    help="compression ratios: the share of the context's tokens each policy removes")
     p.add_argument("--settings", default="agnostic",

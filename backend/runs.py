@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # the engine's runner is imported where a run is made: a refu
 
 # Bump when the engine's decisions or outputs change for every policy (a policy's own changes bump its
 # ``version``): either puts the old traces out of reach.
-ENGINE_VERSION = 5
+ENGINE_VERSION = 6
 
 
 @dataclass

@@ -8,7 +8,7 @@ averages over the tasks Full solves) and ``assets/leaderboards/samples/<model>.c
 
 A (task, length, setting, sample, spec) in several inputs is kept from the first; Full's answer to a sample
 must be the same in every input (else the runs would not be comparable). The rows are written sorted by sample,
-policy (Full, then the shipped leaderboard's order, then any other by name) and ratio, so that a re-run which
+policy (Full, then the registry's order, then any other by name) and ratio, so that a re-run which
 changes no answer leaves the shipped files as they were.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from backend.experiments.leaderboard import COLUMNS, SHIPPED_POLICIES, TEXT_COLUMNS, averaged, summarize
+from backend.experiments.leaderboard import COLUMNS, TEXT_COLUMNS, graded_policies, averaged, summarize
 
 SAMPLE = ["model", "task", "length", "setting", "sample"]
 
@@ -36,7 +36,7 @@ def merge(frames: list[pd.DataFrame]) -> pd.DataFrame:
     if (full > 1).any():
         raise ValueError(f"Full answers differently in two runs of the sample {full[full > 1].index[0]}")
     kept = df.drop_duplicates(subset=[*SAMPLE, "spec"], keep="first")
-    order = {policy: rank for rank, policy in enumerate(("full", *SHIPPED_POLICIES))}
+    order = {policy: rank for rank, policy in enumerate(("full", *graded_policies()))}
     kept = kept.assign(_rank=kept["policy"].map(order).fillna(len(order)))
     return (kept.sort_values([*SAMPLE, "_rank", "policy", "ratio", "spec"], kind="stable")
             .drop(columns="_rank").reset_index(drop=True))

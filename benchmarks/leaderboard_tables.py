@@ -8,7 +8,9 @@ the same; the tasks Full fails are left out) with their samples, then per policy
 with Wilson's 95% interval over all their samples, policies by their mean over the ratios, best first. The app's
 Tasks tab draws the same rows ("average"). Then, where the per-sample rows are shipped beside the summary
 (``samples/<model>.csv``), which policies the samples tell apart, paired (``leaderboard.paired_tests``), as
-groups at each ratio (``leaderboard.ordered_groups``).
+groups at each ratio (``leaderboard.ordered_groups``). A policy graded on some of the tasks only (its samples on
+the others still to come) stays out of the average, which would not compare with the others'; each task and
+length every policy is graded on then gets a table and groups of its own, every policy in them.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from backend.experiments.leaderboard import ordered_groups, paired_tests
+from backend.experiments.leaderboard import ordered_groups, paired_tests, partly_graded
 from backend.experiments.shipped import (ShippedFileError, leaderboard_files, read_leaderboard,
                                          read_leaderboard_samples, samples_file)
 
@@ -37,13 +39,10 @@ def averaged_tasks(df: pd.DataFrame, setting: str) -> str:
     return ", ".join(f"{task} at {length} ({n})" for (length, task), n in samples.items())
 
 
-def grade_table(df: pd.DataFrame, setting: str) -> str:
-    """Per policy, the averaged score at each ratio as ``0.88 (0.71-0.96)``; empty when the setting has none."""
-    rows = df[(df["task"] == "average") & (df["setting"] == setting) & (df["policy"] != "full")]
-    if rows.empty:
-        return ""
+def _grades(rows: pd.DataFrame) -> list[str]:
+    """Summary rows of one view (the average, or one task at one length) as a Markdown table: per policy the score
+    at each ratio as ``0.88 (0.71-0.96)``, policies by their mean over the ratios, best first."""
     ratios = sorted(rows["ratio"].unique())
-    samples = sorted(rows["samples"].astype(int).unique())
     cells = rows.set_index(["policy", "ratio"])
     order = rows.groupby("policy", sort=False)["score"].mean().sort_values(ascending=False, kind="stable").index
     lines = ["| policy | " + " | ".join(f"{r:g}" for r in ratios) + " |", "|---|" + "---|" * len(ratios)]
@@ -56,14 +55,54 @@ def grade_table(df: pd.DataFrame, setting: str) -> str:
             cell = cells.loc[(policy, ratio)]
             values.append(f"{cell['score']:.2f} ({cell['lo']:.2f}-{cell['hi']:.2f})")
         lines.append(f"| {policy} | " + " | ".join(values) + " |")
-    count = f"{samples[0]} samples" if len(samples) == 1 else f"{samples[0]}-{samples[-1]} samples"
-    return "\n".join([f"{count} a cell, over " + averaged_tasks(df, setting) + ".", "", *lines])
+    return lines
 
 
-def groups_table(samples: pd.DataFrame, setting: str) -> str:
-    """Per ratio, how many pairs of policies the samples tell apart and the policies as groups, best first; empty
-    when the setting has no policy rows on a task Full solves."""
-    groups = ordered_groups(paired_tests(samples, setting))
+def _count(rows: pd.DataFrame) -> str:
+    samples = sorted(rows["samples"].astype(int).unique())
+    return f"{samples[0]} samples" if len(samples) == 1 else f"{samples[0]}-{samples[-1]} samples"
+
+
+def grade_table(df: pd.DataFrame, setting: str) -> str:
+    """Per policy, the averaged score at each ratio as ``0.88 (0.71-0.96)``, then the policies left out of the
+    average (``leaderboard.partly_graded``) with where they are graded; empty when the setting has none."""
+    rows = df[(df["task"] == "average") & (df["setting"] == setting) & (df["policy"] != "full")]
+    if rows.empty:
+        return ""
+    lines = [f"{_count(rows)} a cell, over " + averaged_tasks(df, setting) + ".", "", *_grades(rows)]
+    partly = partly_graded(df[(df["task"] != "average") & (df["setting"] == setting)])
+    if partly:
+        where = {}
+        for policy, cells in partly.items():
+            where.setdefault(", ".join(f"{task} at {length}" for task, length in cells), []).append(policy)
+        lines += ["", *(f"Graded on {cells} only, so not averaged: {', '.join(policies)}." for cells, policies in
+                        where.items())]
+    return "\n".join(lines)
+
+
+def common_cells(df: pd.DataFrame, setting: str) -> list[tuple[str, int]]:
+    """The tasks and lengths Full solves on which every policy of the leaderboard is graded, where some policies
+    are graded on fewer than the average's: each then has a table of its own with every policy."""
+    rows = df[(df["task"] != "average") & (df["setting"] == setting) & df["full_solves"] & (df["policy"] != "full")]
+    if not partly_graded(rows):
+        return []
+    cells = [frozenset(zip(part["task"], part["length"])) for _, part in rows.groupby("policy", sort=False)]
+    return sorted(frozenset.intersection(*cells), key=lambda cell: (cell[1], cell[0])) if cells else []
+
+
+def cell_table(df: pd.DataFrame, setting: str, task: str, length: int) -> str:
+    """Every policy's grade on one task at one length, as ``grade_table`` grades the average."""
+    rows = df[(df["task"] == task) & (df["length"] == length) & (df["setting"] == setting) & (df["policy"] != "full")]
+    full = float(rows["full_score"].iloc[0])
+    return "\n".join([f"{task} at {length}, every policy: {_count(rows)} a cell, Full {full:.2f}.", "",
+                      *_grades(rows)])
+
+
+def groups_table(samples: pd.DataFrame, setting: str, cell: tuple[str, int] | None = None) -> str:
+    """Per ratio, how many pairs of policies the samples tell apart and the policies as groups, best first, on the
+    average's tasks or on ``cell``'s samples alone; empty when the setting has no policy rows on a task Full
+    solves."""
+    groups = ordered_groups(paired_tests(samples, setting, cell=cell))
     if not groups:
         return ""
     lines = ["| ratio | pairs told apart | groups, best first |", "|---|---|---|"]
@@ -100,6 +139,12 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             if groups:
                 print(groups + "\n")
+        for task, length in common_cells(df, args.setting) if table else []:
+            print(cell_table(df, args.setting, task, length) + "\n")
+            if samples_path.is_file():
+                groups = groups_table(read_leaderboard_samples(samples_path), args.setting, (task, length))
+                if groups:
+                    print(groups + "\n")
     return 0
 
 

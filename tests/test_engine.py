@@ -204,10 +204,14 @@ def test_generate_mode_scores_equal_a_second_teacher_forced_pass(tiny, text_ids)
     traces, full = compute_traces(tiny, [p.name for p in policies], policies, prompt, mode="generate", max_new_tokens=10,
                        record_layers=())
     _, stats, index = score_text(tiny, prompt + full.generated_ids.tolist(), policies)
+    start = len(prompt) - 1  # score_start: the prompt's positions before it are not scored in generate mode
     for trace, row in zip([full, *traces], [0, *index]):
-        np.testing.assert_allclose(trace.logprobs, stats["logprobs"][row], atol=1e-9, err_msg=trace.spec)
-        np.testing.assert_allclose(trace.kl_to_full, stats["kl_to_full"][row], atol=1e-9, err_msg=trace.spec)
-        np.testing.assert_array_equal(trace.top1_ids, stats["top1_ids"][row])
+        np.testing.assert_allclose(trace.logprobs[start:], stats["logprobs"][row][start:], atol=1e-9, err_msg=trace.spec)
+        np.testing.assert_allclose(trace.kl_to_full[start:], stats["kl_to_full"][row][start:], atol=1e-9,
+                                   err_msg=trace.spec)
+        np.testing.assert_array_equal(trace.top1_ids[start:], stats["top1_ids"][row][start:])
+        assert np.isnan(trace.logprobs[:start]).all() and np.isnan(trace.kl_to_full[:start]).all()
+        assert (trace.top1_ids[:start] == -1).all()
 
 
 @pytest.mark.parametrize("device_walk", [False, True], ids=["walks-apart", "device-walk"])

@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 
 from backend.experiments.leaderboard import averaged, holm, ordered_groups, paired_tests, summarize
-from benchmarks.leaderboard_tables import grade_table, groups_table, main
+from benchmarks.leaderboard_tables import cell_table, common_cells, grade_table, groups_table, main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -127,3 +127,45 @@ def test_the_groups_table_is_markdown_per_ratio():
     assert lines[-3:] == ["| ratio | pairs told apart | groups, best first |", "|---|---|---|",
                           "| 0.5 | 1 of 1 | tova > knorm |"]
     assert groups_table(pd.DataFrame(rows), "aware") == ""
+
+
+def test_a_policy_graded_on_some_tasks_only_stays_out_of_the_average_and_is_graded_where_every_policy_is():
+    # Tasks "a" (ten samples) and "b" (two), both solved; H2O is graded on "a" only. The average is TOVA's and Knorm's
+    # over both tasks: TOVA (1 + 0) / 2 = 0.5 over 12 samples. On "a" alone every policy has a table and groups: TOVA
+    # above Knorm on 9 of 10 (2 / 2^9 = 0.0039 < 0.05 / 3), H2O level with TOVA on 5 and above Knorm on 4 of 5.
+    rows = _samples({"tova": [1] * 10, "h2o": [1] * 5 + [0] * 5, "knorm": [0] * 9 + [1]})
+    rows += _samples({"tova": [0, 0], "knorm": [1, 1]}, task="b")
+    samples = pd.DataFrame(rows)
+    summary = summarize(samples)
+    df = pd.concat([summary, averaged(summary)], ignore_index=True)
+    mean = averaged(summary).set_index("policy")
+    assert set(mean.index) == {"full", "tova", "knorm"}
+    assert (mean.loc["tova", "score"], mean.loc["tova", "samples"]) == (0.5, 12)
+    table = grade_table(df, "agnostic").splitlines()
+    assert table[0] == "12 samples a cell, over a at 1024 (10), b at 1024 (2)."
+    assert table[-1] == "Graded on a at 1024 only, so not averaged: h2o."
+    assert common_cells(df, "agnostic") == [("a", 1024)]
+    assert cell_table(df, "agnostic", "a", 1024).splitlines()[0] == "a at 1024, every policy: 10 samples a cell, Full 1.00."
+    assert [line.split(" |")[0] for line in cell_table(df, "agnostic", "a", 1024).splitlines()[4:]] == [
+        "| tova", "| h2o", "| knorm"]
+    # The average's pairs leave H2O out; the cell's have it.
+    pairs = paired_tests(samples)
+    assert len(pairs) == 1 and {pairs["policy"][0], pairs["other"][0]} == {"tova", "knorm"}
+    [row] = ordered_groups(paired_tests(samples, cell=("a", 1024)))
+    assert row["groups"] == [["tova", "h2o"], ["knorm"]]
+    # A leaderboard whose every policy is graded on every task has no table per task.
+    assert common_cells(_summary(), "agnostic") == []
+
+
+def test_a_leaderboard_grades_every_registered_policy_that_takes_a_ratio():
+    from backend.experiments.leaderboard import graded_policies
+    from backend.policies import POLICIES, parse_spec
+
+    graded = graded_policies()
+    assert "full" not in graded and {"kivi", "gear", "window", "tova", "oracle"} <= set(graded)
+    for name in POLICIES:
+        if name not in graded:  # Full alone holds every token with no ratio to give it
+            with pytest.raises(ValueError):
+                parse_spec(f"{name}:ratio=0.5")
+    for name in graded:
+        parse_spec(f"{name}:ratio=0.875", 1000)

@@ -77,8 +77,21 @@ def test_the_average_says_which_policies_the_paired_samples_tell_apart(boards):
     assert note == "" and "Told apart on the same samples" in table
     assert "<tr><td>0.5</td><td>1 of 1</td><td>tova &gt; &lt;img src=x onerror=alert(1)&gt;</td></tr>" in table
     assert HOSTILE not in table
-    _, table, _ = app.shipped_leaderboard("m", "niah_single_1", "agnostic")
-    assert "Told apart" not in table  # a task's own view has no groups
+    _, table, _ = app.shipped_leaderboard("m", "niah_single_1", "agnostic")  # the task's samples at 1,024 tokens
+    assert "Told apart on the same samples at 1,024 tokens" in table
+    assert "<td>1 of 1</td><td>tova &gt; &lt;img" in table and HOSTILE not in table
+
+
+def test_a_policy_graded_on_some_tasks_only_is_named_under_the_average_and_grouped_on_its_task(boards):
+    # Ruler_vt is solved here too; h2o is graded on niah_single_1 alone: the average leaves it out and says so.
+    summary = pd.read_csv(boards / "m.csv")
+    summary.loc[summary["task"] == "ruler_vt", ["full_score", "full_solves"]] = [1.0, True]
+    extra = summary[(summary["task"] == "niah_single_1") & (summary["policy"] == "tova")].assign(policy="h2o")
+    pd.concat([summary, extra]).to_csv(boards / "m.csv", index=False)
+    _, table, note = app.shipped_leaderboard("m", "average", "agnostic")
+    assert note == "" and "Not in the average, graded on fewer tasks: h2o on niah_single_1 at 1,024 tokens only." in table
+    figure, _, _ = app.shipped_leaderboard("m", "niah_single_1", "agnostic")
+    assert "h2o" in list(figure.data[0].y)
 
 
 def test_a_task_full_fails_says_so(boards):

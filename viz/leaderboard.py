@@ -74,18 +74,20 @@ def leaderboard_table_html(summary: pd.DataFrame) -> str:
             f"<tbody>{''.join(body)}</tbody></table>")
 
 
-def ordered_groups_html(groups: list[dict]) -> str:
+def ordered_groups_html(groups: list[dict], where: str = "") -> str:
     """Which policies the samples tell apart (``leaderboard.ordered_groups``): per ratio, the policies in the
     grades' order as groups, ``>`` where a group's first is told apart from the next group's, and how many pairs
-    are; every name escaped. Empty without groups."""
+    are; every name escaped. ``where``: the samples they are, when not the average's (e.g. "at 1,024 tokens").
+    Empty without groups."""
     if not groups:
         return ""
+    where = f" {html.escape(where)}" if where else ""
     body = []
     for row in groups:
         ranked = " &gt; ".join(", ".join(html.escape(str(p)) for p in group) for group in row["groups"])
         body.append(f"<tr><td>{float(row['ratio']):g}</td><td>{int(row['pairs_ordered'])} of {int(row['pairs'])}"
                     f"</td><td>{ranked}</td></tr>")
-    return ('<table class="kvlens-leaderboard-groups"><caption>Told apart on the same samples (a sign test per pair '
+    return (f'<table class="kvlens-leaderboard-groups"><caption>Told apart on the same samples{where} (a sign test per pair '
             "over the samples they score differently, Holm's correction over a ratio's pairs, 5%): in the grades' "
             "order, &gt; starts a new group at the first policy the samples put below the group's first."
             "</caption><thead><tr><th>ratio</th><th>pairs told apart</th><th>groups, best first</th></tr></thead>"

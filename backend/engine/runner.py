@@ -7,8 +7,8 @@ Two modes (docs/trace-format.md):
   inside each chunk the policy still decides token by token (attention.py), so the result equals
   feeding the text one token at a time, but the heavy matmuls run once per chunk and layer.
 * ``generate``: every row greedily continues the prompt under its own policy (the prompt itself is
-  processed the same way as above). Then every policy is scored teacher-forced on prompt + Full's
-  continuation, so divergence from Full is measured token for token.
+  processed the same way as above). Then every policy is scored teacher-forced on Full's continuation, so
+  divergence from Full is measured token for token; the prompt's positions but its last are not scored.
 """
 from __future__ import annotations
 
@@ -145,6 +145,13 @@ def _joined(pieces: Sequence[dict[str, np.ndarray]], n_rows: int) -> dict[str, n
             for name, zero in empty.items()}
 
 
+def _unscored(n_rows: int, m: int) -> dict[str, np.ndarray]:
+    """Per-position arrays for ``m`` positions that are not scored (a generate-mode prompt's but its last): NaN
+    log-probabilities and KL, top-1 id -1."""
+    return {"logprobs": np.full((n_rows, m), np.nan, np.float32), "top1_ids": np.full((n_rows, m), -1, np.int64),
+            "kl_to_full": np.full((n_rows, m), np.nan, np.float32)}
+
+
 def _teacher_force(lm: LoadedModel, cache: PolicyCache, ids: Sequence[int], start: int, ends: Sequence[int],
                    next_ids: Sequence[int] | None = None, progress: Progress | None = None, label: str = "scoring"
                    ) -> tuple[torch.Tensor | None, dict[str, np.ndarray]]:
@@ -240,7 +247,8 @@ def generate(lm: LoadedModel, prompt_ids: Sequence[int], policies: Sequence[Poli
 def _generate_and_score(lm: LoadedModel, prompt_ids: Sequence[int], policies: Sequence[Policy], max_new_tokens: int,
                         chunk: int, progress: Progress | None, reference: bool, record_layers: Sequence[int],
                         score: bool = True, context_end: int | None = None):
-    """Generate under every policy; with ``score``, also every policy's predictions on prompt + Full's continuation.
+    """Generate under every policy; with ``score``, also every policy's predictions on Full's continuation, from the
+    prompt's last position on (the positions before it hold NaN and -1: ``_unscored``).
 
     ``context_end`` (query-agnostic): the policies take the prompt to end there, before the question, so a
     compression policy compresses the context alone and the question's tokens are read under the compressed
@@ -261,9 +269,11 @@ def _generate_and_score(lm: LoadedModel, prompt_ids: Sequence[int], policies: Se
     ends = block_ends(chunk, n, rows, stops=() if context_end is None else (context_end,))
     with torch.inference_mode():
         with cache.capture_prerope(lm.model):
-            hidden, prompt_stats = _teacher_force(lm, cache, prompt_ids, 0, ends,
-                                                  next_ids=None if score else [],  # [] : no predictions
-                                                  progress=progress, label="reading the prompt")
+            # No predictions over the prompt ([]): what metrics count in generate mode starts at its last position
+            # (``score_start``), and the LM head over every prompt position of every row was a third of a SmolLM2
+            # row's prefill and two thirds of a Gemma 3 row's (a 262k-word vocabulary).
+            hidden, _ = _teacher_force(lm, cache, prompt_ids, 0, ends, next_ids=[], progress=progress,
+                                       label="reading the prompt")
             scoring = cache.fork() if score else None
             outputs = _decode(lm, cache, hidden, n, max_new_tokens, progress)
         if not score:
@@ -274,7 +284,7 @@ def _generate_and_score(lm: LoadedModel, prompt_ids: Sequence[int], policies: Se
         with scoring.capture_prerope(lm.model):
             _, rest = _teacher_force(lm, scoring, full[:-1], n, [len(full) - 1] if len(full) > 1 else [], next_ids=full[1:],
                                      progress=progress)
-    return cache, outputs, index, _joined([prompt_stats, first, rest], len(rows))
+    return cache, outputs, index, _joined([_unscored(len(rows), n - 1), first, rest], len(rows))
 
 
 def _recorded(cache: PolicyCache, row: int, length: int, ropes: dict[str, np.ndarray]) -> dict:

@@ -12,11 +12,12 @@ which policies the samples, paired, tell apart.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import fields
 
 import numpy as np
 import pandas as pd
 
-from ..policies import parse_spec
+from ..policies import POLICIES, parse_spec
 from ..runs import ENGINE_VERSION
 from .sweep import ratio_jobs
 from .task_runs import SETTINGS
@@ -30,11 +31,14 @@ SUMMARY_COLUMNS = ["model", "task", "length", "setting", "policy", "ratio", "sam
                    "full_score", "full_solves"]
 # Full solves a task at a length when its mean score reaches this; a task it fails is kept out of averages.
 SOLVED = 0.5
-# The policies the shipped leaderboard grades, in its order: every kind KV Lens has.
-SHIPPED_POLICIES = ("sinks", "streamingllm", "h2o", "tova", "a2sf", "snapkv", "pyramidkv", "adakv", "knorm",
-                    "expected_attention", "kvzip", "rkv", "keyformer", "scissorhands", "random", "quest", "sparq",
-                    "reattention", "oracle")
 SHIPPED_RATIOS = (0.25, 0.5, 0.75, 0.875)
+
+
+def graded_policies() -> tuple[str, ...]:
+    """The policies a leaderboard grades unless told otherwise, in the registry's order: every registered policy
+    that takes a compression ratio, as a budget in tokens or in a form of its own (KIVI's and GEAR's bits: 16 x
+    (1 - ratio)). Full, which holds everything, is every sample's reference row instead."""
+    return tuple(name for name, cls in POLICIES.items() if "budget" in {f.name for f in fields(cls)})
 
 
 def task_specs(policies: Sequence[str], ratios: Sequence[float]) -> list[str]:
@@ -100,10 +104,27 @@ def summarize(df: pd.DataFrame, confidence: float = 0.95) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
 
 
+def graded_everywhere(summary: pd.DataFrame) -> pd.DataFrame:
+    """The rows of ``summary`` on the tasks and lengths Full solves, of Full and the policies graded on every one of
+    them (per model and setting). A policy added to a leaderboard on some tasks only (its samples still to come on
+    the others) stays out: a mean over other tasks than the rest's would not compare with theirs."""
+    solved = summary[summary["full_solves"]]
+    kept = []
+    for _, part in solved.groupby(["model", "setting"], sort=False):
+        policies = part[part["policy"] != "full"]
+        cells = policies.groupby("policy", sort=False).apply(
+            lambda rows: frozenset(zip(rows["task"], rows["length"])), include_groups=False)
+        every = frozenset(zip(policies["task"], policies["length"]))
+        complete = {policy for policy, where in cells.items() if where == every}
+        kept.append(part[(part["policy"] == "full") | part["policy"].isin(complete)])
+    return pd.concat(kept, ignore_index=True) if kept else solved
+
+
 def averaged(summary: pd.DataFrame, confidence: float = 0.95) -> pd.DataFrame:
     """Per (model, setting, policy, ratio): the mean over the tasks and lengths Full solves (each weighs the same),
-    with Wilson's interval over all their samples."""
-    solved = summary[summary["full_solves"]]
+    with Wilson's interval over all their samples; for the policies graded on every one of them
+    (``graded_everywhere``)."""
+    solved = graded_everywhere(summary)
     rows = []
     for (model, setting, policy, ratio), part in solved.groupby(["model", "setting", "policy", "ratio"],
                                                                sort=False, dropna=False):
@@ -113,6 +134,15 @@ def averaged(summary: pd.DataFrame, confidence: float = 0.95) -> pd.DataFrame:
                      "ratio": ratio, "samples": n, "score": mean, "lo": lo, "hi": hi,
                      "full_score": float(part["full_score"].mean()), "full_solves": True})
     return pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
+
+
+def partly_graded(summary: pd.DataFrame) -> dict[str, list[tuple[str, int]]]:
+    """The policies ``averaged`` leaves out of one model's and setting's ``summary`` (graded on some of the tasks Full
+    solves only), each with the tasks and lengths it is graded on."""
+    solved = summary[summary["full_solves"] & (summary["policy"] != "full")]
+    averaged_policies = set(graded_everywhere(summary)["policy"])
+    return {str(policy): sorted({(str(t), int(n)) for t, n in zip(rows["task"], rows["length"])})
+            for policy, rows in solved.groupby("policy", sort=False) if policy not in averaged_policies}
 
 
 PAIR_COLUMNS = ["model", "setting", "ratio", "policy", "other", "above", "below", "same", "p", "ordered"]
@@ -129,9 +159,11 @@ def holm(pvalues: Sequence[float]) -> list[float]:
     return adjusted
 
 
-def paired_tests(samples: pd.DataFrame, setting: str = "agnostic", alpha: float = 0.05) -> pd.DataFrame:
+def paired_tests(samples: pd.DataFrame, setting: str = "agnostic", alpha: float = 0.05,
+                 cell: tuple[str, int] | None = None) -> pd.DataFrame:
     """Which policies the samples tell apart, pair by pair at each ratio (``PAIR_COLUMNS``), over the tasks and
-    lengths Full solves, as ``averaged`` grades them.
+    lengths Full solves, as ``averaged`` grades them (the policies graded on every one of them); ``cell``, a task
+    and a length: on that one's samples alone, every policy graded there.
 
     Every policy answers the same samples, so two policies are compared sample by sample, a test of the pair where
     two overlapping or apart intervals are not one: on how many samples ``policy`` (the one graded higher, or first
@@ -142,6 +174,8 @@ def paired_tests(samples: pd.DataFrame, setting: str = "agnostic", alpha: float 
     from scipy import stats
 
     rows = samples[samples["setting"] == setting]
+    if cell is not None:
+        rows = rows[(rows["task"] == cell[0]) & (rows["length"] == int(cell[1]))]
     full = rows[rows["policy"] == "full"].groupby(["model", "task", "length"])["score"].mean()
     rows = rows[rows.set_index(["model", "task", "length"]).index.isin(full[full >= SOLVED].index)]
     if (rows["policy"] == "full").all():
