@@ -214,6 +214,19 @@ def test_generate_mode_scores_equal_a_second_teacher_forced_pass(tiny, text_ids)
         assert (trace.top1_ids[:start] == -1).all()
 
 
+def test_generate_mode_runs_no_lm_head_over_the_prompts_positions(tiny, text_ids):
+    """What metrics count in generate mode starts at the prompt's last position: the LM head never reads the prompt's
+    other positions (on Gemma 3 they were two thirds of a row's prefill)."""
+    positions = []
+    hook = tiny.model.lm_head.register_forward_hook(lambda module, args, out: positions.append(args[0].shape[-2]
+                                                                                              if args[0].dim() == 3 else 1))
+    try:
+        compute_traces(tiny, ["tova:budget=6"], [TOVA(budget=6)], text_ids[:26], mode="generate", max_new_tokens=4)
+    finally:
+        hook.remove()
+    assert positions and max(positions) <= 4  # a decoding step's, the first answer token's, Full's continuation's
+
+
 @pytest.mark.parametrize("device_walk", [False, True], ids=["walks-apart", "device-walk"])
 def test_a_row_whose_answer_ended_goes_idle_and_every_row_answers_as_it_would_alone(tiny, text_ids, monkeypatch,
                                                                                     device_walk):
