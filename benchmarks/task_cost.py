@@ -38,15 +38,15 @@ from backend.experiments.task_runs import TaskRequest, answer, encode, lm_eval_r
 from backend.experiments.tasks import load_task, tokenizer_source
 from backend.limits import Limits
 
+from backend.engine.models import DEFAULT_MODEL
+
+from .common import add_pairs_argument, best_of, model, paired
+
 # The sample the cost figures are measured on (docs/performance.md): 19 policies of every kind at four ratios and
 # Full, 77 rows. It stays fixed, so that figures taken as the engine changes compare; the leaderboards grade more.
 BENCHMARK_POLICIES = ("sinks", "streamingllm", "h2o", "tova", "a2sf", "snapkv", "pyramidkv", "adakv", "knorm",
                       "expected_attention", "kvzip", "rkv", "keyformer", "scissorhands", "random", "quest", "sparq",
                       "reattention", "oracle")
-
-from backend.engine.models import DEFAULT_MODEL
-
-from .common import add_pairs_argument, best_of, model, paired
 
 
 def task_request(lm, task_name: str, length: int) -> TaskRequest:
