@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from backend.engine import attention
-from backend.engine.attention import PolicyCache
+from backend.engine.attention import PolicyCache, RowLayerState
 from backend.engine.models import GEMMA_MODEL, shared_model
 from backend.engine.runner import compute_traces
 from backend.policies import POLICIES, SnapKV, parse_spec
@@ -74,6 +74,35 @@ def test_every_policy_reads_the_same_with_and_without_full_s_prefill(family, con
     shared = traces(monkeypatch, lm, specs, IDS, True, context_end)
     alone = traces(monkeypatch, lm, specs, IDS, False, context_end)
     assert_same([*shared[0], shared[1]], [*alone[0], alone[1]])
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gemma3_text", "qwen3"])
+@pytest.mark.parametrize("mode", ["generate", "prompt"])
+def test_a_compression_row_whose_block_only_reads_skips_its_walk_and_reads_the_same(family, mode, monkeypatch):
+    """A block in which no query compresses or is in a compression's window (a decoding step of SnapKV, Knorm, ...,
+    most of Full's continuation scored) is read without the walk: every trace is the same to the bit with that
+    path on and off, and the path is taken. Every policy compresses every 8 tokens of a text and every 6 of an
+    answer, so blocks that compress and blocks that only read alternate."""
+    lm = tiny_family(family)
+    specs = [f"{s}{',' if ':' in s else ':'}interval=8,every=6" for s in every_policy(lm, len(IDS))
+             if parse_spec(s).kind == "compression"]
+    only_reads, taken = RowLayerState._only_reads, []
+
+    def counted(state, *args):
+        taken.append(only_reads(state, *args))
+        return taken[-1]
+
+    def run():  # layer 0 recorded (a recorded block is walked), the others not
+        found, full = compute_traces(lm, specs, [parse_spec(s, 14 if mode == "generate" else len(IDS)) for s in specs],
+                                     IDS, mode=mode, max_new_tokens=10, chunk=2, record_layers=(0,),
+                                     context_end=14 if mode == "generate" else None)
+        return [*found, full]
+
+    monkeypatch.setattr(RowLayerState, "_only_reads", counted)
+    fast = run()
+    monkeypatch.setattr(RowLayerState, "_only_reads", lambda state, *args: False)
+    assert any(taken) and not all(taken)
+    assert_same(fast, run())
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])

@@ -385,6 +385,16 @@ class RowLayerState:
 
     def _attend_cached(self, q, key, value, first, scaling, n_prompt):
         columns, values, scores = self.gather(q, key, value, first, scaling)
+        if self._only_reads(first, q.shape[2], n_prompt):
+            # Each query reads every held column and the block's up to its own, as the walk would find: the same
+            # mask and softmax, without the walk (a decoding step of a row compressed once costs a third of it).
+            steps = np.arange(q.shape[2])[None, :, None]
+            reads = (np.arange(columns.shape[1])[None, None, :] < columns.shape[1] - q.shape[2] + 1 + steps) \
+                & (columns[:, None, :] >= 0)
+            unread = torch.from_numpy(np.where(reads, np.float32(0), np.float32(-np.inf))).to(scores.device,
+                                                                                             scores.dtype)
+            self._keep_columns(columns, columns >= 0)
+            return torch.softmax(scores.add_(unread[:, None]), dim=-1) @ values[:, None]
         probs, attn_rows = self._walk(scores, columns, first, key, value, n_prompt, q)
         out = self.read(probs, attn_rows, columns, values)
         if self.forms is not None and self.forms.keys is not None:  # it reads held forms: what did they change?
@@ -392,6 +402,16 @@ class RowLayerState:
             heads = torch.arange(len(columns), device=key.device)[:, None]
             self.forms.measure(first, q, probs, out, scores, key[heads, at], value[heads, at], scaling, self.softcap)
         return out
+
+    def _only_reads(self, first: int, n: int, n_prompt: int | None) -> bool:
+        """Does a compression row's block of n queries from ``first`` only read what the row holds: no query in it
+        compresses, none is in the window of a compression to come (whose rows and queries it would keep), it
+        records nothing and reads no held forms? Then its walk decides nothing (``_attend_cached``)."""
+        policy = self.policy
+        if policy.kind != "compression" or self.top is not None or self.forms is not None:
+            return False
+        reach = policy.window_queries
+        return not any(policy.compresses_after(t, n_prompt) for t in range(first, first + n + max(reach, 1) - 1))
 
     def gather(self, q, key, value, first, scaling):
         """The block's columns [H, C] (held at its start, then the block's own), their values [H, C, d] and the
