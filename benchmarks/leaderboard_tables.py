@@ -107,7 +107,7 @@ def groups_table(samples: pd.DataFrame, setting: str, cell: tuple[str, int] | No
         return ""
     lines = ["| ratio | pairs told apart | groups, best first |", "|---|---|---|"]
     for row in groups:
-        ranked = " > ".join(", ".join(group) for group in row["groups"])
+        ranked = " > ".join(", ".join(group) for group in row["groups"]) if row["pairs_ordered"] else "none told apart"
         lines.append(f"| {row['ratio']:g} | {row['pairs_ordered']} of {row['pairs']} | {ranked} |")
     return "\n".join([GROUPS_HEADING, "", *lines])
 

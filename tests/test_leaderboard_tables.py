@@ -127,6 +127,8 @@ def test_the_groups_table_is_markdown_per_ratio():
     assert lines[-3:] == ["| ratio | pairs told apart | groups, best first |", "|---|---|---|",
                           "| 0.5 | 1 of 1 | tova > knorm |"]
     assert groups_table(pd.DataFrame(rows), "aware") == ""
+    few = _samples({"tova": [1] * 3, "knorm": [0] * 3})  # 3 of 3: p = 2 / 2^3 = 0.25, nothing told apart
+    assert groups_table(pd.DataFrame(few), "agnostic").splitlines()[-1] == "| 0.5 | 0 of 1 | none told apart |"
 
 
 def test_a_policy_graded_on_some_tasks_only_stays_out_of_the_average_and_is_graded_where_every_policy_is():

@@ -84,7 +84,8 @@ def ordered_groups_html(groups: list[dict], where: str = "") -> str:
     where = f" {html.escape(where)}" if where else ""
     body = []
     for row in groups:
-        ranked = " &gt; ".join(", ".join(html.escape(str(p)) for p in group) for group in row["groups"])
+        ranked = (" &gt; ".join(", ".join(html.escape(str(p)) for p in group) for group in row["groups"])
+                  if row["pairs_ordered"] else "none told apart")
         body.append(f"<tr><td>{float(row['ratio']):g}</td><td>{int(row['pairs_ordered'])} of {int(row['pairs'])}"
                     f"</td><td>{ranked}</td></tr>")
     return (f'<table class="kvlens-leaderboard-groups"><caption>Told apart on the same samples{where} (a sign test per pair '
