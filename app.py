@@ -628,10 +628,8 @@ def _partly_graded_html(summary: pd.DataFrame) -> str:
     partly = partly_graded(summary)
     if not partly:
         return ""
-    where: dict[str, list[str]] = {}
-    for policy, cells in partly.items():
-        where.setdefault(", ".join(f"{task} at {length:,} tokens" for task, length in cells), []).append(policy)
-    lines = "; ".join(f"{', '.join(policies)} on {cells} only" for cells, policies in where.items())
+    lines = "; ".join(f"{', '.join(policies)} on {', '.join(f'{task} at {length:,} tokens' for task, length in cells)}"
+                      " only" for cells, policies in partly.items())
     return f'<p class="kvlens-leaderboard-partly">{html.escape(f"Not in the average, graded on fewer tasks: {lines}.")}</p>'
 
 

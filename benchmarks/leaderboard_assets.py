@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from backend.experiments.leaderboard import COLUMNS, TEXT_COLUMNS, graded_policies, averaged, summarize
+from backend.experiments.leaderboard import COLUMNS, TEXT_COLUMNS, averaged, graded_policies, summarize
 
 SAMPLE = ["model", "task", "length", "setting", "sample"]
 

@@ -72,11 +72,8 @@ def grade_table(df: pd.DataFrame, setting: str) -> str:
     lines = [f"{_count(rows)} a cell, over " + averaged_tasks(df, setting) + ".", "", *_grades(rows)]
     partly = partly_graded(df[(df["task"] != "average") & (df["setting"] == setting)])
     if partly:
-        where = {}
-        for policy, cells in partly.items():
-            where.setdefault(", ".join(f"{task} at {length}" for task, length in cells), []).append(policy)
-        lines += ["", *(f"Graded on {cells} only, so not averaged: {', '.join(policies)}." for cells, policies in
-                        where.items())]
+        lines += ["", *(f"Graded on {', '.join(f'{task} at {length}' for task, length in cells)} only, so not "
+                        f"averaged: {', '.join(policies)}." for cells, policies in partly.items())]
     return "\n".join(lines)
 
 

@@ -387,7 +387,7 @@ class RowLayerState:
         columns, values, scores = self.gather(q, key, value, first, scaling)
         if self._only_reads(first, q.shape[2], n_prompt):
             # Each query reads every held column and the block's up to its own, as the walk would find: the same
-            # mask and softmax, without the walk (a decoding step of a row compressed once costs a third of it).
+            # mask and softmax, without the walk, which would decide nothing.
             steps = np.arange(q.shape[2])[None, :, None]
             reads = (np.arange(columns.shape[1])[None, None, :] < columns.shape[1] - q.shape[2] + 1 + steps) \
                 & (columns[:, None, :] >= 0)

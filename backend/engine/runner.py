@@ -270,7 +270,7 @@ def _generate_and_score(lm: LoadedModel, prompt_ids: Sequence[int], policies: Se
     with torch.inference_mode():
         with cache.capture_prerope(lm.model):
             # No predictions over the prompt ([]): what metrics count in generate mode starts at its last position
-            # (``score_start``), and the LM head over every prompt position of every row was a third of a SmolLM2
+            # (``score_start``), and the LM head over every prompt position of every row was a quarter of a SmolLM2
             # row's prefill and two thirds of a Gemma 3 row's (a 262k-word vocabulary).
             hidden, _ = _teacher_force(lm, cache, prompt_ids, 0, ends, next_ids=[], progress=progress,
                                        label="reading the prompt")

@@ -136,13 +136,17 @@ def averaged(summary: pd.DataFrame, confidence: float = 0.95) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
 
 
-def partly_graded(summary: pd.DataFrame) -> dict[str, list[tuple[str, int]]]:
+def partly_graded(summary: pd.DataFrame) -> dict[tuple[tuple[str, int], ...], list[str]]:
     """The policies ``averaged`` leaves out of one model's and setting's ``summary`` (graded on some of the tasks Full
-    solves only), each with the tasks and lengths it is graded on."""
+    solves only), by the tasks and lengths they are graded on."""
     solved = summary[summary["full_solves"] & (summary["policy"] != "full")]
     averaged_policies = set(graded_everywhere(summary)["policy"])
-    return {str(policy): sorted({(str(t), int(n)) for t, n in zip(rows["task"], rows["length"])})
-            for policy, rows in solved.groupby("policy", sort=False) if policy not in averaged_policies}
+    found: dict[tuple[tuple[str, int], ...], list[str]] = {}
+    for policy, rows in solved.groupby("policy", sort=False):
+        if policy not in averaged_policies:
+            cells = tuple(sorted({(str(t), int(n)) for t, n in zip(rows["task"], rows["length"])}))
+            found.setdefault(cells, []).append(str(policy))
+    return found
 
 
 PAIR_COLUMNS = ["model", "setting", "ratio", "policy", "other", "above", "below", "same", "p", "ordered"]
