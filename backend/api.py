@@ -551,20 +551,31 @@ def check_sample(request: SampleRequest, limits: Limits = LIMITS) -> list[Policy
     return policies
 
 
-# What a task sample takes, in plain forwards of its prompt, priced as the Run line prices a run
-# (``limits.rows_cost``: Full free, a KVzip row twice, a row that reads every key more past SELECTION_UNIT): Full's
-# row with the answer's decoding, then each counted row's share. Fitted to ``benchmarks/task_cost.py`` on the
-# default model at 1k tokens (docs/tasks.md, "What a sample is expected to take"): within a third of the 3.4x,
-# 7.5x, 22.3x and 164.9x it measured for 1, 4, 8 and 80 rows' worth (a row that rambles to the token limit
-# keeps the batch decoding, which no count of rows foresees).
-SAMPLE_FULL_FORWARDS = 2.0
-SAMPLE_ROW_FORWARDS = 2.0
+# What a task sample takes, in plain forwards of its prompt: Full's row (its prefill and the answer's decoding), then
+# each counted row. A row pays for the prompt it computes itself: the row-tokens the Run line prices it at
+# (``limits.row_cost``: a KVzip row twice, a row that reads every key more past SELECTION_UNIT) less the prompt it
+# takes from Full's prefill (``Policy.first_departure``: all of it for a compression row, its budget for an eviction
+# row, none for a selection row); and every row pays its decoding, scoring and recording. Fitted to
+# ``benchmarks/task_cost.py`` on the default model at 1k tokens (docs/tasks.md, "What a sample is expected to take").
+# A row that rambles to the token limit keeps the batch decoding, which no count of rows foresees.
+SAMPLE_FULL_FORWARDS = 1.0
+SAMPLE_PREFILL_FORWARDS = 1.0  # a row's own prefill, per prompt length it computes
+SAMPLE_ROW_FORWARDS = 1.3  # a row's decoding, its policy's own work, scoring and recording
 _FORWARD_SECONDS: dict[tuple, float] = {}  # (model fingerprint, device, tokens) -> a plain forward's seconds here
 
 
-def sample_forwards(policies: Sequence[Policy], length: int) -> float:
-    """A task sample's expected time in plain forwards of its ``length``-token prompt."""
-    return SAMPLE_FULL_FORWARDS + SAMPLE_ROW_FORWARDS * rows_cost(policies, length) / length
+def own_prefill(policy: Policy, length: int) -> float:
+    """The prompt a row of ``policy`` computes itself, in prompts of ``length`` tokens: what the Run line prices it at
+    less what it takes from Full's prefill (up to its first departure)."""
+    return (row_cost(policy, length) - min(max(policy.first_departure(length), 0), length)) / length
+
+
+def sample_forwards(specs: Sequence[str], length: int) -> float:
+    """A task sample's expected time in plain forwards of its ``length``-token prompt, under ``specs`` (a ratio
+    resolved on the prompt's tokens: the context it counts is a little shorter)."""
+    rows = counted([parse_spec(spec, context=length) for spec in specs])
+    return (SAMPLE_FULL_FORWARDS + SAMPLE_PREFILL_FORWARDS * sum(own_prefill(p, length) for p in rows)
+            + SAMPLE_ROW_FORWARDS * len(rows))
 
 
 def time_plain_forward(lm: LoadedModel, length: int) -> float:
@@ -605,12 +616,12 @@ def duration_text(seconds: float) -> str:
     return f"{minutes} min" if minutes < 60 else f"{minutes // 60} h {minutes % 60} min"
 
 
-def expected_line(samples: int, policies: Sequence[Policy], length: int, seconds: float | None,
+def expected_line(samples: int, specs: Sequence[str], length: int, seconds: float | None,
                   where: str = "here") -> str:
-    """The time ``samples`` task samples under ``policies`` (Full among them or not) are expected to take: in plain
+    """The time ``samples`` task samples under ``specs`` (Full among them or not) are expected to take: in plain
     forwards of their ``length``-token prompts, and in seconds where a plain forward took ``seconds``."""
-    rows = counted(policies)
-    forwards = sample_forwards(policies, length)
+    rows = counted([parse_spec(spec) for spec in specs])
+    forwards = sample_forwards(specs, length)
     each = f"{'each ' if samples > 1 else ''}about {forwards:.3g} plain forwards of {length:,} tokens"
     what = (f"{samples:,} {'sample' if samples == 1 else 'samples'}, Full and {len(rows)} "
             f"{'policy' if len(rows) == 1 else 'policies'}: {each}")
@@ -624,9 +635,9 @@ def sample_cost_line(request: SampleRequest, limits: Limits = LIMITS) -> str:
     """The line before a task sample runs: what it is expected to take on this machine (in seconds once a plain
     forward of the model was timed here, else in plain forwards), or RequestError as ``check_sample``. Never
     loads or runs the model."""
-    policies = check_sample(request, limits)
+    check_sample(request, limits)
     lm = loaded_model(request.model, request.device, request.dtype)
-    return expected_line(1, policies, request.length, forward_seconds(lm, request.length))
+    return expected_line(1, ["full", *request.specs], request.length, forward_seconds(lm, request.length))
 
 
 def task_sample(request: SampleRequest, store: TraceStore | None, limits: Limits = LIMITS) -> SampleResult:

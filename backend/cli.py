@@ -374,9 +374,9 @@ def _expected_time(jobs: list[dict], checkpoint: Path, args: argparse.Namespace)
     lines = []
     for length in dict.fromkeys(job["payload"]["length"] for job in todo):
         at = [job for job in todo if job["payload"]["length"] == length]
-        policies = [parse_spec(spec) for spec in ["full", *at[0]["payload"]["specs"]]]
         seconds = None if lm is None else api.time_plain_forward(lm, length)
-        lines.append(api.expected_line(len(at), policies, length, seconds, "in this process"))
+        lines.append(api.expected_line(len(at), ["full", *at[0]["payload"]["specs"]], length, seconds,
+                                       "in this process"))
     return "\n".join(lines)
 
 

@@ -147,19 +147,21 @@ def sample(**changes) -> api.SampleRequest:
                                 **changes})
 
 
-def test_a_sample_is_priced_in_plain_forwards_as_the_run_line_prices_its_rows():
-    from backend.policies import parse_spec
-
-    full = [parse_spec("full")]
-    assert api.sample_forwards(full, 1024) == api.SAMPLE_FULL_FORWARDS  # Full's row alone: free in row-tokens
-    one = api.sample_forwards(full + [parse_spec("tova:ratio=0.5")], 1024)
-    assert one == api.SAMPLE_FULL_FORWARDS + api.SAMPLE_ROW_FORWARDS
-    # KVzip reads the text twice, so the Run line counts its row twice: so does the expected time
-    kvzip = api.sample_forwards(full + [parse_spec("kvzip:ratio=0.5")], 1024)
-    assert kvzip == api.SAMPLE_FULL_FORWARDS + 2 * api.SAMPLE_ROW_FORWARDS
-    # a row that reads every key costs more per token past SELECTION_UNIT, as in the Run line
-    oracle = [parse_spec("full"), parse_spec("oracle:ratio=0.5")]
-    assert api.sample_forwards(oracle, 4096) == api.SAMPLE_FULL_FORWARDS + 4 * api.SAMPLE_ROW_FORWARDS
+def test_a_sample_is_priced_by_the_prompt_each_row_computes_itself_and_its_rows():
+    F, P, R = api.SAMPLE_FULL_FORWARDS, api.SAMPLE_PREFILL_FORWARDS, api.SAMPLE_ROW_FORWARDS
+    assert api.sample_forwards(["full"], 1024) == F  # Full's row alone
+    # TOVA at ratio 0.5 keeps 512 of 1,024 tokens: it takes Full's prefill until its budget fills, then computes
+    # the other half of the prompt itself
+    assert api.sample_forwards(["full", "tova:ratio=0.5"], 1024) == F + 0.5 * P + R
+    # SnapKV compresses once the prompt is read: all of its prefill is Full's
+    assert api.sample_forwards(["full", "snapkv:ratio=0.5"], 1024) == F + R
+    # KVzip's second pass over the text is its own (the Run line counts its row twice)
+    assert api.sample_forwards(["full", "kvzip:ratio=0.5"], 1024) == F + P + R
+    # a selection row departs from the first query: its whole prefill is its own
+    assert api.sample_forwards(["full", "quest:ratio=0.5"], 1024) == F + P + R
+    # a row that reads every key costs more per token past SELECTION_UNIT, as in the Run line: 4,096 tokens, 4x
+    assert api.sample_forwards(["full", "oracle:ratio=0.5"], 4096) == F + 4 * P + R
+    assert api.sample_forwards(["full", "tova:ratio=0.5", "snapkv:ratio=0.5"], 1024) == F + 0.5 * P + 2 * R
 
 
 @pytest.mark.parametrize("seconds, text", [(0.2, "1 s"), (40.4, "40 s"), (89, "89 s"), (150, "2 min"),
@@ -171,7 +173,7 @@ def test_a_duration_reads_as_a_person_says_it(seconds, text):
 def test_the_line_gives_seconds_only_where_a_plain_forward_was_timed(monkeypatch):
     monkeypatch.setattr(models, "LOADED", {})
     monkeypatch.setattr(api, "_FORWARD_SECONDS", {})
-    forwards = api.SAMPLE_FULL_FORWARDS + 2 * api.SAMPLE_ROW_FORWARDS
+    forwards = api.SAMPLE_FULL_FORWARDS + 0.5 * api.SAMPLE_PREFILL_FORWARDS + 2 * api.SAMPLE_ROW_FORWARDS
     assert api.sample_cost_line(sample()) == (f"Expected: 1 sample, Full and 2 policies: about {forwards:.3g} plain "
                                               "forwards of 1,024 tokens.")
     assert models.LOADED == {}  # the line never loads the model

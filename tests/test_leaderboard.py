@@ -69,7 +69,6 @@ def test_the_command_says_what_the_samples_left_will_take_before_it_starts(tiny_
     from backend import api
     from backend.cli import _expected_time
     from backend.experiments.grid import job_key
-    from backend.policies import parse_spec
 
     specs = task_specs(["tova", "kvzip"], [0.5])
     jobs = task_jobs(tiny_dir, ["niah_single_1"], [LENGTH, 2 * LENGTH], 2, specs)
@@ -77,8 +76,10 @@ def test_the_command_says_what_the_samples_left_will_take_before_it_starts(tiny_
     checkpoint = tmp_path / "samples.jsonl"
     checkpoint.write_text(json.dumps({"key": job_key(jobs[0]), "rows": []}) + "\n")  # one sample done
     short, long = _expected_time(jobs, checkpoint, args).splitlines()
-    forwards = api.sample_forwards([parse_spec(s) for s in ["full", *specs]], LENGTH)
-    assert forwards == api.SAMPLE_FULL_FORWARDS + 3 * api.SAMPLE_ROW_FORWARDS  # KVzip's row reads the text twice
+    forwards = api.sample_forwards(["full", *specs], LENGTH)
+    # TOVA computes the half of the prompt past its budget, KVzip its second pass over the text
+    assert forwards == (api.SAMPLE_FULL_FORWARDS + (0.5 + 1) * api.SAMPLE_PREFILL_FORWARDS
+                        + 2 * api.SAMPLE_ROW_FORWARDS)
     assert short.startswith("Expected: about ") and short.endswith(" s).")
     assert f" in this process (1 sample, Full and 2 policies: about {forwards:.3g} plain forwards of {LENGTH} " \
            "tokens; a plain forward takes " in short
