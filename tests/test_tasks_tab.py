@@ -57,6 +57,9 @@ def test_the_leaderboard_draws_a_policy_by_ratio_grid_and_a_picked_policy_strong
     assert "query-aware" in figure.layout.title.text and "Full 1.00" in figure.layout.title.text
     assert not figure.layout.shapes
     assert "<td>tova</td><td>0.75</td><td>0.25</td>" in table and "ruler_vt" not in table  # the chosen task only
+    assert table.index("<td>snapkv</td>") < table.index("<td>tova</td>")  # the grid's order: the best mean first
+    # The title a line each for the model, the view and the setting with Full's score, so a phone's plot holds it.
+    assert figure.layout.title.text == "m<br>niah_single_1 at 1,024 tokens<br>query-aware; Full 1.00"
     picked, _, _ = app.shipped_leaderboard("m", "niah_single_1", "aware", "tova")
     faint = [s for s in picked.layout.shapes if s.fillcolor == "rgba(255,255,255,0.72)"]
     strong = [s for s in picked.layout.shapes if s.line.color == "#C0392B"]

@@ -11,13 +11,19 @@ from .colors import policy_colors
 from .style import finish, plotly_text
 
 
-def _title(rows: pd.DataFrame, task: str) -> str:
+def _title_parts(rows: pd.DataFrame, task: str) -> tuple[str, str, str]:
+    """The model, the view (the average, or a task at its lengths) and the setting."""
     model = ", ".join(dict.fromkeys(rows["model"].astype(str)))
     setting = ", ".join(f"query-{s}" for s in dict.fromkeys(rows["setting"].astype(str)))
     if task == "average":
-        return f"{model}: mean over the tasks Full solves ({setting})"
+        return model, "mean over the tasks Full solves", setting
     lengths = ", ".join(f"{int(n):,}" for n in dict.fromkeys(rows["length"]))
-    return f"{model}: {task} at {lengths} tokens ({setting})"
+    return model, f"{task} at {lengths} tokens", setting
+
+
+def _title(rows: pd.DataFrame, task: str) -> str:
+    model, view, setting = _title_parts(rows, task)
+    return f"{model}: {view} ({setting})"
 
 
 def leaderboard_figure(summary: pd.DataFrame, task: str | None = None) -> go.Figure:
@@ -55,7 +61,7 @@ def leaderboard_figure(summary: pd.DataFrame, task: str | None = None) -> go.Fig
 
 def leaderboard_table_html(summary: pd.DataFrame) -> str:
     """One row per policy, one column per ratio: the mean score over the samples (Full's score in the task
-    column), every cell escaped."""
+    column), every cell escaped; the policies best first by their mean over the ratios, as the heatmap lists them."""
     if summary.empty:
         return "<p>No leaderboard rows.</p>"
     ratios = sorted(float(r) for r in summary.loc[summary["policy"] != "full", "ratio"].dropna().unique())
@@ -66,7 +72,10 @@ def leaderboard_table_html(summary: pd.DataFrame) -> str:
         where = html.escape(f"{task}" + (f" at {int(length):,}" if int(length) else ""))
         failed = "" if bool(part["full_solves"].iloc[0]) else " (Full fails it)"
         body.append(f'<tr><th colspan="{len(ratios) + 1}">{where}: Full {full:.2f}{failed}</th></tr>')
-        for policy, rows in part[part["policy"] != "full"].groupby("policy", sort=False):
+        graded = part[part["policy"] != "full"]
+        order = graded.groupby("policy", sort=False)["score"].mean().sort_values(ascending=False, kind="stable")
+        for policy in order.index:
+            rows = graded[graded["policy"] == policy]
             by_ratio = dict(zip(rows["ratio"].astype(float), rows["score"].astype(float)))
             cells = "".join(f"<td>{by_ratio[r]:.2f}</td>" if r in by_ratio else "<td></td>" for r in ratios)
             body.append(f"<tr><td>{html.escape(str(policy))}</td>{cells}</tr>")
@@ -141,13 +150,20 @@ def leaderboard_heatmap(summary: pd.DataFrame, task: str | None = None, order: l
                 fig.add_shape(type="line", x0=column - 0.5, x1=column + 0.5, y0=y, y1=y,
                               line={"color": "#E69F00", "width": 3}, layer="above")
     full = rows["full_score"].iloc[0] if len(rows) else float("nan")
-    title = _title(summary[summary["task"] == task], task) if len(rows) else task
+    lines = list(_title_parts(summary[summary["task"] == task], task)) if len(rows) else [task]
     if pd.notna(full):
-        title += f"; Full {float(full):.2f}"
+        lines[-1] += f"; Full {float(full):.2f}"
         if not bool(rows["full_solves"].iloc[0]):
-            title += ": Full fails it, so no policy is graded on it"
-    return finish(fig, title, height=max(320, 120 + 26 * len(order)),
-                  xaxis={"title": "compression ratio (share of the context's KV pairs removed)"
-                         + ("" if len(lengths) == 1 else ", by context length"), "type": "category",
-                         "side": "top"},
-                  yaxis={"autorange": "reversed", "automargin": True, "type": "category"})
+            lines[-1] += ": Full fails it, so no policy is graded on it"
+    fig = finish(fig, ": ".join(lines), height=max(400, 200 + 26 * len(order)),
+                 xaxis={"title": "compression ratio<br>(share of the context's KV removed"
+                        + (")" if len(lengths) == 1 else ", by context length)"), "type": "category",
+                        "side": "top"},
+                 yaxis={"autorange": "reversed", "automargin": True, "type": "category"})
+    # A line each for the model, the view and the setting, each short enough for a phone's narrow plot; the title's
+    # margin grows to hold them above the ratios.
+    fig.update_layout(title={"text": "<br>".join(plotly_text(line) for line in lines), "font": {"size": 14},
+                             "automargin": True, "yref": "container", "y": 1, "yanchor": "top",
+                             "pad": {"t": 34}},  # below the page's "Plot" label
+                      margin={"t": 175})  # the title's three lines, then the ratios' title and ticks
+    return fig
