@@ -20,6 +20,7 @@ QA): the share of the references found in the answer, ignoring case.
 """
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Sequence
 from contextlib import contextmanager
@@ -129,6 +130,25 @@ def check_tasks(names: Sequence[str], lengths: Sequence[int]) -> None:
 
 
 @lru_cache(maxsize=8)  # making samples takes seconds at 1k tokens and longer at 32k: once per process
+class _MetadataHint(logging.Filter):
+    """lm-eval's hint, as it makes the samples of any task whose dataset is a function (every RULER task), that
+    "custom kwargs can be passed to `--metadata`": it says so whether they were or not. ``load_task`` always passes
+    the tokenizer and the lengths there, so the hint is a false alarm; only that record is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Custom kwargs can be passed to `--metadata`" not in record.getMessage()
+
+
+@contextmanager
+def _metadata_hint_muted():
+    logger, hint = logging.getLogger("lm_eval.api.task"), _MetadataHint()
+    logger.addFilter(hint)
+    try:
+        yield
+    finally:
+        logger.removeFilter(hint)
+
+
 def load_task(name: str, length: int, tokenizer: str):
     """lm-eval's task ``name`` with its samples made at ``length`` tokens by ``tokenizer`` (a local directory or
     a hub id), or TaskUnavailable."""
@@ -142,7 +162,7 @@ def load_task(name: str, length: int, tokenizer: str):
     if not manager.match_tasks([name]):
         raise TaskUnavailable(_no_task(name))
     try:
-        with lm_eval_seeds(splits_essays([name])):
+        with lm_eval_seeds(splits_essays([name])), _metadata_hint_muted():
             task = manager.load([name])["tasks"][name]
     except (OSError, DatasetsError) as err:  # no network, or the hub offline
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
