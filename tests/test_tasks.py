@@ -85,6 +85,13 @@ def test_an_unknown_task_is_one_line_after_rulers_index_and_lm_evals_whole_one(d
     assert everything.match_tasks(["hellaswag", "niah_single_2_speeches"]) and len(everything.all_tasks) > 10_000
 
 
+def test_a_tasks_samples_are_made_once_a_process(default_lm):
+    """Making a task's samples takes seconds at 1k tokens and longer at 32k: asked again for the same task, length and
+    tokenizer, ``load_task`` gives the task it made."""
+    source = tokenizer_source(default_lm)
+    assert load_task("niah_single_1", SHORT, source) is load_task("niah_single_1", SHORT, source)
+
+
 def test_a_length_too_short_for_a_generator_is_one_line_before_it_runs():
     with pytest.raises(TaskUnavailable, match=r"^ruler_vt needs 1024 tokens or more; lm-eval's generator does not"):
         load_task("ruler_vt", 512, "no tokenizer is loaded")

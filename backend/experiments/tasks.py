@@ -129,7 +129,6 @@ def check_tasks(names: Sequence[str], lengths: Sequence[int]) -> None:
                 raise TaskUnavailable(_no_task(name))
 
 
-@lru_cache(maxsize=8)  # making samples takes seconds at 1k tokens and longer at 32k: once per process
 class _MetadataHint(logging.Filter):
     """lm-eval's hint, as it makes the samples of any task whose dataset is a function (every RULER task), that
     "custom kwargs can be passed to `--metadata`": it says so whether they were or not. ``load_task`` always passes
@@ -149,6 +148,7 @@ def _metadata_hint_muted():
         logger.removeFilter(hint)
 
 
+@lru_cache(maxsize=8)  # making samples takes seconds at 1k tokens and longer at 32k: once per process
 def load_task(name: str, length: int, tokenizer: str):
     """lm-eval's task ``name`` with its samples made at ``length`` tokens by ``tokenizer`` (a local directory or
     a hub id), or TaskUnavailable."""
