@@ -7,6 +7,8 @@
 #   scaling    benchmarks/scaling.py at 8k, 16k and 32k tokens on Gemma 3 270M's shape: four eviction policies and
 #              Full at budget 1024, bfloat16, random weights (benchmarks/random_model.py);
 #   profile    the same at 8k, then one more run under cProfile (where the host's time goes);
+#   chunks     the same at 8k in blocks of 1,024 tokens, not 256: a quarter of the blocks, and of the launches the
+#              model and the engine send per block (benchmarks/launches.py counts them on a CPU);
 #   llama      the same at 32k on Llama 3.2 1B's shape; llama8k at 8k;
 #   task       one RULER sample at 4k (niah_single_1, saved by `task_cost --save-request`, 32 new tokens) under
 #              TASK_POLICIES (default tova,snapkv) at the shipped ratios, on SmolLM2's shape;
@@ -58,6 +60,8 @@ for name in $STEPS; do
             --budget 1024 --tokens 4096 --chunk 256 --policies h2o,tova --warps auto,4 --rows 1,4 --repeat 1; done" ;;
     scaling) models gemma3-270m
              step scaling_gemma 150 $PY $SCALE --model "$MODELS/gemma3-270m" --lengths 8192,16384,32768 ;;
+    chunks) models gemma3-270m
+            step scaling_chunks 90 $PY $SCALE --model "$MODELS/gemma3-270m" --lengths 8192 --chunk 1024 ;;
     profile) models gemma3-270m
              step profile 60 $PY $SCALE --model "$MODELS/gemma3-270m" --lengths 8192 --profile ;;
     llama) models llama-3.2-1b

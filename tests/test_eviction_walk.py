@@ -173,3 +173,36 @@ def test_every_row_of_a_layer_walks_in_one_launch_as_each_walks_alone(heads_apar
             np.testing.assert_allclose(b.attention.val.astype(float), a.attention.val.astype(float), rtol=1e-3,
                                        err_msg=a.meta["spec"])
     assert all((reference[r].evicted_at >= 0).any() for r in (0, 1, 3, 4))  # the budgets were reached
+
+
+def test_a_layers_device_walk_sends_as_many_launches_for_four_rows_as_for_one(monkeypatch):
+    """The rows that walk on the device are gathered, scored and walked together, so what a layer's walk sends a GPU
+    (its launches, syncs and copies, counted on the CPU as benchmarks/launches.py counts them) does not grow with
+    its rows: four rows cost what one does."""
+    from benchmarks.launches import counting
+
+    monkeypatch.setattr(engine, "DEVICE_WALK", True)
+    monkeypatch.setattr(eviction_walk_triton, "usable", lambda device: True)  # the kernel: numba's walk stands in
+    ids = torch.randint(3, 101, (48,), generator=torch.Generator().manual_seed(5)).tolist()
+    lm = make_tiny(dtype=torch.float32)
+    walk_on_device = engine.PolicyCache._walk_on_device
+
+    def per_call(budgets):
+        calls = []
+
+        def counted(self, *args, **kwargs):
+            with counting() as counter:
+                out = walk_on_device(self, *args, **kwargs)
+            calls.append((len(out), counter.launches, counter.syncs, counter.copies))
+            return out
+
+        monkeypatch.setattr(engine.PolicyCache, "_walk_on_device", counted)
+        policies = [TOVA(budget=b) for b in budgets]
+        compute_traces(lm, [p.spec() for p in policies], policies, ids, mode="prompt", chunk=16, record_layers=())
+        return calls
+
+    per_call([8])  # what a process makes once (the block's causal mask) is made
+    one, four = per_call([8]), per_call([8, 9, 10, 11])
+    assert len(one) == len(four) > 0 and all(rows == 1 for rows, *_ in one) and all(rows == 4 for rows, *_ in four)
+    assert [counts for _, *counts in four] == [counts for _, *counts in one]
+    assert all(launches > 0 and syncs == copies == 1 for _, launches, syncs, copies in one)

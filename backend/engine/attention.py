@@ -28,6 +28,7 @@ token keeps its own RoPE position (gaps, no shifts).
 from __future__ import annotations
 
 import copy
+import functools
 from collections import deque
 from collections.abc import Callable, Sequence, Iterator
 from contextlib import contextmanager
@@ -104,13 +105,20 @@ def compiled_running_score(policy: Policy) -> RunningScore | None:
     return None if changed else running
 
 
+@functools.lru_cache(maxsize=8)
+def _later(n: int, device: torch.device) -> torch.Tensor:
+    """bool [n, n]: query i of a block cannot see the block's column j > i. Made once per size and device (two launches
+    a block and layer on a GPU otherwise); never written to."""
+    return torch.ones(n, n, dtype=torch.bool, device=device).triu(1)
+
+
 def _block_weights(scores: torch.Tensor, alive: np.ndarray | torch.Tensor, held: int) -> torch.Tensor:
     """exp(score - row max) once for a block, float64 [..., H, G, n, C] on the scores' device, as policies decide
     in float64; zero where a query cannot see a column (later in the block, or held at the block's start but
     not alive: a -1 pad). ``alive`` [..., H, C]."""
     n = scores.shape[-2]
     s = scores.to(torch.float64, copy=True)  # a copy even when the model runs in float64: s is changed in place
-    s[..., held:].masked_fill_(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    s[..., held:].masked_fill_(_later(n, s.device), float("-inf"))
     unseen = ~torch.as_tensor(alive[..., :held]).to(s.device)  # one host-to-device copy of the held columns' state
     if held:
         s[..., :held].masked_fill_(unseen[..., None, None, :], float("-inf"))
@@ -150,11 +158,14 @@ def walk_rows(rows: list["RowLayerState"], scores: list[torch.Tensor], columns: 
 class DeviceWalk:
     """One block's walk for the running-score rows of one layer on a device, in one Triton launch for each way
     its rows walk their heads (``eviction_walk_triton.ways``): no copy to the host between steps. What it needs
-    goes to the device in one copy (the rows' columns, padded at the front to the widest, their running scores
-    and parameters) and its outcome (who was dropped when, the running scores) comes back in one, for the rows'
-    bookkeeping."""
+    goes to the device in one copy (the rows' columns, padded at the front to the widest, their running scores and
+    parameters, and the batch rows they are gathered from) and its outcome (who was dropped when, the running
+    scores) comes back in one, for the rows' bookkeeping."""
 
-    def __init__(self, rows: list["RowLayerState"], columns: list[np.ndarray], first: int, device: torch.device):
+    def __init__(self, rows: list["RowLayerState"], columns: list[np.ndarray], first: int, device: torch.device,
+                 indices: np.ndarray | None = None):
+        """``indices`` [k, R]: integers the caller indexes the rows' tensors with (their batch rows), sent with the
+        rest (``self.indices``, int64 on the device)."""
         self.rows, self.columns, self.first, self.device = rows, columns, first, device
         self.width = max(c.shape[1] for c in columns)
         self.starts = [self.width - c.shape[1] for c in columns]
@@ -168,12 +179,15 @@ class DeviceWalk:
             padded[r, :, start:] = columns[r]
             if row.running.state is not None:
                 held_score[r, :, start:self.width - n] = row.state[row.running.state]
-        # One host-to-device copy of everything the walk starts from (positions are exact in float64).
-        sent = torch.from_numpy(np.concatenate([padded.ravel(), held_score.ravel(), self.params.ravel()])).to(device)
-        size = padded.size
-        self.where = sent[:size].view(shape).long()
-        self.score = sent[size:2 * size].view(shape)
-        self.params_on_device = sent[2 * size:].view(self.params.shape)
+        indices = np.zeros((0, len(rows))) if indices is None else np.asarray(indices, np.float64)
+        # One host-to-device copy of everything the walk starts from (positions and indices are exact in float64).
+        sent = torch.from_numpy(np.concatenate([padded.ravel(), indices.ravel(), held_score.ravel(),
+                                                self.params.ravel()])).to(device)
+        size, whole = padded.size, padded.size + indices.size
+        integers = sent[:whole].long()
+        self.where, self.indices = integers[:size].view(shape), integers[size:].view(indices.shape)
+        self.score = sent[whole:whole + size].view(shape)
+        self.params_on_device = sent[whole + size:].view(self.params.shape)
 
     def run(self, scores: torch.Tensor) -> tuple[torch.Tensor, np.ndarray | None]:
         """Walk ``scores`` [R, H, G, n, C] (-inf in a row's front pads; the model's dtype); each row's bookkeeping
@@ -933,13 +947,14 @@ class PolicyCache(DynamicCache):
         for row in rows:
             row.begin(total, softcap, window)
         columns = [row.block_columns(first, n) for row in rows]
-        walk = DeviceWalk(rows, columns, first, query.device)
+        # The rows' batch rows (keys and values are by row, queries by entry) go to the device with the walk's data.
+        walk = DeviceWalk(rows, columns, first, query.device, indices=[walking, [entry[b] for b in walking]])
         at = walk.where.clamp(min=0)  # [R, H, C]; a front pad reads position 0, at no weight
         heads = torch.arange(n_kv_heads, device=query.device)[:, None]
-        # Row by row from views of the batch (a list of rows as an index would be one more copy to the device).
-        keys = torch.stack([key[b][heads, at[r]] for r, b in enumerate(walking)])  # [R, H, C, d]
-        values = torch.stack([value[b][heads, at[r]] for r, b in enumerate(walking)])
-        q = torch.stack([query[entry[b]] for b in walking]).view(len(walking), n_kv_heads, n_q_heads // n_kv_heads, n, dim)
+        # Every row's held keys and values in one gather each: a launch for the layer, however many rows walk.
+        batch = walk.indices[0][:, None, None]
+        keys, values = key[batch, heads, at], value[batch, heads, at]  # [R, H, C, d]
+        q = query[walk.indices[1]].view(len(walking), n_kv_heads, n_q_heads // n_kv_heads, n, dim)
         scores = attention_logits(q, keys[:, :, None], scaling, softcap)  # [R, H, G, n, C]
         hidden = (walk.where < 0)[:, :, None, None, :]  # the pads
         if window is not None and window < total:  # and held keys the layer's window has passed
