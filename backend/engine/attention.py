@@ -106,6 +106,12 @@ def compiled_running_score(policy: Policy) -> RunningScore | None:
 
 
 @functools.lru_cache(maxsize=8)
+def _block_steps(n: int, device: torch.device) -> torch.Tensor:
+    """int64 [n]: 0 .. n - 1, a block's queries. Made once per size and device; never written to."""
+    return torch.arange(n, device=device)
+
+
+@functools.lru_cache(maxsize=8)
 def _later(n: int, device: torch.device) -> torch.Tensor:
     """bool [n, n]: query i of a block cannot see the block's column j > i. Made once per size and device (two launches
     a block and layer on a GPU otherwise); never written to."""
@@ -163,9 +169,10 @@ class DeviceWalk:
     scores) comes back in one, for the rows' bookkeeping."""
 
     def __init__(self, rows: list["RowLayerState"], columns: list[np.ndarray], first: int, device: torch.device,
-                 indices: np.ndarray | None = None):
+                 indices: np.ndarray | None = None, window: int | None = None):
         """``indices`` [k, R]: integers the caller indexes the rows' tensors with (their batch rows), sent with the
-        rest (``self.indices``, int64 on the device)."""
+        rest (``self.indices``, int64 on the device). ``window``: the layer's sliding window where it hides some of
+        the block's keys from some of its queries (``hidden``)."""
         self.rows, self.columns, self.first, self.device = rows, columns, first, device
         self.width = max(c.shape[1] for c in columns)
         self.starts = [self.width - c.shape[1] for c in columns]
@@ -174,27 +181,39 @@ class DeviceWalk:
         padded = np.full(shape, -1.0)
         held_score = np.zeros(shape)
         self.params = np.array([row.walk_params(start) for row, start in zip(rows, self.starts)], np.float64)
-        n = columns[0].shape[1] - rows[0].slots.shape[1]  # the block's queries
+        self.n = n = columns[0].shape[1] - rows[0].slots.shape[1]  # the block's queries
         for r, (row, start) in enumerate(zip(rows, self.starts)):
             padded[r, :, start:] = columns[r]
             if row.running.state is not None:
                 held_score[r, :, start:self.width - n] = row.state[row.running.state]
+        # What the walk starts from (``_block_start``), and the last of the block's queries that may read each column:
+        # none for a front pad; on a sliding-window layer, the last before the window passes its key (held key p is
+        # visible to query first + i while p > first + i - window).
+        self.held, alive, dropped_at = _block_start(padded, n)
+        last = np.where(padded < 0, -1, n if window is None else padded - first + window - 1)
         indices = np.zeros((0, len(rows))) if indices is None else np.asarray(indices, np.float64)
         # One host-to-device copy of everything the walk starts from (positions and indices are exact in float64).
-        sent = torch.from_numpy(np.concatenate([padded.ravel(), indices.ravel(), held_score.ravel(),
-                                                self.params.ravel()])).to(device)
-        size, whole = padded.size, padded.size + indices.size
-        integers = sent[:whole].long()
-        self.where, self.indices = integers[:size].view(shape), integers[size:].view(indices.shape)
-        self.score = sent[whole:whole + size].view(shape)
-        self.params_on_device = sent[whole + size:].view(self.params.shape)
+        integers = [padded, alive, dropped_at, last, indices]
+        sent = torch.from_numpy(np.concatenate([a.ravel() for a in integers] + [held_score.ravel(),
+                                                                                self.params.ravel()])).to(device)
+        whole = sum(a.size for a in integers)
+        exact = sent[:whole].long()
+        ends = np.cumsum([a.size for a in integers])
+        self.where, alive, self.dropped_at, self.last, self.indices = (
+            exact[end - x.size:end].view(x.shape) for end, x in zip(ends, integers))
+        self.alive = alive > 0
+        self.score = sent[whole:whole + padded.size].view(shape)
+        self.params_on_device = sent[whole + padded.size:].view(self.params.shape)
+
+    def hidden(self) -> torch.Tensor:
+        """bool [R, H, 1, n, C]: the columns each query of the block cannot read (a pad, a key the window passed)."""
+        return (_block_steps(self.n, self.device)[:, None] > self.last[:, :, None, :])[:, :, None]
 
     def run(self, scores: torch.Tensor) -> tuple[torch.Tensor, np.ndarray | None]:
         """Walk ``scores`` [R, H, G, n, C] (-inf in a row's front pads; the model's dtype); each row's bookkeeping
         done. Returns the softmax over what each query head read [R, H, G, n, C] in the scores' dtype and, when a
         row records, the attention rows [R, H, n, C] on the host (None otherwise)."""
-        n, first = scores.shape[3], self.first
-        held, alive, dropped_at = _block_start(self.where, n)
+        n, first, held, alive, dropped_at = scores.shape[3], self.first, self.held, self.alive, self.dropped_at
         # float32 for a half-precision model: the softmax is cast once after the walk (Triton's interpreter, which
         # the CPU tests run, cannot store bfloat16).
         wide = scores.dtype if scores.dtype in (torch.float32, torch.float64) else torch.float32
@@ -948,7 +967,8 @@ class PolicyCache(DynamicCache):
             row.begin(total, softcap, window)
         columns = [row.block_columns(first, n) for row in rows]
         # The rows' batch rows (keys and values are by row, queries by entry) go to the device with the walk's data.
-        walk = DeviceWalk(rows, columns, first, query.device, indices=[walking, [entry[b] for b in walking]])
+        walk = DeviceWalk(rows, columns, first, query.device, indices=[walking, [entry[b] for b in walking]],
+                          window=window if window is not None and window < total else None)
         at = walk.where.clamp(min=0)  # [R, H, C]; a front pad reads position 0, at no weight
         heads = torch.arange(n_kv_heads, device=query.device)[:, None]
         # Every row's held keys and values in one gather each: a launch for the layer, however many rows walk.
@@ -956,11 +976,8 @@ class PolicyCache(DynamicCache):
         keys, values = key[batch, heads, at], value[batch, heads, at]  # [R, H, C, d]
         q = query[walk.indices[1]].view(len(walking), n_kv_heads, n_q_heads // n_kv_heads, n, dim)
         scores = attention_logits(q, keys[:, :, None], scaling, softcap)  # [R, H, G, n, C]
-        hidden = (walk.where < 0)[:, :, None, None, :]  # the pads
-        if window is not None and window < total:  # and held keys the layer's window has passed
-            steps = torch.arange(first, first + n, device=query.device)
-            hidden = hidden | (walk.where[:, :, None, None, :] <= steps[None, None, None, :, None] - window)
-        probs, attn = walk.run(scores.masked_fill_(hidden, float("-inf")))
+        # -inf for the pads and, on a sliding-window layer, the held keys its window has passed (``DeviceWalk.hidden``).
+        probs, attn = walk.run(scores.masked_fill_(walk.hidden(), float("-inf")))
         out = probs @ values[:, :, None]  # [R, H, G, n, d]
         for r, (row, start) in enumerate(zip(rows, walk.starts)):
             if row.top is not None:
