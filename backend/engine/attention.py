@@ -125,7 +125,7 @@ def _block_weights(scores: torch.Tensor, alive: np.ndarray | torch.Tensor, held:
     n = scores.shape[-2]
     s = scores.to(torch.float64, copy=True)  # a copy even when the model runs in float64: s is changed in place
     s[..., held:].masked_fill_(_later(n, s.device), float("-inf"))
-    unseen = ~torch.as_tensor(alive[..., :held]).to(s.device)  # one host-to-device copy of the held columns' state
+    unseen = ~torch.as_tensor(alive[..., :held]).to(s.device)  # the held columns' state, where the scores are
     if held:
         s[..., :held].masked_fill_(unseen[..., None, None, :], float("-inf"))
     s -= s.amax(-1, keepdim=True)
@@ -212,7 +212,8 @@ class DeviceWalk:
     def run(self, scores: torch.Tensor) -> tuple[torch.Tensor, np.ndarray | None]:
         """Walk ``scores`` [R, H, G, n, C] (-inf in a row's front pads; the model's dtype); each row's bookkeeping
         done. Returns the softmax over what each query head read [R, H, G, n, C] in the scores' dtype and, when a
-        row records, the attention rows [R, H, n, C] on the host (None otherwise)."""
+        row records, the attention rows [R, H, n, C] on the host (None otherwise). Once: it walks from the block's
+        start, whose state the walk then changes in place."""
         n, first, held, alive, dropped_at = scores.shape[3], self.first, self.held, self.alive, self.dropped_at
         # float32 for a half-precision model: the softmax is cast once after the walk (Triton's interpreter, which
         # the CPU tests run, cannot store bfloat16).
@@ -976,7 +977,7 @@ class PolicyCache(DynamicCache):
         keys, values = key[batch, heads, at], value[batch, heads, at]  # [R, H, C, d]
         q = query[walk.indices[1]].view(len(walking), n_kv_heads, n_q_heads // n_kv_heads, n, dim)
         scores = attention_logits(q, keys[:, :, None], scaling, softcap)  # [R, H, G, n, C]
-        # -inf for the pads and, on a sliding-window layer, the held keys its window has passed (``DeviceWalk.hidden``).
+        # -inf for the pads and, on a sliding-window layer, the held keys its window has passed.
         probs, attn = walk.run(scores.masked_fill_(walk.hidden(), float("-inf")))
         out = probs @ values[:, :, None]  # [R, H, G, n, d]
         for r, (row, start) in enumerate(zip(rows, walk.starts)):
