@@ -16,16 +16,17 @@ counted where the data is read, which is where a GPU would wait.
 
 The walk's kernels run in the numba walk they are tested against (``--triton``: in Triton's interpreter, at seconds a
 launch; the same counts and traces). Per block is the difference between a run over ``budget + (blocks + 2) *
-chunk`` tokens and one over ``budget + 2 * chunk``, divided by ``blocks``: blocks where every row evicts. "A plain
-forward's" is the model alone on one block of ``chunk`` tokens; the model's launches are as many for one row as for
-a batch of rows, so the rest is the engine's. ``--where N`` lists the N KV Lens lines (the innermost frame in
-backend/ or kernels/) that sent most launches, and every line that synchronised or copied. The counts do not depend
-on the machine: they say what the host sends, not how long the GPU takes.
+chunk`` tokens and one over ``budget + 2 * chunk``, divided by ``blocks``: blocks where every row evicts. "The
+model's own" are the launches of the model's modules (called from the runner's forward call, with no KV Lens code in
+between): as many for one row as for a batch of rows, so the rest is the engine's. ``--where N`` lists the N KV Lens
+lines (the innermost frame in backend/ or kernels/) that sent most launches, and every line that synchronised or
+copied. The counts do not depend on the machine: they say what the host sends, not how long the GPU takes.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import inspect
 import os
 import sys
 import time
@@ -36,7 +37,7 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from backend.engine import attention
+from backend.engine import attention, runner
 from kernels import eviction_walk, eviction_walk_triton
 from backend.engine.runner import compute_traces, default_record_layers
 from backend.policies import parse_spec
@@ -50,15 +51,31 @@ ALLOCATIONS = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_s
 SYNCING = {"_local_scalar_dense", "nonzero", "masked_select", "nonzero_static", "unique", "_unique2"}
 
 
-def _site() -> str:
-    """The innermost KV Lens frame of the current call (file:line), or "model" for transformers' and torch's own."""
+def _ours():
+    """The innermost KV Lens frame of the current call (in backend/ or kernels/), or None."""
     frame = sys._getframe(2)
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if name.startswith(OURS):
-            return f"{Path(name).relative_to(ROOT)}:{frame.f_lineno}"
+    while frame is not None and not frame.f_code.co_filename.startswith(OURS):
         frame = frame.f_back
-    return "model"
+    return frame
+
+
+def _site(frame) -> str:
+    """A frame's file:line, or "model" for none of KV Lens's (transformers' and torch's own)."""
+    return "model" if frame is None else f"{Path(frame.f_code.co_filename).relative_to(ROOT)}:{frame.f_lineno}"
+
+
+def _model_call() -> int:
+    """The line of the runner's forward call into the model (``runner._forward``)."""
+    lines, start = inspect.getsourcelines(runner._forward)
+    return start + next(i for i, line in enumerate(lines) if "lm.model.model(" in line)
+
+
+MODEL_CALL = _model_call()
+
+
+def _the_models(frame) -> bool:
+    """Was the call made by the model's own modules (under the runner's forward call, no KV Lens frame in between)?"""
+    return frame is not None and frame.f_code is runner._forward.__code__ and frame.f_lineno == MODEL_CALL
 
 
 class Counter(TorchDispatchMode):
@@ -66,7 +83,7 @@ class Counter(TorchDispatchMode):
 
     def __init__(self, sites: bool = False):
         super().__init__()
-        self.launches = self.syncs = self.copies = 0
+        self.launches = self.syncs = self.copies = self.model = 0  # model: the launches of the model's own modules
         self.sites = collections.Counter() if sites else None
         self.paused = False  # inside a kernel: what it does is its one launch
 
@@ -77,27 +94,29 @@ class Counter(TorchDispatchMode):
         elif name in SYNCING:
             self.sync()
         elif not func.is_view and name not in ALLOCATIONS:
+            frame = _ours()
             self.launches += 1
+            self.model += _the_models(frame)
             if self.sites is not None:
-                self.sites[_site()] += 1
+                self.sites[_site(frame)] += 1
         return func(*args, **(kwargs or {}))
 
     def sync(self) -> None:
         self.syncs += 1
         if self.sites is not None:
-            self.sites["sync " + _site()] += 1
+            self.sites["sync " + _site(_ours())] += 1
 
     def copy(self) -> None:
         self.copies += 1
         if self.sites is not None:
-            self.sites["copy " + _site()] += 1
+            self.sites["copy " + _site(_ours())] += 1
 
     @contextmanager
     def kernel(self):
         """A Triton kernel's launch: one, whatever it does inside."""
         self.launches += 1
         if self.sites is not None:
-            self.sites[_site()] += 1
+            self.sites[_site(_ours())] += 1
         self.paused = True
         try:
             with torch.utils._python_dispatch._disable_current_modes():
@@ -210,25 +229,20 @@ def measure(name: str, policies: list[str], budget: int, chunk: int, blocks: int
                            record_layers=default_record_layers(lm) if record else ())
         return counter
 
-    def plain(tokens: int) -> Counter:
-        with counting() as counter, torch.inference_mode():
-            lm.model.model(torch.tensor([ids[:tokens]]))
-        return counter
-
     short, long = budget + 2 * chunk, budget + (blocks + 2) * chunk
     start = time.perf_counter()
     run(short)  # warm-up: imports, first allocations
     first, last = run(short), run(long, sites=where > 0)
-    per_block = {key: (getattr(last, key) - getattr(first, key)) / blocks for key in ("launches", "syncs", "copies")}
-    # A plain forward of one block of ``chunk`` tokens: the model's own launches (it has no cache to grow).
-    model_launches = plain(chunk).launches
+    per_block = {key: (getattr(last, key) - getattr(first, key)) / blocks
+                 for key in ("launches", "model", "syncs", "copies")}
+    per_block["model_launches"] = per_block.pop("model")
     layers = lm.n_layers
     rows = len(policies) + 1
     result = {"model": name, "rows": rows, "record": record, "layers": layers, "budget": budget, "chunk": chunk,
               "blocks": blocks,
-              **per_block, "plain_launches": model_launches,
+              **per_block,
               # The model's own launches are the same for one row or a batch of them; the rest is the engine's.
-              "engine_per_layer_row": (per_block["launches"] - model_launches) / layers / rows,
+              "engine_per_layer_row": (per_block["launches"] - per_block["model_launches"]) / layers / rows,
               "syncs_per_layer": per_block["syncs"] / layers, "seconds": time.perf_counter() - start}
     if where:
         # The same sites over the short run, subtracted: what the ``blocks`` blocks sent.
@@ -260,10 +274,10 @@ def main() -> None:
     print(f"{r['model']}: Full + {', '.join(policies)} at budget {r['budget']}, prompt mode, blocks of {r['chunk']}"
           f"{', recording the app layers' if r['record'] else ''}; "
           f"per block past the budget (mean of {r['blocks']}), as a GPU would be sent them:\n")
-    print("| rows | layers | launches per block | a plain forward's per block | engine launches per layer and row "
+    print("| rows | layers | launches per block | the model's own | the engine's, per layer and row "
           "| host syncs per block | per layer | copies from the host per block |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-    print(f"| {r['rows']} | {r['layers']} | {r['launches']:,.0f} | {r['plain_launches']:,} | "
+    print(f"| {r['rows']} | {r['layers']} | {r['launches']:,.0f} | {r['model_launches']:,.0f} | "
           f"{r['engine_per_layer_row']:.1f} | {r['syncs']:.0f} | {r['syncs_per_layer']:.1f} | {r['copies']:.0f} |")
     if r.get("where"):
         print("\nWhere most launches, and every sync and copy, came from (per block):\n")
