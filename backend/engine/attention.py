@@ -132,16 +132,14 @@ def _block_weights(scores: torch.Tensor, alive: np.ndarray | torch.Tensor, held:
     return s.exp_()
 
 
-def _block_start(columns: np.ndarray | torch.Tensor, n: int) -> tuple[int, np.ndarray | torch.Tensor,
-                                                                     np.ndarray | torch.Tensor]:
-    """What a walk starts a block of n queries from, as numpy or torch like ``columns`` [..., H, C] (the held
-    columns, -1 pads, then the block's): held = C - n; alive: the held columns that hold a token (a block's
-    column comes alive with its query); dropped_at: n (not dropped) for those and the block's, -1 for pads."""
-    where = torch.where if isinstance(columns, torch.Tensor) else np.where
+def _block_start(columns: np.ndarray, n: int) -> tuple[int, np.ndarray, np.ndarray]:
+    """What a walk starts a block of n queries from, ``columns`` [..., H, C] (the held columns, -1 pads, then the
+    block's): held = C - n; alive: the held columns that hold a token (a block's column comes alive with its query);
+    dropped_at: n (not dropped) for those and the block's, -1 for pads."""
     held = columns.shape[-1] - n
     alive = columns >= 0
     alive[..., held:] = False
-    dropped_at = where(alive, n, -1)
+    dropped_at = np.where(alive, n, -1)
     dropped_at[..., held:] = n
     return held, alive, dropped_at
 
