@@ -35,6 +35,7 @@ from functools import lru_cache, partial
 from pathlib import Path
 
 from ..texts import CORPORA, corpus_files, corpus_text
+from .ruler_words import import_needle_module
 
 SUFFIX = "_speeches"
 # What each of lm-eval's essay tasks (lm_eval/tasks/ruler/niah_utils.py) passes to generate_samples besides
@@ -118,10 +119,10 @@ def import_generators(essays: bool) -> None:
     try:
         if not essays:
             with _speech_splitter():
-                import lm_eval.tasks.ruler.prepare_niah  # noqa: F401
+                import_needle_module()
             return
         imported = "lm_eval.tasks.ruler.prepare_niah" in sys.modules
-        import lm_eval.tasks.ruler.prepare_niah as prepare_niah
+        prepare_niah = import_needle_module()
 
         if imported:  # imported before, perhaps with the shipped model standing in: lm-eval's look again
             prepare_niah.download_nltk_resources()
