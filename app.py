@@ -28,24 +28,25 @@ from functools import cached_property, lru_cache
 from pathlib import Path
 from types import MappingProxyType
 
-import gradio as gr
-import httpx
-import numpy as np
-import pandas as pd
-import pydantic
-from gradio.route_utils import FnIndexInferError
-from gradio.utils import get_upload_folder as gradio_upload_folder
-from starlette.middleware import Middleware
-from starlette.datastructures import MutableHeaders
-from starlette.middleware.gzip import GZipMiddleware
-from starlette.responses import PlainTextResponse
-
 from backend.environment import SettingError, check_environment, runs_per_address
 
-try:  # every KVLENS_* setting, and the operator's plugins, before anything reads them
+try:  # every KVLENS_* setting, and the operator's plugins, before anything reads them (and before
+    # Gradio's import, 3 s, so a malformed one stops the start at once)
     check_environment()
 except SettingError as err:
     sys.exit(f"error: {err}")
+
+import gradio as gr  # noqa: E402
+import httpx  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import pydantic  # noqa: E402
+from gradio.route_utils import FnIndexInferError  # noqa: E402
+from gradio.utils import get_upload_folder as gradio_upload_folder  # noqa: E402
+from starlette.middleware import Middleware  # noqa: E402
+from starlette.datastructures import MutableHeaders  # noqa: E402
+from starlette.middleware.gzip import GZipMiddleware  # noqa: E402
+from starlette.responses import PlainTextResponse  # noqa: E402
 
 from backend import api, texts  # noqa: E402
 from backend.api import LIMITS, RequestError  # noqa: E402
