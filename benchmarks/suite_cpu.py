@@ -30,7 +30,8 @@ KINDS = (
     ("Playwright's driver", "playwright/driver", None),
     ("Ray", "ray::", None), ("Ray", "/ray/", None),
     ("the notebook's kernel", "ipykernel", None),
-    ("commands (python -m backend, kvlens)", "backend", None), ("commands (python -m backend, kvlens)", "kvlens ", None),
+    # python -m backend, the kvlens script, and the tests' python -c scripts that import backend
+    ("commands and scripts of KV Lens", "backend", None), ("commands and scripts of KV Lens", "kvlens ", None),
     ("pytest-xdist workers", "execnet", None), ("pytest-xdist workers", "-c import sys", None),
     ("pytest (the controller)", "pytest", None),
     ("other Python (python -c, ...)", "python", None),
