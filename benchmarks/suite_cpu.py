@@ -16,6 +16,7 @@ import collections
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -69,9 +70,10 @@ def main() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     before = {pid: read_cpu(pid) for pid in os.listdir("/proc") if pid.isdigit()}
     busy, start = busy_seconds(), time.monotonic()
-    suite = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # The suite's output goes to a file: a pipe read only at the end would fill and stop the suite.
+    log = tempfile.TemporaryFile("w+")
+    suite = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     seen: dict[str, list] = {}  # pid: [command line, the suite's test at its start, CPU seconds]
-    tests = collections.deque(maxlen=1)
     while suite.poll() is None:
         for pid in os.listdir("/proc"):
             if not pid.isdigit() or pid in before:
@@ -89,7 +91,8 @@ def main() -> None:
             seen[pid][2] = max(seen[pid][2], cpu)
         time.sleep(1.0)
     wall, busy = time.monotonic() - start, busy_seconds() - busy
-    output = suite.stdout.read()
+    log.seek(0)
+    output = log.read()
     by_kind = collections.Counter()
     for cmdline, test, cpu in seen.values():
         by_kind[kind_of(cmdline, test)] += cpu

@@ -95,7 +95,7 @@ def import_needle_module():
     if spec is None or spec.origin is None or spec.loader is None:
         raise ImportError(f"no module named {MODULE!r}")
     module = importlib.util.module_from_spec(spec)
-    module.sorted = CachedSort(cache_path(spec.origin), module)  # found before the builtin while the module's code runs
+    module.sorted = CachedSort(cache_path(spec.origin), module)  # found before the builtin as the module's code runs
     sys.modules[MODULE] = module
     try:
         spec.loader.exec_module(module)
@@ -104,5 +104,6 @@ def import_needle_module():
         raise
     finally:
         vars(module).pop("sorted", None)  # the module's later sorts are the builtin's
-    setattr(sys.modules[MODULE.rpartition(".")[0]], MODULE.rpartition(".")[2], module)
+    package, _, name = MODULE.rpartition(".")
+    setattr(sys.modules[package], name, module)  # as ``import`` binds a submodule in its package
     return module
