@@ -85,8 +85,26 @@ def test_top_k_agreement_is_perfect_with_every_component(tiny, text_ids, r):
         assert agreement == 1
 
 
+@pytest.mark.parametrize("heads, head_dim", [(6, 8), (3, 16)])
+def test_r_is_a_quarter_of_the_models_head_size_unless_given(text_ids, heads, head_dim):
+    """The paper's share of the query's components (r = 32 of d_h = 128): 16 on the default model, 64 on Gemma 3
+    270M, whose 256 components r = 16 ranks too coarsely; a run with the default is one with that r, to the bit."""
+    assert [SparQ().components(d) for d in (8, 64, 128, 256)] == [2, 16, 32, 64]
+    assert SparQ(r=5).components(256) == 5
+    model = make_tiny(heads=heads, kv_heads=heads // 3 if heads > 3 else 1)
+    assert model.model.config.head_dim == head_dim
+    (default,), _ = compute_traces(model, ["sparq:budget=6"], [parse_spec("sparq:budget=6")], text_ids, record_layers=())
+    quarter = f"sparq:budget=6,r={head_dim // 4}"
+    (given,), _ = compute_traces(model, [quarter], [parse_spec(quarter)], text_ids, record_layers=())
+    other = f"sparq:budget=6,r={head_dim // 2}"
+    (half,), _ = compute_traces(model, [other], [parse_spec(other)], text_ids, record_layers=())
+    np.testing.assert_array_equal(default.logprobs, given.logprobs)
+    np.testing.assert_array_equal(default.stats["transfer_bytes"], given.stats["transfer_bytes"])
+    assert not np.array_equal(default.stats["transfer_bytes"], half.stats["transfer_bytes"])
+
+
 def test_bad_parameters_are_clear_errors():
-    with pytest.raises(ValueError, match="r must be >= 1"):
+    with pytest.raises(ValueError, match="r must be >= 1, or -1"):
         SparQ(budget=8, r=0)
     with pytest.raises(ValueError, match="local must be <= budget"):
         SparQ(budget=8, local=9)

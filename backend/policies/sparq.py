@@ -28,7 +28,9 @@ class SparQ(AttendingPolicy):
     (App. G) per KV head, and attention-transfer bytes of SparQ and dense (App. C, Eqs. C1-C2).
 
     budget: k, positions each query reads, the local window included.
-    r: query components used for the approximate scores (16 = d/4 for the default model's d = 64).
+    r: query components used for the approximate scores; -1 means the head size // 4, the paper's share (r = 32 of
+        d_h = 128 in its benchmarks, Sec. 4; its sweeps span d_h/8 to d_h/2, App. J): 16 on the default model (d = 64)
+        and 64 on Gemma 3 270M (d = 256), where 16 (d/16) ranks the logits too coarsely to find a needle.
     local: l, most recent positions always read; -1 means budget // 4 (the paper's l = k/4).
     prefill: how a generate-mode run reads its prompt. "select" (default): every prompt query is a step
         that selects, as in the paper's token-by-token cost model (Sec. 2) and its WikiText runs. "dense":
@@ -43,8 +45,9 @@ class SparQ(AttendingPolicy):
     summary = 'each query reads `budget` positions picked by approximate scores from `r` query components, mixed with the mean value'
     paper = 'Ribar et al., 2024, *SparQ Attention*, Sec. 3, App. B-D'
     color = "#999933"
+    version = 2
     budget: int = 32
-    r: int = 16
+    r: int = -1
     local: int = -1
     prefill: str = "select"
 
@@ -54,13 +57,17 @@ class SparQ(AttendingPolicy):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.r < 1:
-            raise ValueError(f"sparq: r must be >= 1, got {self.r}")
+        if self.r < 1 and self.r != -1:
+            raise ValueError(f"sparq: r must be >= 1, or -1 for the head size // 4, got {self.r}")
         if self.local < -1:
             raise ValueError(f"sparq: local must be >= 0, or -1 for budget // 4, got {self.local}")
         if self.window > self.budget:
             raise ValueError(f"sparq: local must be <= budget, got local={self.local}, budget={self.budget}")
         check_prefill(self.name, self.prefill)
+
+    def components(self, head_dim: int) -> int:
+        """r for a model whose heads have ``head_dim`` components."""
+        return max(1, head_dim // 4) if self.r == -1 else self.r
 
     def check_model(self, head_dim: int, n_layers: int) -> None:
         # The kernels would quietly use min(r, d) components; a trace must record what ran.
@@ -83,8 +90,8 @@ class SparQ(AttendingPolicy):
         if block.k.is_cuda and plain:
             return state, self.attend_rows(block, sparq_attention)
         steps = torch.arange(block.first, block.first + n)
-        res = sparq_attention_block(block.q, block.k, block.v, block.first, self.budget, self.r, self.window, scale,
-                                    block.window, block.softcap)
+        res = sparq_attention_block(block.q, block.k, block.v, block.first, self.budget, self.components(dim),
+                                    self.window, scale, block.window, block.softcap)
         width = res.reads.shape[-1]
         reads = np.zeros((n_kv_heads, n, total), bool)
         reads[..., :width] = res.reads.cpu().numpy()
@@ -109,7 +116,8 @@ class SparQ(AttendingPolicy):
 
     def _transfer(self, steps: torch.Tensor, dim: int, n_kv_heads: int) -> np.ndarray:
         return np.array([[cost["sparq"], cost["dense"]] for cost in
-                         (sparq_transfer_bytes(int(t) + 1, dim, self.budget, self.r, n_kv_heads=n_kv_heads)
+                         (sparq_transfer_bytes(int(t) + 1, dim, self.budget, self.components(dim),
+                                               n_kv_heads=n_kv_heads)
                           for t in steps)], np.float64)
 
     def attend_rows(self, block, attend) -> BlockResult:
@@ -140,7 +148,7 @@ class SparQ(AttendingPolicy):
             query = block.q[:, rows].transpose(0, 1)  # [m, H_q, d]
             keys = block.k[None].expand(n - short, -1, -1, -1)
             values = block.v[None].expand(n - short, -1, -1, -1)
-            res = attend(query, keys, values, means, self.budget, self.r, self.window, lengths=t + 1)
+            res = attend(query, keys, values, means, self.budget, self.components(dim), self.window, lengths=t + 1)
             out[rows] = res.out
             chosen = torch.zeros(n - short, n_kv_heads, total, dtype=torch.bool, device=device)
             chosen.scatter_(-1, res.positions, True)
