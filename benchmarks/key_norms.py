@@ -6,7 +6,8 @@ One plain forward of the long text (``benchmarks.scaling.long_text``) with eager
 how much the keys' norms vary over the positions (coefficient of variation), and Spearman's correlation between a
 key's norm and the mean attention it receives from the queries that can see it (its group's query heads averaged).
 The first 4 positions (sinks) and the last 128 (few queries see them) are left out. Knorm keeps the lowest norms, so
-it keeps what attention reads where the correlation is negative. Layers are told apart by ``config.layer_types``.
+it keeps what attention reads where the correlation is negative. Layers are told apart by their window
+(``LayerFeatures.window``).
 """
 from __future__ import annotations
 
@@ -22,34 +23,40 @@ from .scaling import long_text
 
 
 def key_norm_figures(name: str, tokens: int) -> dict[str, list[tuple[int, float, float]]]:
-    """Per kind of layer (``layer_types``): (layer, coefficient of variation, Spearman) per KV head."""
+    """Per kind of layer (global, or sliding over its window): (layer, coefficient of variation, Spearman) per KV
+    head."""
     lm = load_model(name)
     config = lm.model.config
-    lm.model.set_attn_implementation("eager")  # the attention weights themselves
     ids = lm.tokenizer(long_text()).input_ids[:tokens]
-    keys = []
-    # The keys as attention scores them, less RoPE (which keeps norms): after QK-norm where the model has one.
-    hooks = [(getattr(layer.self_attn, "k_norm", None) or layer.self_attn.k_proj).register_forward_hook(
-        lambda module, args, out: keys.append(out.detach().float())) for layer in lm.model.model.layers]
+    n, kv_heads = len(ids), config.num_key_value_heads
+    layers = lm.features.layers
+    keys = {}
+
+    def keep(at: int):
+        def hook(_module, _args, output) -> None:  # returns None: the output goes on unchanged
+            keys[at] = layers[at].capture.heads("k", output, kv_heads)  # [1, H_kv, T, d]
+        return hook
+
+    # The keys where the engine reads them, before RoPE (which keeps norms): after QK-norm where the model has one.
+    hooks = [layer.capture.k_module.register_forward_hook(keep(at)) for at, layer in enumerate(layers)]
+    lm.model.set_attn_implementation("eager")  # the attention weights themselves
     try:
         with torch.inference_mode():
             out = lm.model(torch.tensor([ids]), output_attentions=True)
     finally:
         for hook in hooks:
             hook.remove()
-    n, d, kv_heads = len(ids), config.head_dim, config.num_key_value_heads
-    kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
     seen = torch.arange(n, 0, -1, dtype=torch.float32)  # key j is seen by n - j queries
     middle = slice(4, n - 128)
     figures: dict[str, list] = {}
-    for layer, (k, weights) in enumerate(zip(keys, out.attentions)):
-        norms = k.reshape(n, kv_heads, d).norm(dim=-1)  # [T, H_kv]
-        weights = weights[0].float()
-        received = weights.reshape(kv_heads, -1, n, n).mean(1).sum(1) / seen  # [H_kv, T]
+    for at, weights in enumerate(out.attentions):
+        norms = keys[at][0].float().norm(dim=-1)  # [H_kv, T]
+        received = weights[0].float().reshape(kv_heads, -1, n, n).mean(1).sum(1) / seen  # [H_kv, T]
+        kind = "global" if layers[at].window is None else f"sliding ({layers[at].window})"
         for head in range(kv_heads):
-            x = norms[middle, head]
+            x = norms[head, middle]
             rho = spearmanr(x.numpy(), received[head, middle].numpy()).correlation
-            figures.setdefault(kinds[layer], []).append((layer, float(x.std() / x.mean()), float(rho)))
+            figures.setdefault(kind, []).append((at, float(x.std() / x.mean()), float(rho)))
     return figures
 
 

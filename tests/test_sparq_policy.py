@@ -91,13 +91,13 @@ def test_r_is_a_quarter_of_the_models_head_size_unless_given(text_ids, heads, he
     270M, whose 256 components r = 16 ranks too coarsely; a run with the default is one with that r, to the bit."""
     assert [SparQ().components(d) for d in (8, 64, 128, 256)] == [2, 16, 32, 64]
     assert SparQ(r=5).components(256) == 5
-    model = make_tiny(heads=heads, kv_heads=heads // 3 if heads > 3 else 1)
+    model = make_tiny(heads=heads, kv_heads=heads // 3)
     assert model.model.config.head_dim == head_dim
-    (default,), _ = compute_traces(model, ["sparq:budget=6"], [parse_spec("sparq:budget=6")], text_ids, record_layers=())
-    quarter = f"sparq:budget=6,r={head_dim // 4}"
-    (given,), _ = compute_traces(model, [quarter], [parse_spec(quarter)], text_ids, record_layers=())
-    other = f"sparq:budget=6,r={head_dim // 2}"
-    (half,), _ = compute_traces(model, [other], [parse_spec(other)], text_ids, record_layers=())
+
+    def run(spec):
+        (trace,), _ = compute_traces(model, [spec], [parse_spec(spec)], text_ids, record_layers=())
+        return trace
+    default, given, half = (run(f"sparq:budget=6{r}") for r in ("", f",r={head_dim // 4}", f",r={head_dim // 2}"))
     np.testing.assert_array_equal(default.logprobs, given.logprobs)
     np.testing.assert_array_equal(default.stats["transfer_bytes"], given.stats["transfer_bytes"])
     assert not np.array_equal(default.stats["transfer_bytes"], half.stats["transfer_bytes"])
