@@ -615,7 +615,7 @@ def test_only_old_unreferenced_value_files_are_reclaimed(tmp_path):
     referenced = value_files(directory)
     age(referenced)
     young = directory / "ab" / "cd" / ("0" * 28 + ".val")  # another process's write in progress
-    young.parent.mkdir(parents=True)
+    young.parent.mkdir(parents=True, exist_ok=True)
     young.write_bytes(b"being written")
     others = [
         directory / "ab" / "cd" / "notes.val",  # not diskcache's name pattern
