@@ -74,8 +74,8 @@ def test_no_page_is_too_long(page):
     assert lines <= limit, f"{_rel(page)} has {lines} lines, more than {limit}: split it by question"
 
 
-RESULTS = ["faithfulness.md", "leaderboards.md", "evidence.md", "performance.md", "long-texts.md", "models.md",
-           "robustness.md"]
+RESULTS = ["faithfulness.md", "leaderboards.md", "leaderboards-by-task.md", "evidence.md", "performance.md",
+           "long-texts.md", "models.md", "robustness.md"]
 
 
 @pytest.mark.parametrize("name", RESULTS)

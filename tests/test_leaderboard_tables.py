@@ -1,5 +1,6 @@
 """The task leaderboards' grades of docs/leaderboards.md, made from the shipped summaries (benchmarks.leaderboard_tables),
 and which policies the shipped samples tell apart, paired (leaderboard.paired_tests and ordered_groups)."""
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -48,14 +49,21 @@ def test_a_missing_file_is_one_line(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == f"leaderboard_tables: no such file: {tmp_path / 'none.csv'}"
 
 
-def test_the_leaderboards_page_holds_the_grades_of_the_shipped_leaderboards(capsys):
-    """docs/leaderboards.md quotes the tool's output on the shipped summaries: a merged sample must update both (its
-    other tables are checked against the shipped samples by tests/test_docs.py)."""
+def test_the_leaderboards_pages_hold_the_grades_of_the_shipped_leaderboards(capsys):
+    """docs/leaderboards.md quotes the tool's averaged grades and groups on the shipped summaries, and
+    docs/leaderboards-by-task.md its tables of every policy, task by task: a merged sample must update them (the
+    pages' other tables are checked against the shipped samples by tests/test_docs.py)."""
     assert main([]) == 0
     printed = capsys.readouterr().out.strip()
-    page = (ROOT / "docs" / "leaderboards.md").read_text(encoding="utf-8")
-    for table in printed.split("\n\n"):
-        assert table in page
+    averaged = (ROOT / "docs" / "leaderboards.md").read_text(encoding="utf-8")
+    by_task = (ROOT / "docs" / "leaderboards-by-task.md").read_text(encoding="utf-8")
+    for model in re.split(r"(?m)^(?=\*\*[\w.-]+\*\*, query-)", printed):
+        cells = re.search(r"(?m)^\S+ at \d+, every policy:", model)
+        grades, tasks = (model, "") if cells is None else (model[:cells.start()], model[cells.start():])
+        for table in filter(None, (t.strip() for t in grades.split("\n\n"))):
+            assert table in averaged
+        for table in filter(None, (t.strip() for t in tasks.split("\n\n"))):
+            assert table in by_task
 
 
 def _samples(scores: dict[str, list[float]], task: str = "a", full: float = 1.0) -> list[dict]:
