@@ -1,5 +1,6 @@
-"""The task leaderboards' grades of docs/leaderboards.md, made from the shipped summaries (benchmarks.leaderboard_tables),
-and which policies the shipped samples tell apart, paired (leaderboard.paired_tests and ordered_groups)."""
+"""The task leaderboards' grades of docs/leaderboards.md and docs/leaderboards-by-task.md, made from the shipped summaries
+(benchmarks.leaderboard_tables), and which policies the shipped samples tell apart, paired (leaderboard.paired_tests and
+ordered_groups)."""
 import re
 from pathlib import Path
 
