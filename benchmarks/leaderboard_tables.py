@@ -1,5 +1,6 @@
-"""The task leaderboards' grades in ``docs/leaderboards.md``, printed as Markdown from the shipped summaries
-(``assets/leaderboards/<model>.csv``, or the files given):
+"""The task leaderboards' grades in ``docs/leaderboards.md`` (averaged) and ``docs/leaderboards-by-task.md`` (every
+policy, task by task), printed as Markdown from the shipped summaries (``assets/leaderboards/<model>.csv``, or the files
+given):
 
     python -m benchmarks.leaderboard_tables [--setting agnostic] [FILE ...]
 
