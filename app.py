@@ -598,8 +598,8 @@ def setting_choices(settings) -> list[tuple[str, str]]:
 
 def shipped_leaderboard(model, task, setting, pick=None, folder: Path | None = None):
     """One shipped leaderboard's figure (a policy x ratio grid, ``pick`` drawn strong, the groups the samples tell
-    apart marked on the average) and table for (task, setting), or None, "" and a one-line message when the file
-    is missing or malformed or holds no such rows."""
+    apart marked in each length's columns) and table for (task, setting), or None, "" and a one-line message when
+    the file is missing or malformed or holds no such rows."""
     try:
         df = _read_leaderboard(model, folder)
     except shipped.ShippedFileError as err:
@@ -609,29 +609,30 @@ def shipped_leaderboard(model, task, setting, pick=None, folder: Path | None = N
         where = f"{str(task)[:80]} (query-{str(setting)[:20]})"
         return None, "", f"**{markdown_text(f'The leaderboard of {model} has no rows for {where}.')}**"
     table = leaderboard_table_html(rows)
-    if task == "average":
-        groups = told_apart(model, setting, folder)
-        table += ordered_groups_html(groups) + _partly_graded_html(df[(df["task"] != "average")
-                                                                      & (df["setting"] == setting)])
+    solved = sorted({int(n) for n in rows.loc[rows["full_solves"].astype(bool), "length"]})
+    if task == "average":  # the average's tasks at each length, the policies graded on every one there
+        found = told_apart(model, setting, folder)
+        by_length = {n: [row for row in found if row["length"] == n] for n in solved}
     else:  # a task's samples at each length Full solves it, every policy graded there
-        solved = sorted({int(n) for n in rows.loc[rows["full_solves"].astype(bool), "length"]})
         by_length = {n: told_apart(model, setting, folder, (str(task), n)) for n in solved}
-        table += "".join(ordered_groups_html(found, f"at {n:,} tokens") for n, found in by_length.items())
-        groups = next(iter(by_length.values())) if len(by_length) == 1 and len(set(rows["length"])) == 1 else []
-    ranked = {float(row["ratio"]): row["groups"] for row in groups}
+    table += "".join(ordered_groups_html(found, f"at {n:,} tokens") for n, found in by_length.items())
+    if task == "average":
+        table += _partly_graded_html(df[(df["task"] != "average") & (df["setting"] == setting)])
+    ranked = {(int(row["length"]), float(row["ratio"])): row["groups"] for found in by_length.values() for row in found}
     pick = pick if isinstance(pick, str) else None
     return leaderboard_heatmap(rows, str(task), pick=pick, groups=ranked), table, ""
 
 
 def _partly_graded_html(summary: pd.DataFrame) -> str:
-    """A line naming the policies the average leaves out (graded on some of the tasks only) and where each is
-    graded, escaped; empty when every policy is graded on every task."""
+    """A line naming the policies an average leaves out (graded on some of the tasks at its length only) and where
+    each is graded, escaped; empty when every policy is graded on every task at each length it is graded at."""
     partly = partly_graded(summary)
     if not partly:
         return ""
     lines = "; ".join(f"{', '.join(policies)} on {', '.join(f'{task} at {length:,} tokens' for task, length in cells)}"
                       " only" for cells, policies in partly.items())
-    return f'<p class="kvlens-leaderboard-partly">{html.escape(f"Not in the average, graded on fewer tasks: {lines}.")}</p>'
+    text = f"Not in the average at that length, graded on fewer of its tasks: {lines}."
+    return f'<p class="kvlens-leaderboard-partly">{html.escape(text)}</p>'
 
 
 @lru_cache(maxsize=32)
@@ -645,9 +646,9 @@ def _told_apart(path: str, modified: int, setting: str, cell: tuple[str, int] | 
 
 
 def told_apart(model, setting, folder: Path | None = None, cell: tuple[str, int] | None = None) -> list[dict]:
-    """Which policies the shipped samples, paired, tell apart at each ratio (``leaderboard.ordered_groups``): on the
-    average's tasks, or on one task at one length (``cell``); empty when the model ships no samples file or it does
-    not read."""
+    """Which policies the shipped samples, paired, tell apart at each length and ratio
+    (``leaderboard.ordered_groups``): on the average's tasks at each length, or on one task at one length
+    (``cell``); empty when the model ships no samples file or it does not read."""
     files = leaderboard_models(folder)
     path = shipped.samples_file(files[model]) if model in files else None
     if path is None or not path.is_file():

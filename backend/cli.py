@@ -315,14 +315,14 @@ def cmd_tasks(args: argparse.Namespace) -> int:
     figures = [leaderboard_figure(part, task) for (_, _, _), part in summary.groupby(["model", "setting", "length"],
                                                                                       sort=False)
                for task in dict.fromkeys(part["task"])]
-    figures += [leaderboard_figure(part, "average") for _, part in means.groupby(["model", "setting"], sort=False)]
+    figures += [leaderboard_figure(part, "average") for _, part in means.groupby(["model", "setting", "length"],
+                                                                                 sort=False)]
     page = "".join(fig.to_html(full_html=False, include_plotlyjs="cdn" if i else True) for i, fig in enumerate(figures))
     (out / "leaderboard.html").write_text(f"<html><head><meta charset=\"utf-8\"><title>KV Lens leaderboard</title>"
                                           f"</head><body>{page}{leaderboard_table_html(summary)}</body></html>")
     with pd.option_context("display.width", 200, "display.max_rows", 500):
-        shown = means if len(means) else summary
-        print(shown.drop(columns=["task", "length", "full_solves"]).to_string(index=False,
-                                                                            float_format=lambda v: f"{v:.2f}"))
+        shown = means.drop(columns=["task"]) if len(means) else summary  # the averages, one a length
+        print(shown.drop(columns=["full_solves"]).to_string(index=False, float_format=lambda v: f"{v:.2f}"))
     print(f"{len(jobs)} samples; wrote leaderboard.csv, summary.csv, leaderboard.html and samples.jsonl (the "
           f"checkpoint) to {out}")
     return 0

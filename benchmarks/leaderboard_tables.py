@@ -4,14 +4,15 @@ given):
 
     python -m benchmarks.leaderboard_tables [--setting agnostic] [FILE ...]
 
-Per model: the tasks and lengths the average is over (those Full solves and the policies ran on, each weighing
-the same; the tasks Full fails are left out) with their samples, then per policy the mean score at each ratio
-with Wilson's 95% interval over all their samples, policies by their mean over the ratios, best first. The app's
+Per model and length, as RULER reports its grades: the tasks the average is over (those Full solves there and the
+policies ran on, each weighing the same; the tasks Full fails are left out) with their samples, then per policy the
+mean score at each ratio with Wilson's 95% interval over all their samples, policies by their mean over the ratios,
+best first. The app's
 Tasks tab draws the same rows ("average"). Then, where the per-sample rows are shipped beside the summary
 (``samples/<model>.csv``), which policies the samples tell apart, paired (``leaderboard.paired_tests``), as
-groups at each ratio (``leaderboard.ordered_groups``). A policy graded on some of the tasks only (its samples on
-the others still to come) stays out of the average, which would not compare with the others'; each task and
-length every policy is graded on then gets a table and groups of its own, every policy in them.
+groups at each ratio (``leaderboard.ordered_groups``). A policy graded on some of a length's tasks only (its
+samples on the others still to come) stays out of that length's average, which would not compare with the others'.
+Then each task and length Full solves gets a table and groups of its own, every policy graded there in them.
 """
 from __future__ import annotations
 
@@ -32,12 +33,19 @@ GROUPS_HEADING = (
     "group's first:")
 
 
-def averaged_tasks(df: pd.DataFrame, setting: str) -> str:
-    """``niah_single_1 at 1024 (5), ...``: the tasks and lengths in the average (Full solves them and the policies
+def averaged_tasks(df: pd.DataFrame, setting: str, length: int) -> str:
+    """``niah_single_1 (10), ...``: the tasks in the average at ``length`` (Full solves them there and the policies
     ran on them), with the samples the policies ran on."""
-    rows = df[(df["policy"] != "full") & (df["task"] != "average") & (df["setting"] == setting) & df["full_solves"]]
-    samples = rows.groupby(["length", "task"])["samples"].max().astype(int)
-    return ", ".join(f"{task} at {length} ({n})" for (length, task), n in samples.items())
+    rows = df[(df["policy"] != "full") & (df["task"] != "average") & (df["setting"] == setting) & df["full_solves"]
+              & (df["length"] == length)]
+    samples = rows.groupby("task")["samples"].max().astype(int)
+    return ", ".join(f"{task} ({n})" for task, n in samples.items())
+
+
+def average_lengths(df: pd.DataFrame, setting: str) -> list[int]:
+    """The lengths with an average in ``setting`` (a task Full solves there), shortest first."""
+    rows = df[(df["task"] == "average") & (df["setting"] == setting) & (df["policy"] != "full")]
+    return sorted(int(n) for n in rows["length"].unique())
 
 
 def _grades(rows: pd.DataFrame) -> list[str]:
@@ -61,31 +69,34 @@ def _grades(rows: pd.DataFrame) -> list[str]:
 
 def _count(rows: pd.DataFrame) -> str:
     samples = sorted(rows["samples"].astype(int).unique())
-    return f"{samples[0]} samples" if len(samples) == 1 else f"{samples[0]}-{samples[-1]} samples"
+    if len(samples) > 1:
+        return f"{samples[0]}-{samples[-1]} samples"
+    return "1 sample" if samples[0] == 1 else f"{samples[0]} samples"
 
 
-def grade_table(df: pd.DataFrame, setting: str) -> str:
-    """Per policy, the averaged score at each ratio as ``0.88 (0.71-0.96)``, then the policies left out of the
-    average (``leaderboard.partly_graded``) with where they are graded; empty when the setting has none."""
-    rows = df[(df["task"] == "average") & (df["setting"] == setting) & (df["policy"] != "full")]
+def grade_table(df: pd.DataFrame, setting: str, length: int) -> str:
+    """Per policy, the score averaged over the tasks at ``length`` at each ratio as ``0.88 (0.71-0.96)``, then the
+    policies left out of that average (``leaderboard.partly_graded``) with where they are graded; empty when the
+    setting has no average there."""
+    rows = df[(df["task"] == "average") & (df["setting"] == setting) & (df["policy"] != "full")
+              & (df["length"] == length)]
     if rows.empty:
         return ""
-    lines = [f"{_count(rows)} a cell, over " + averaged_tasks(df, setting) + ".", "", *_grades(rows)]
-    partly = partly_graded(df[(df["task"] != "average") & (df["setting"] == setting)])
+    lines = [f"At {length} tokens, {_count(rows)} a cell, over " + averaged_tasks(df, setting, length) + ".", "",
+             *_grades(rows)]
+    partly = partly_graded(df[(df["task"] != "average") & (df["setting"] == setting) & (df["length"] == length)])
     if partly:
-        lines += ["", *(f"Graded on {', '.join(f'{task} at {length}' for task, length in cells)} only, so not "
-                        f"averaged: {', '.join(policies)}." for cells, policies in partly.items())]
+        lines += ["", *(f"Graded on {', '.join(task for task, _ in cells)} only at {length}, so not averaged there: "
+                        f"{', '.join(policies)}." for cells, policies in partly.items())]
     return "\n".join(lines)
 
 
-def common_cells(df: pd.DataFrame, setting: str) -> list[tuple[str, int]]:
-    """The tasks and lengths Full solves on which every policy of the leaderboard is graded, where some policies
-    are graded on fewer than the average's: each then has a table of its own with every policy."""
+def graded_cells(df: pd.DataFrame, setting: str) -> list[tuple[str, int]]:
+    """Every task and length Full solves with a policy graded there, shortest length first: each has a table of its
+    own with every policy graded on it."""
     rows = df[(df["task"] != "average") & (df["setting"] == setting) & df["full_solves"] & (df["policy"] != "full")]
-    if not partly_graded(rows):
-        return []
-    cells = [frozenset(zip(part["task"], part["length"])) for _, part in rows.groupby("policy", sort=False)]
-    return sorted(frozenset.intersection(*cells), key=lambda cell: (cell[1], cell[0])) if cells else []
+    return sorted({(str(task), int(length)) for task, length in zip(rows["task"], rows["length"])},
+                  key=lambda cell: (cell[1], cell[0]))
 
 
 def cell_table(df: pd.DataFrame, setting: str, task: str, length: int) -> str:
@@ -96,13 +107,17 @@ def cell_table(df: pd.DataFrame, setting: str, task: str, length: int) -> str:
                       *_grades(rows)])
 
 
-def groups_table(samples: pd.DataFrame, setting: str, cell: tuple[str, int] | None = None) -> str:
+def groups_table(samples: pd.DataFrame, setting: str, cell: tuple[str, int] | None = None,
+                 length: int | None = None) -> str:
     """Per ratio, how many pairs of policies the samples tell apart and the policies as groups, best first, on the
-    average's tasks or on ``cell``'s samples alone; empty when the setting has no policy rows on a task Full
-    solves."""
-    groups = ordered_groups(paired_tests(samples, setting, cell=cell))
+    average's tasks at ``length`` (default: every length's rows in turn) or on ``cell``'s samples alone; empty when
+    the setting has no policy rows on a task Full solves."""
+    groups = [row for row in ordered_groups(paired_tests(samples, setting, cell=cell))
+              if length is None or row["length"] == length]
     if not groups:
         return ""
+    if not any(row["pairs_ordered"] for row in groups):
+        return f"Told apart on the same samples: none of the {groups[0]['pairs']} pairs, at any ratio."
     lines = ["| ratio | pairs told apart | groups, best first |", "|---|---|---|"]
     for row in groups:
         ranked = " > ".join(", ".join(group) for group in row["groups"]) if row["pairs_ordered"] else "none told apart"
@@ -126,23 +141,25 @@ def main(argv: list[str] | None = None) -> int:
         except ShippedFileError as err:
             print(f"leaderboard_tables: {err}", file=sys.stderr)
             return 2
-        table = grade_table(df, args.setting)
-        print(f"**{path.stem}**, query-{args.setting}: " + (table if table else "no rows in this setting.") + "\n")
+        lengths = average_lengths(df, args.setting)
+        print(f"**{path.stem}**, query-{args.setting}" + (", the average over the tasks Full solves at each length."
+                                                          if lengths else ": no rows in this setting.") + "\n")
         samples_path = samples_file(path)
-        if table and samples_path.is_file():
-            try:
-                groups = groups_table(read_leaderboard_samples(samples_path), args.setting)
-            except ShippedFileError as err:
-                print(f"leaderboard_tables: {err}", file=sys.stderr)
-                return 2
+        try:
+            samples = read_leaderboard_samples(samples_path) if lengths and samples_path.is_file() else None
+        except ShippedFileError as err:
+            print(f"leaderboard_tables: {err}", file=sys.stderr)
+            return 2
+        for length in lengths:
+            print(grade_table(df, args.setting, length) + "\n")
+            groups = groups_table(samples, args.setting, length=length) if samples is not None else ""
             if groups:
                 print(groups + "\n")
-        for task, length in common_cells(df, args.setting) if table else []:
+        for task, length in graded_cells(df, args.setting) if lengths else []:
             print(cell_table(df, args.setting, task, length) + "\n")
-            if samples_path.is_file():
-                groups = groups_table(read_leaderboard_samples(samples_path), args.setting, (task, length))
-                if groups:
-                    print(groups + "\n")
+            groups = groups_table(samples, args.setting, (task, length)) if samples is not None else ""
+            if groups:
+                print(groups + "\n")
     return 0
 
 

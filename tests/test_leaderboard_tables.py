@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from backend.experiments.leaderboard import averaged, holm, ordered_groups, paired_tests, summarize
-from benchmarks.leaderboard_tables import cell_table, common_cells, grade_table, groups_table, main
+from benchmarks.leaderboard_tables import cell_table, grade_table, graded_cells, groups_table, main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,15 +34,15 @@ def test_grades_average_the_tasks_full_solves_with_wilsons_interval():
     # (p + z^2/6) / (1 + z^2/3), half z / (1 + z^2/3) * sqrt(p(1-p)/3 + z^2/36): 0.5 -> 0.500 -+ 0.375 = 0.13-0.87,
     # 0.25 -> 0.390 -+ 0.354 = 0.04-0.74, 0.75 -> 0.610 -+ 0.354 = 0.26-0.96. Knorm's mean over the ratios (0.625) is
     # above TOVA's (0.375): it comes first.
-    assert grade_table(_summary(), "agnostic").splitlines() == [
-        "3 samples a cell, over a at 1024 (2), b at 1024 (1).",
+    assert grade_table(_summary(), "agnostic", 1024).splitlines() == [
+        "At 1024 tokens, 3 samples a cell, over a (2), b (1).",
         "",
         "| policy | 0.5 | 0.75 |",
         "|---|---|---|",
         "| knorm | 0.50 (0.13-0.87) | 0.75 (0.26-0.96) |",
         "| tova | 0.50 (0.13-0.87) | 0.25 (0.04-0.74) |",
     ]
-    assert grade_table(_summary(), "aware") == ""
+    assert grade_table(_summary(), "aware", 1024) == "" and grade_table(_summary(), "agnostic", 4096) == ""
 
 
 def test_a_missing_file_is_one_line(tmp_path, capsys):
@@ -122,7 +122,7 @@ def test_groups_start_at_the_first_policy_put_below_the_groups_first():
     # starts one (a > c), and d joins c's (c ~ d), though b > d.
     told = {("a", "c"), ("a", "d"), ("b", "d")}
     order = ["a", "b", "c", "d"]
-    pairs = pd.DataFrame([{"model": "m", "setting": "agnostic", "ratio": 0.5, "policy": x, "other": y, "above": 0,
+    pairs = pd.DataFrame([{"model": "m", "setting": "agnostic", "length": 1024, "ratio": 0.5, "policy": x, "other": y, "above": 0,
                            "below": 0, "same": 0, "p": 1.0, "ordered": (x, y) in told}
                           for i, x in enumerate(order) for y in order[i + 1:]])
     [row] = ordered_groups(pairs)
@@ -137,7 +137,7 @@ def test_the_groups_table_is_markdown_per_ratio():
                           "| 0.5 | 1 of 1 | tova > knorm |"]
     assert groups_table(pd.DataFrame(rows), "aware") == ""
     few = _samples({"tova": [1] * 3, "knorm": [0] * 3})  # 3 of 3: p = 2 / 2^3 = 0.25, nothing told apart
-    assert groups_table(pd.DataFrame(few), "agnostic").splitlines()[-1] == "| 0.5 | 0 of 1 | none told apart |"
+    assert groups_table(pd.DataFrame(few), "agnostic") == "Told apart on the same samples: none of the 1 pairs, at any ratio."
 
 
 def test_a_policy_graded_on_some_tasks_only_stays_out_of_the_average_and_is_graded_where_every_policy_is():
@@ -152,10 +152,10 @@ def test_a_policy_graded_on_some_tasks_only_stays_out_of_the_average_and_is_grad
     mean = averaged(summary).set_index("policy")
     assert set(mean.index) == {"full", "tova", "knorm"}
     assert (mean.loc["tova", "score"], mean.loc["tova", "samples"]) == (0.5, 12)
-    table = grade_table(df, "agnostic").splitlines()
-    assert table[0] == "12 samples a cell, over a at 1024 (10), b at 1024 (2)."
-    assert table[-1] == "Graded on a at 1024 only, so not averaged: h2o."
-    assert common_cells(df, "agnostic") == [("a", 1024)]
+    table = grade_table(df, "agnostic", 1024).splitlines()
+    assert table[0] == "At 1024 tokens, 12 samples a cell, over a (10), b (2)."
+    assert table[-1] == "Graded on a only at 1024, so not averaged there: h2o."
+    assert graded_cells(df, "agnostic") == [("a", 1024), ("b", 1024)]
     assert cell_table(df, "agnostic", "a", 1024).splitlines()[0] == "a at 1024, every policy: 10 samples a cell, Full 1.00."
     assert [line.split(" |")[0] for line in cell_table(df, "agnostic", "a", 1024).splitlines()[4:]] == [
         "| tova", "| h2o", "| knorm"]
@@ -164,8 +164,34 @@ def test_a_policy_graded_on_some_tasks_only_stays_out_of_the_average_and_is_grad
     assert len(pairs) == 1 and {pairs["policy"][0], pairs["other"][0]} == {"tova", "knorm"}
     [row] = ordered_groups(paired_tests(samples, cell=("a", 1024)))
     assert row["groups"] == [["tova", "h2o"], ["knorm"]]
-    # A leaderboard whose every policy is graded on every task has no table per task.
-    assert common_cells(_summary(), "agnostic") == []
+    # A task Full fails has no table of its own.
+    assert graded_cells(_summary(), "agnostic") == [("a", 1024), ("b", 1024)]
+
+
+def test_each_length_has_its_own_average_of_the_policies_graded_on_all_its_tasks():
+    """As RULER reports its grades: a mean over the tasks at one length. H2O, on both tasks at 1024 and on none at
+    4096, is in the 1024 average; the 4096 average is TOVA's alone, and its pairs and groups are its own."""
+    rows = _samples({"tova": [1] * 10, "h2o": [1] * 5 + [0] * 5, "knorm": [0] * 10})
+    rows += _samples({"tova": [0, 0], "h2o": [1, 1], "knorm": [0, 0]}, task="b")
+    rows += [{**row, "length": 4096} for row in _samples({"tova": [1, 0, 0]})]
+    samples = pd.DataFrame(rows)
+    summary = summarize(samples)
+    mean = averaged(summary).set_index(["length", "policy"])["score"]
+    # 1024: TOVA (1 + 0) / 2, H2O (0.5 + 1) / 2, Knorm 0; 4096: TOVA 1 / 3. Full scores 1 at both.
+    assert mean.to_dict() == {(1024, "full"): 1.0, (1024, "tova"): 0.5, (1024, "h2o"): 0.75, (1024, "knorm"): 0.0,
+                              (4096, "full"): 1.0, (4096, "tova"): pytest.approx(1 / 3)}
+    df = pd.concat([summary, averaged(summary)], ignore_index=True)
+    assert grade_table(df, "agnostic", 4096).splitlines()[0] == "At 4096 tokens, 3 samples a cell, over a (3)."
+    assert graded_cells(df, "agnostic") == [("a", 1024), ("b", 1024), ("a", 4096)]
+    pairs = paired_tests(samples)
+    assert set(pairs["length"]) == {1024}  # one policy at 4096: no pair
+    assert {frozenset(pair) for pair in zip(pairs["policy"], pairs["other"])} == {
+        frozenset(pair) for pair in (("tova", "h2o"), ("tova", "knorm"), ("h2o", "knorm"))}
+    [row] = ordered_groups(pairs)
+    assert (row["length"], row["ratio"]) == (1024, 0.5)
+    assert groups_table(samples, "agnostic", length=4096) == ""
+    # TOVA above Knorm on 10 samples and below on none: 2 / 2^10 with Holm's 3 under 5%.
+    assert groups_table(samples, "agnostic", length=1024).splitlines()[-1].startswith("| 0.5 | ")
 
 
 def test_a_leaderboard_grades_every_registered_policy_that_takes_a_ratio():

@@ -50,4 +50,4 @@ def test_a_false_claim_fails(runs, board):
     assert not holds(Claim("reads", "sinks", "yes"), runs["window"], board)
     assert not holds(Claim("token0", "window", "100"), runs["window"], board)
     assert not holds(Claim("diverges", "tova", "none"), runs["needle"], board)
-    assert not holds(Claim("grade", "kvzip", "0.50", "average", 0.5), None, board)
+    assert not holds(Claim("grade", "kvzip", "0.50", "average", 0.5, 1024), None, board)

@@ -15,9 +15,9 @@ def _title_parts(rows: pd.DataFrame, task: str) -> tuple[str, str, str]:
     """The model, the view (the average, or a task at its lengths) and the setting."""
     model = ", ".join(dict.fromkeys(rows["model"].astype(str)))
     setting = ", ".join(f"query-{s}" for s in dict.fromkeys(rows["setting"].astype(str)))
-    if task == "average":
-        return model, "mean over the tasks Full solves", setting
     lengths = ", ".join(f"{int(n):,}" for n in dict.fromkeys(rows["length"]))
+    if task == "average":
+        return model, f"mean over the tasks Full solves at {lengths} tokens", setting
     return model, f"{task} at {lengths} tokens", setting
 
 
@@ -108,11 +108,12 @@ FAINT = "rgba(255,255,255,0.72)"  # laid over the rows not picked, so the picked
 
 
 def leaderboard_heatmap(summary: pd.DataFrame, task: str | None = None, order: list[str] | None = None,
-                        pick: str | None = None, groups: dict[float, list[list[str]]] | None = None) -> go.Figure:
+                        pick: str | None = None,
+                        groups: dict[tuple[int, float], list[list[str]]] | None = None) -> go.Figure:
     """The grades of one task (``task``; default the first) as a policy x ratio grid, each cell its score (with
     its sample count on hover), policies top to bottom in ``order`` (default: best mean first). ``pick``: one
-    policy drawn strong, the rest faint. ``groups``: per ratio the groups the samples tell apart (best first);
-    a line under a cell marks where a new group starts in that column. A colour-blind-safe scale (cividis)."""
+    policy drawn strong, the rest faint. ``groups``: per (length, ratio) the groups the samples tell apart (best
+    first); a line under a cell marks where a new group starts in that column. A colour-blind-safe scale (cividis)."""
     task = task if task is not None else str(summary["task"].iloc[0])
     rows = summary[(summary["task"] == task) & (summary["policy"] != "full")]
     lengths = sorted(int(n) for n in rows["length"].unique())
@@ -141,8 +142,8 @@ def leaderboard_heatmap(summary: pd.DataFrame, task: str | None = None, order: l
         at = order.index(pick)
         fig.add_shape(type="rect", x0=-0.5, x1=len(ratios) - 0.5, y0=at - 0.5, y1=at + 0.5,
                       line={"color": "#C0392B", "width": 3}, fillcolor="rgba(0,0,0,0)", layer="above")
-    for column, ratio in enumerate(ratios if len(lengths) == 1 else []):  # the groups are the average's
-        ranked = (groups or {}).get(ratio) or []
+    for column, (length, ratio) in enumerate(columns):
+        ranked = (groups or {}).get((length, ratio)) or []
         for group in ranked[1:]:  # a new group starts at its first policy: a line above that cell
             first = next((p for p in group if p in order), None)
             if first is not None:

@@ -6,8 +6,8 @@ batched generate-mode run with Full (``task_runs.run_sample``), so the grid runn
 (``experiments.grid``) runs the jobs serially or on Ray, resumes from its checkpoint, and replays finished
 runs from the store. ``leaderboard_frame`` joins the jobs' rows into the per-sample table (``COLUMNS``);
 ``summarize`` gives each (model, task, length, setting, policy, ratio) its mean score and interval, beside
-Full's; ``averaged`` gives each policy and ratio its mean over the tasks Full solves; ``paired_tests`` says
-which policies the samples, paired, tell apart.
+Full's; ``averaged`` gives each policy and ratio its mean over the tasks Full solves at each length;
+``paired_tests`` says which policies the samples, paired, tell apart.
 """
 from __future__ import annotations
 
@@ -105,51 +105,51 @@ def summarize(df: pd.DataFrame, confidence: float = 0.95) -> pd.DataFrame:
 
 
 def graded_everywhere(summary: pd.DataFrame) -> pd.DataFrame:
-    """The rows of ``summary`` on the tasks and lengths Full solves, of Full and the policies graded on every one of
-    them (per model and setting). A policy added to a leaderboard on some tasks only (its samples still to come on
-    the others) stays out: a mean over other tasks than the rest's would not compare with theirs."""
+    """The rows of ``summary`` on the tasks and lengths Full solves, of Full and, at each length, the policies graded
+    on every task Full solves there (per model and setting). A policy added to a leaderboard on some tasks only (its
+    samples still to come on the others) stays out of that length's average: a mean over other tasks than the
+    rest's would not compare with theirs."""
     solved = summary[summary["full_solves"]]
     kept = []
-    for _, part in solved.groupby(["model", "setting"], sort=False):
+    for _, part in solved.groupby(["model", "setting", "length"], sort=False):
         policies = part[part["policy"] != "full"]
-        cells = policies.groupby("policy", sort=False).apply(
-            lambda rows: frozenset(zip(rows["task"], rows["length"])), include_groups=False)
-        every = frozenset(zip(policies["task"], policies["length"]))
+        cells = policies.groupby("policy", sort=False)["task"].agg(frozenset)
+        every = frozenset(policies["task"])
         complete = {policy for policy, where in cells.items() if where == every}
         kept.append(part[(part["policy"] == "full") | part["policy"].isin(complete)])
     return pd.concat(kept, ignore_index=True) if kept else solved
 
 
 def averaged(summary: pd.DataFrame, confidence: float = 0.95) -> pd.DataFrame:
-    """Per (model, setting, policy, ratio): the mean over the tasks and lengths Full solves (each weighs the same),
-    with Wilson's interval over all their samples; for the policies graded on every one of them
-    (``graded_everywhere``)."""
+    """Per (model, setting, length, policy, ratio), as RULER reports its grades: the mean over the tasks Full solves
+    at that length (each weighs the same), with Wilson's interval over all their samples; for the policies graded
+    on every one of them (``graded_everywhere``). The rows' task is "average"."""
     solved = graded_everywhere(summary)
     rows = []
-    for (model, setting, policy, ratio), part in solved.groupby(["model", "setting", "policy", "ratio"],
-                                                               sort=False, dropna=False):
+    for (model, setting, length, policy, ratio), part in solved.groupby(
+            ["model", "setting", "length", "policy", "ratio"], sort=False, dropna=False):
         mean, n = float(part["score"].mean()), int(part["samples"].sum())
         lo, hi = wilson(mean, n, confidence)
-        rows.append({"model": model, "task": "average", "length": 0, "setting": setting, "policy": policy,
-                     "ratio": ratio, "samples": n, "score": mean, "lo": lo, "hi": hi,
+        rows.append({"model": model, "task": "average", "length": int(length), "setting": setting,
+                     "policy": policy, "ratio": ratio, "samples": n, "score": mean, "lo": lo, "hi": hi,
                      "full_score": float(part["full_score"].mean()), "full_solves": True})
     return pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
 
 
 def partly_graded(summary: pd.DataFrame) -> dict[tuple[tuple[str, int], ...], list[str]]:
-    """The policies ``averaged`` leaves out of one model's and setting's ``summary`` (graded on some of the tasks Full
-    solves only), by the tasks and lengths they are graded on."""
+    """The policies ``averaged`` leaves out of one model's and setting's ``summary`` at some length (graded on some
+    of the tasks Full solves there only), by the tasks and lengths they are graded on there."""
     solved = summary[summary["full_solves"] & (summary["policy"] != "full")]
-    averaged_policies = set(graded_everywhere(summary)["policy"])
+    averaged_at = set(zip(*(graded_everywhere(summary)[key] for key in ("policy", "length"))))
     found: dict[tuple[tuple[str, int], ...], list[str]] = {}
-    for policy, rows in solved.groupby("policy", sort=False):
-        if policy not in averaged_policies:
-            cells = tuple(sorted({(str(t), int(n)) for t, n in zip(rows["task"], rows["length"])}))
+    for (length, policy), rows in solved.groupby(["length", "policy"], sort=False):
+        if (policy, length) not in averaged_at:
+            cells = tuple(sorted({(str(t), int(length)) for t in rows["task"]}))
             found.setdefault(cells, []).append(str(policy))
     return found
 
 
-PAIR_COLUMNS = ["model", "setting", "ratio", "policy", "other", "above", "below", "same", "p", "ordered"]
+PAIR_COLUMNS = ["model", "setting", "length", "ratio", "policy", "other", "above", "below", "same", "p", "ordered"]
 
 
 def holm(pvalues: Sequence[float]) -> list[float]:
@@ -165,16 +165,16 @@ def holm(pvalues: Sequence[float]) -> list[float]:
 
 def paired_tests(samples: pd.DataFrame, setting: str = "agnostic", alpha: float = 0.05,
                  cell: tuple[str, int] | None = None) -> pd.DataFrame:
-    """Which policies the samples tell apart, pair by pair at each ratio (``PAIR_COLUMNS``), over the tasks and
-    lengths Full solves, as ``averaged`` grades them (the policies graded on every one of them); ``cell``, a task
-    and a length: on that one's samples alone, every policy graded there.
+    """Which policies the samples tell apart, pair by pair at each length and ratio (``PAIR_COLUMNS``), over the
+    tasks Full solves at that length, as ``averaged`` grades them (the policies graded on every one of them);
+    ``cell``, a task and a length: on that one's samples alone, every policy graded there.
 
     Every policy answers the same samples, so two policies are compared sample by sample, a test of the pair where
     two overlapping or apart intervals are not one: on how many samples ``policy`` (the one graded higher, or first
     in the grades' order on a tie) scores above ``other``, below it and the same, and the two-sided sign test's p
     over the samples that differ. ``ordered``: ``policy`` wins, with Holm's correction over every pair at that
-    ratio keeping p under ``alpha``. The grades weigh each task the same and the test each sample, so a pair may
-    also come out the other way (more samples below than above); that is not ``ordered``."""
+    length and ratio keeping p under ``alpha``. The grades weigh each task the same and the test each sample, so a
+    pair may also come out the other way (more samples below than above); that is not ``ordered``."""
     from scipy import stats
 
     rows = samples[samples["setting"] == setting]
@@ -187,9 +187,10 @@ def paired_tests(samples: pd.DataFrame, setting: str = "agnostic", alpha: float 
     grades = averaged(summarize(rows))
     grades = grades[grades["policy"] != "full"]
     pairs = []
-    for (model, ratio), part in grades.groupby(["model", "ratio"], sort=True):
+    for (model, length, ratio), part in grades.groupby(["model", "length", "ratio"], sort=True):
         order = list(part.sort_values("score", ascending=False, kind="stable")["policy"])
-        cell = rows[(rows["model"] == model) & (rows["ratio"] == ratio) & rows["policy"].isin(order)]
+        cell = rows[(rows["model"] == model) & (rows["length"] == length) & (rows["ratio"] == ratio)
+                    & rows["policy"].isin(order)]
         # One column a policy, one row a sample (NaN where a policy did not answer it).
         wide = cell.set_index(["task", "length", "sample", "policy"])["score"].unstack("policy")[order].to_numpy()
         found = []
@@ -199,8 +200,8 @@ def paired_tests(samples: pd.DataFrame, setting: str = "agnostic", alpha: float 
                 both = ~(np.isnan(a) | np.isnan(b))
                 above, below = int((a[both] > b[both] + 1e-9).sum()), int((b[both] > a[both] + 1e-9).sum())
                 p = float(stats.binomtest(above, above + below).pvalue) if above + below else 1.0
-                found.append({"model": model, "setting": setting, "ratio": float(ratio), "policy": policy,
-                              "other": order[j], "above": above, "below": below,
+                found.append({"model": model, "setting": setting, "length": int(length), "ratio": float(ratio),
+                              "policy": policy, "other": order[j], "above": above, "below": below,
                               "same": int(both.sum()) - above - below, "p": p})
         for pair, adjusted in zip(found, holm([pair["p"] for pair in found])):
             pair["ordered"] = bool(adjusted < alpha and pair["above"] > pair["below"])
@@ -209,12 +210,12 @@ def paired_tests(samples: pd.DataFrame, setting: str = "agnostic", alpha: float 
 
 
 def ordered_groups(pairs: pd.DataFrame) -> list[dict]:
-    """``paired_tests``' verdicts as groups, per (model, setting, ratio): the policies in the grades' order, a new
-    group starting at the first policy the samples order below the current group's first. So each group's first
+    """``paired_tests``' verdicts as groups, per (model, setting, length, ratio): the policies in the grades' order,
+    a new group starting at the first policy the samples order below the current group's first. So each group's first
     is told apart from the next group's first; policies within a group may be too (``pairs_ordered`` of
-    ``pairs`` are). Each: model, setting, ratio, pairs, pairs_ordered, groups (lists of policies)."""
+    ``pairs`` are). Each: model, setting, length, ratio, pairs, pairs_ordered, groups (lists of policies)."""
     found = []
-    for (model, setting, ratio), part in pairs.groupby(["model", "setting", "ratio"], sort=True):
+    for (model, setting, length, ratio), part in pairs.groupby(["model", "setting", "length", "ratio"], sort=True):
         first = part["policy"].iloc[0]
         order = [first, *part.loc[part["policy"] == first, "other"]]
         ordered = set(zip(part.loc[part["ordered"], "policy"], part.loc[part["ordered"], "other"]))
@@ -224,6 +225,7 @@ def ordered_groups(pairs: pd.DataFrame) -> list[dict]:
                 groups.append([policy])
             else:
                 groups[-1].append(policy)
-        found.append({"model": model, "setting": setting, "ratio": float(ratio), "pairs": len(part),
+        found.append({"model": model, "setting": setting, "length": int(length), "ratio": float(ratio),
+                      "pairs": len(part),
                       "pairs_ordered": int(part["ordered"].sum()), "groups": groups})
     return found
