@@ -596,17 +596,42 @@ def setting_choices(settings) -> list[tuple[str, str]]:
     return [(SETTING_LABELS.get(s, s), s) for s in settings]
 
 
-def shipped_leaderboard(model, task, setting, pick=None, folder: Path | None = None):
+AVERAGE_VIEW = re.compile(r"average at ([\d,]{1,12}) tokens")
+
+
+def average_view(length: int) -> str:
+    """The Tasks tab's name for the average over the tasks Full solves at ``length`` tokens."""
+    return f"average at {int(length):,} tokens"
+
+
+def parse_view(view) -> tuple[str, int | None]:
+    """The task and length a leaderboard view shows: ("average", 1024) for "average at 1,024 tokens", a task's name
+    and None (every length) otherwise."""
+    found = AVERAGE_VIEW.fullmatch(str(view))
+    return ("average", int(found.group(1).replace(",", ""))) if found else (str(view), None)
+
+
+def _in_view(df: pd.DataFrame, view, samples: bool = False) -> pd.Series:
+    """The rows ``view`` shows of a shipped summary, or with ``samples`` of its samples file (for an average, every
+    task at its length)."""
+    task, length = parse_view(view)
+    tasks = pd.Series(True, index=df.index) if samples and task == "average" else df["task"] == task
+    return tasks & (df["length"] == length) if length is not None else tasks
+
+
+def shipped_leaderboard(model, view, setting, pick=None, folder: Path | None = None):
     """One shipped leaderboard's figure (a policy x ratio grid, ``pick`` drawn strong, the groups the samples tell
-    apart marked in each length's columns) and table for (task, setting), or None, "" and a one-line message when
-    the file is missing or malformed or holds no such rows."""
+    apart marked in each length's columns) and table for (view, setting), or None, "" and a one-line message when
+    the file is missing or malformed or holds no such rows. ``view``: a task (at every length it has) or the
+    average at one length (``average_view``)."""
     try:
         df = _read_leaderboard(model, folder)
     except shipped.ShippedFileError as err:
         return None, "", f"**{markdown_text(str(err))}**"
-    rows = df[(df["task"] == task) & (df["setting"] == setting)]
+    task, length = parse_view(view)
+    rows = df[_in_view(df, view) & (df["setting"] == setting)]
     if rows.empty:
-        where = f"{str(task)[:80]} (query-{str(setting)[:20]})"
+        where = f"{str(view)[:80]} (query-{str(setting)[:20]})"
         return None, "", f"**{markdown_text(f'The leaderboard of {model} has no rows for {where}.')}**"
     table = leaderboard_table_html(rows)
     solved = sorted({int(n) for n in rows.loc[rows["full_solves"].astype(bool), "length"]})
@@ -617,7 +642,8 @@ def shipped_leaderboard(model, task, setting, pick=None, folder: Path | None = N
         by_length = {n: told_apart(model, setting, folder, (str(task), n)) for n in solved}
     table += "".join(ordered_groups_html(found, f"at {n:,} tokens") for n, found in by_length.items())
     if task == "average":
-        table += _partly_graded_html(df[(df["task"] != "average") & (df["setting"] == setting)])
+        table += _partly_graded_html(df[(df["task"] != "average") & (df["setting"] == setting)
+                                        & (df["length"] == length)])
     ranked = {(int(row["length"]), float(row["ratio"])): row["groups"] for found in by_length.values() for row in found}
     pick = pick if isinstance(pick, str) else None
     return leaderboard_heatmap(rows, str(task), pick=pick, groups=ranked), table, ""
@@ -659,9 +685,9 @@ def told_apart(model, setting, folder: Path | None = None, cell: tuple[str, int]
 SAMPLE_TABLE_COLUMNS = ["task", "sample", "policy", "ratio", "score", "answer"]
 
 
-def leaderboard_samples(model, task, setting, folder: Path | None = None) -> pd.DataFrame:
-    """The shipped answers behind one leaderboard view (every task for "average"), at the lengths a visitor can
-    run: a row per sample, policy and ratio. Empty when the model ships none."""
+def leaderboard_samples(model, view, setting, folder: Path | None = None) -> pd.DataFrame:
+    """The shipped answers behind one leaderboard view (every task at its length for an average), at the lengths a
+    visitor can run: a row per sample, policy and ratio. Empty when the model ships none."""
     files = leaderboard_models(folder)
     path = shipped.samples_file(files[model]) if model in files else None
     if path is None or not path.is_file():
@@ -671,7 +697,7 @@ def leaderboard_samples(model, task, setting, folder: Path | None = None) -> pd.
     except shipped.ShippedFileError:
         return pd.DataFrame(columns=SAMPLE_TABLE_COLUMNS)
     rows = df[(df["setting"] == setting) & df["length"].isin(api.TASK_LENGTHS) & df["task"].isin(OFFLINE)
-              & ((df["task"] == task) | (task == "average"))]
+              & _in_view(df, view, samples=True)]
     rows = rows.sort_values(["task", "sample", "policy", "ratio"], kind="stable")
     return rows[SAMPLE_TABLE_COLUMNS].reset_index(drop=True)
 
@@ -692,14 +718,15 @@ def on_board_sample(table, setting, board, evt: ClickData):
 
 
 def leaderboard_view(model, task=None, folder: Path | None = None):
-    """A shipped model's tasks ("average" first), settings and policies, then the figure, table and note of ``task``
-    (default its first) in its first setting (nothing and a message when the file is missing or bad)."""
+    """A shipped model's views (the average at each length first, then its tasks), settings and policies, then the
+    figure, table and note of view ``task`` (default its first) in its first setting (nothing and a message when the
+    file is missing or bad)."""
     try:
         df = _read_leaderboard(model, folder)
     except shipped.ShippedFileError as err:
         return [], [], [], None, None, "", f"**{markdown_text(str(err))}**"
-    tasks = list(dict.fromkeys(df["task"]))
-    tasks = ["average", *(t for t in tasks if t != "average")] if "average" in tasks else tasks
+    averages = sorted(int(n) for n in df.loc[df["task"] == "average", "length"].unique())
+    tasks = [*map(average_view, averages), *(t for t in dict.fromkeys(df["task"]) if t != "average")]
     settings = list(dict.fromkeys(df["setting"]))
     policies = [p for p in dict.fromkeys(df["policy"].astype(str)) if p != "full"]
     task = task if task in tasks else tasks[0]

@@ -43,8 +43,8 @@ def test_a_leaderboard_offers_the_average_first_then_its_tasks_and_settings(boar
     (boards / "a-model.csv").unlink()
     (boards / f"{app.api.DEFAULT_MODEL}.csv").unlink()
     tasks, settings, policies, task, figure, table, note = app.leaderboard_view("m")
-    assert tasks == ["average", "niah_single_1", "ruler_vt"] and settings == ["agnostic", "aware"]
-    assert policies == ["tova", "snapkv"] and task == "average"
+    assert tasks == ["average at 1,024 tokens", "niah_single_1", "ruler_vt"] and settings == ["agnostic", "aware"]
+    assert policies == ["tova", "snapkv"] and task == "average at 1,024 tokens"
     assert note == "" and "mean over the tasks Full solves" in figure.layout.title.text
 
 
@@ -76,7 +76,7 @@ def test_the_average_says_which_policies_the_paired_samples_tell_apart(boards):
                  f'm,niah_single_1,1024,"{HOSTILE}",0.5,agnostic,{sample},0.0,b,x']
     (boards / "samples").mkdir()
     (boards / "samples" / "m.csv").write_text("\n".join(rows) + "\n")
-    _, table, note = app.shipped_leaderboard("m", "average", "agnostic")
+    _, table, note = app.shipped_leaderboard("m", "average at 1,024 tokens", "agnostic")
     assert note == "" and "Told apart on the same samples" in table
     assert "<tr><td>0.5</td><td>1 of 1</td><td>tova &gt; &lt;img src=x onerror=alert(1)&gt;</td></tr>" in table
     assert HOSTILE not in table
@@ -85,13 +85,45 @@ def test_the_average_says_which_policies_the_paired_samples_tell_apart(boards):
     assert "<td>1 of 1</td><td>tova &gt; &lt;img" in table and HOSTILE not in table
 
 
+def test_the_average_at_each_length_is_a_view_of_its_own_with_its_full_and_its_groups(boards):
+    # The average at 4,096 tokens too, where Full scores 0.5; three samples there tell nothing apart.
+    summary = pd.read_csv(boards / "m.csv")
+    longer = summary[summary["task"] == "average"].assign(length=4096, full_score=0.5)
+    pd.concat([summary, longer]).to_csv(boards / "m.csv", index=False)
+    rows = ["model,task,length,policy,ratio,setting,sample,score,answer,spec"]
+    for length, samples in ((1024, 9), (4096, 3)):
+        for sample in range(samples):
+            rows += [f"m,niah_single_1,{length},full,0.0,agnostic,{sample},1.0,a,full",
+                     f"m,niah_single_1,{length},tova,0.5,agnostic,{sample},1.0,a,tova:ratio=0.5",
+                     f"m,niah_single_1,{length},snapkv,0.5,agnostic,{sample},0.0,b,snapkv:ratio=0.5"]
+    (boards / "samples").mkdir()
+    (boards / "samples" / "m.csv").write_text("\n".join(rows) + "\n")
+    assert app.leaderboard_view("m")[0][:2] == ["average at 1,024 tokens", "average at 4,096 tokens"]
+    figure, table, note = app.shipped_leaderboard("m", "average at 4,096 tokens", "agnostic")
+    assert note == "" and list(figure.data[0].x) == ["0.5", "0.75"]
+    assert figure.layout.title.text == "m<br>mean over the tasks Full solves at 4,096 tokens<br>query-agnostic; Full 0.50"
+    assert "average at 4,096: Full 0.50" in table and "average at 1,024" not in table
+    assert "Told apart on the same samples at 4,096 tokens: none of the 1 pairs, at any ratio." in table
+    assert not [shape for shape in figure.layout.shapes if shape.type == "line"]
+    figure, table, _ = app.shipped_leaderboard("m", "average at 1,024 tokens", "agnostic")
+    assert "Told apart on the same samples at 1,024 tokens" in table and "<td>1 of 1</td>" in table
+    assert [(s.x0, s.x1) for s in figure.layout.shapes if s.type == "line"] == [(-0.5, 0.5)]  # above snapkv at 0.5
+    # A task at several lengths: a column per length and ratio, Full's score at each, a line for the groups at 1k.
+    summary = pd.read_csv(boards / "m.csv")
+    longer = summary[summary["task"] == "niah_single_1"].assign(length=4096, full_score=0.5)
+    pd.concat([summary, longer]).to_csv(boards / "m.csv", index=False)
+    figure, _, _ = app.shipped_leaderboard("m", "niah_single_1", "agnostic")
+    assert list(figure.data[0].x) == ["1k · 0.5", "1k · 0.75", "4k · 0.5", "4k · 0.75"]
+    assert figure.layout.title.text == "m<br>niah_single_1 at 1k, 4k<br>query-agnostic; Full 1.00, 0.50"
+
+
 def test_a_policy_graded_on_some_tasks_only_is_named_under_the_average_and_grouped_on_its_task(boards):
     # Ruler_vt is solved here too; h2o is graded on niah_single_1 alone: the average leaves it out and says so.
     summary = pd.read_csv(boards / "m.csv")
     summary.loc[summary["task"] == "ruler_vt", ["full_score", "full_solves"]] = [1.0, True]
     extra = summary[(summary["task"] == "niah_single_1") & (summary["policy"] == "tova")].assign(policy="h2o")
     pd.concat([summary, extra]).to_csv(boards / "m.csv", index=False)
-    _, table, note = app.shipped_leaderboard("m", "average", "agnostic")
+    _, table, note = app.shipped_leaderboard("m", "average at 1,024 tokens", "agnostic")
     assert note == "" and ("Not in the average at that length, graded on fewer of its tasks: h2o on niah_single_1 at "
                            "1,024 tokens only.") in table
     figure, _, _ = app.shipped_leaderboard("m", "niah_single_1", "agnostic")
@@ -107,8 +139,9 @@ def test_a_single_setting_hides_the_setting_radio(tmp_path, monkeypatch):
     (tmp_path / "m.csv").write_text(leaderboard_csv(settings=("agnostic",)))
     monkeypatch.setattr(shipped, "LEADERBOARDS", tmp_path)
     task, setting, pick, figure, table, note = app.on_leaderboard_model("m")
-    assert pick["choices"] == ["(none)", "tova", "snapkv"] and task["choices"] == ["average", "niah_single_1", "ruler_vt"]
-    assert task["value"] == "average" and setting["value"] == "agnostic" and setting["visible"] is False
+    assert pick["choices"] == ["(none)", "tova", "snapkv"] and task["choices"] == ["average at 1,024 tokens", "niah_single_1",
+                                                                                 "ruler_vt"]
+    assert task["value"] == "average at 1,024 tokens" and setting["value"] == "agnostic" and setting["visible"] is False
     assert figure is not None and note == ""
 
 
@@ -134,7 +167,7 @@ def test_a_missing_or_malformed_leaderboard_is_one_escaped_line(tmp_path, monkey
         folder.mkdir()
         (folder / "m.csv").write_bytes(content if isinstance(content, bytes) else content.encode())
     monkeypatch.setattr(shipped, "LEADERBOARDS", folder)
-    for figure, table, note in (app.shipped_leaderboard(model, "average", "agnostic"), app.leaderboard_view(model)[4:]):
+    for figure, table, note in (app.shipped_leaderboard(model, "average at 1,024 tokens", "agnostic"), app.leaderboard_view(model)[4:]):
         assert figure is None and table == ""
         assert message in note and len(note.splitlines()) == 1
         assert "<b>1" not in note  # the file's content reaches the page escaped
@@ -148,11 +181,13 @@ def test_a_task_or_setting_the_file_lacks_is_one_line(boards):
 def test_every_shipped_leaderboard_reads_and_draws():
     for path in shipped.leaderboard_files():
         tasks, settings, _, _, figure, table, note = app.leaderboard_view(path.stem)
-        assert note == "" and tasks[0] == "average" and set(settings) <= {"agnostic", "aware"}
+        assert note == "" and tasks[0] == "average at 1,024 tokens" and set(settings) <= {"agnostic", "aware"}
         rows = shipped.read_leaderboard(path)
-        for task, setting in rows[["task", "setting"]].drop_duplicates().itertuples(index=False):
-            figure, table, note = app.shipped_leaderboard(path.stem, task, setting)
-            assert note == "" and figure is not None, (task, setting)
+        for view in tasks:
+            for setting in settings:
+                figure, table, note = app.shipped_leaderboard(path.stem, view, setting)
+                has = (app._in_view(rows, view) & (rows["setting"] == setting)).any()
+                assert (note == "" and figure is not None) if has else "has no rows for" in note, (view, setting)
 
 
 HOSTILE = "<img src=x onerror=alert(1)>"
@@ -250,7 +285,7 @@ def test_the_answers_behind_a_leaderboard_are_listed_and_a_click_picks_one(board
     assert list(rows.columns) == app.SAMPLE_TABLE_COLUMNS
     assert rows[["policy", "ratio", "sample"]].values.tolist() == [["full", 0.0, 1], ["tova", 0.75, 1]]  # 1k only
     assert rows["answer"].tolist() == ["42", "<b>7</b>"]  # plain text: the Dataframe shows it as text
-    assert len(app.leaderboard_samples("m", "average", "agnostic")) == 3  # every task
+    assert len(app.leaderboard_samples("m", "average at 1,024 tokens", "agnostic")) == 3  # every task at 1,024 tokens
     assert app.leaderboard_samples("nosuch", "niah_single_1", "agnostic").empty
 
     class Click:

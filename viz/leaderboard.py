@@ -15,10 +15,12 @@ def _title_parts(rows: pd.DataFrame, task: str) -> tuple[str, str, str]:
     """The model, the view (the average, or a task at its lengths) and the setting."""
     model = ", ".join(dict.fromkeys(rows["model"].astype(str)))
     setting = ", ".join(f"query-{s}" for s in dict.fromkeys(rows["setting"].astype(str)))
-    lengths = ", ".join(f"{int(n):,}" for n in dict.fromkeys(rows["length"]))
+    found = sorted(int(n) for n in dict.fromkeys(rows["length"]))
+    # Several lengths in k as the columns name them, short enough for a phone's line: "1k, 4k, 8k".
+    lengths = f"{found[0]:,} tokens" if len(found) == 1 else ", ".join(f"{n / 1024:g}k" for n in found)
     if task == "average":
-        return model, f"mean over the tasks Full solves at {lengths} tokens", setting
-    return model, f"{task} at {lengths} tokens", setting
+        return model, f"mean over the tasks Full solves at {lengths}", setting
+    return model, f"{task} at {lengths}", setting
 
 
 def _title(rows: pd.DataFrame, task: str) -> str:
@@ -86,11 +88,14 @@ def leaderboard_table_html(summary: pd.DataFrame) -> str:
 def ordered_groups_html(groups: list[dict], where: str = "") -> str:
     """Which policies the samples tell apart (``leaderboard.ordered_groups``): per ratio, the policies in the
     grades' order as groups, ``>`` where a group's first is told apart from the next group's, and how many pairs
-    are; every name escaped. ``where``: the samples they are, when not the average's (e.g. "at 1,024 tokens").
-    Empty without groups."""
+    are; every name escaped. ``where``: the samples they are (e.g. "at 1,024 tokens"). One line when no pair is
+    told apart at any ratio; empty without groups."""
     if not groups:
         return ""
     where = f" {html.escape(where)}" if where else ""
+    if not any(row["pairs_ordered"] for row in groups):
+        return (f'<p class="kvlens-leaderboard-groups">Told apart on the same samples{where}: none of the '
+                f"{int(groups[0]['pairs'])} pairs, at any ratio.</p>")
     body = []
     for row in groups:
         ranked = (" &gt; ".join(", ".join(html.escape(str(p)) for p in group) for group in row["groups"])
@@ -152,13 +157,14 @@ def leaderboard_heatmap(summary: pd.DataFrame, task: str | None = None, order: l
                               line={"color": "#E69F00", "width": 3}, layer="above")
     full = rows["full_score"].iloc[0] if len(rows) else float("nan")
     lines = list(_title_parts(summary[summary["task"] == task], task)) if len(rows) else [task]
-    if pd.notna(full):
-        lines[-1] += f"; Full {float(full):.2f}"
+    if pd.notna(full):  # Full's score at each length, in the columns' order
+        fulls = rows.groupby("length", sort=True)["full_score"].first()
+        lines[-1] += "; Full " + ", ".join(f"{float(v):.2f}" for v in fulls)
         if not bool(rows["full_solves"].iloc[0]):
             lines[-1] += ": Full fails it, so no policy is graded on it"
     fig = finish(fig, ": ".join(lines), height=max(400, 200 + 26 * len(order)),
-                 xaxis={"title": "compression ratio<br>(share of the context's KV removed"
-                        + (")" if len(lengths) == 1 else ", by context length)"), "type": "category",
+                 xaxis={"title": "compression ratio<br>(share of the "
+                        + ("context's KV removed)" if len(lengths) == 1 else "KV removed, by length)"), "type": "category",
                         "side": "top"},
                  yaxis={"autorange": "reversed", "automargin": True, "type": "category"})
     # A line each for the model, the view and the setting, each short enough for a phone's narrow plot; the title's

@@ -170,7 +170,7 @@ LESSONS: MappingProxyType[str, Lesson] = MappingProxyType({lesson.name: lesson f
         Step("Each cell is a policy's score on RULER's tasks at one **compression ratio**: the share of the "
              "context's KV pairs removed (0.75 keeps a quarter). Here, the mean over the tasks Full solves at 1,024 "
              "tokens, query-agnostic: at 0.5, KVzip scores **0.91**, Quest **0.71** and SnapKV **0.07**.",
-             view="tasks", task="average",
+             view="tasks", task="average at 1,024 tokens",
              claims=(Claim("grade", "kvzip", "0.91", "average", 0.5, 1024),
                      Claim("grade", "quest", "0.71", "average", 0.5, 1024),
                      Claim("grade", "snapkv", "0.07", "average", 0.5, 1024))),
@@ -185,7 +185,7 @@ LESSONS: MappingProxyType[str, Lesson] = MappingProxyType({lesson.name: lesson f
         Step("A few samples a cell cannot order close scores. Under the average, the table of groups says which "
              "policies the samples tell apart (a sign test per pair on the same samples); an orange line in the "
              "grid marks where a new group starts. Click a sample's row below to run it here, with its evidence "
-             "marked.", view="tasks", task="average"),
+             "marked.", view="tasks", task="average at 1,024 tokens"),
     )),
 )})
 
