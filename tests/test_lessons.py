@@ -31,6 +31,14 @@ def test_five_or_more_lessons_of_three_to_six_steps():
             assert (step.run in SHOWCASE and step.view in VIEWS) or (not step.run and step.view == "tasks"), step
 
 
+def test_a_step_on_the_tasks_tab_opens_a_view_the_default_model_ships():
+    import app
+
+    views = app.leaderboard_view(api.DEFAULT_MODEL)[0]
+    steps = [step for lesson in LESSONS.values() for step in lesson.steps if step.view == "tasks"]
+    assert steps and all(step.task in views for step in steps), views
+
+
 def test_every_claim_holds_and_the_text_quotes_it(runs, board):
     checked = 0
     for lesson in LESSONS.values():
