@@ -644,7 +644,8 @@ def shipped_leaderboard(model, view, setting, pick=None, folder: Path | None = N
     if task == "average":
         table += _partly_graded_html(df[(df["task"] != "average") & (df["setting"] == setting)
                                         & (df["length"] == length)])
-    ranked = {(int(row["length"]), float(row["ratio"])): row["groups"] for found in by_length.values() for row in found}
+    ranked = {(int(row["length"]), float(row["ratio"])): row["groups"]
+              for found in by_length.values() for row in found}
     pick = pick if isinstance(pick, str) else None
     return leaderboard_heatmap(rows, str(task), pick=pick, groups=ranked), table, ""
 

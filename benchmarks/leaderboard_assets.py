@@ -1,7 +1,8 @@
 """Merge task leaderboards (``python -m backend tasks``'s ``leaderboard.csv``, a row per sample and policy) of one
 model into the shipped files the app's "Tasks" tab draws: ``assets/leaderboards/<model>.csv`` (the summary:
 per task, length, setting, policy and ratio the mean score with Wilson's interval and Full's, then the
-averages over the tasks Full solves at each length) and ``assets/leaderboards/samples/<model>.csv`` (every sample's row).
+averages over the tasks Full solves at each length) and ``assets/leaderboards/samples/<model>.csv`` (every
+sample's row).
 
     python -m benchmarks.leaderboard_assets out/smol-niah/leaderboard.csv out/smol-full/leaderboard.csv \
         --out assets/leaderboards

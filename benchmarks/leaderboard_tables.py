@@ -7,10 +7,9 @@ given):
 Per model and length, as RULER reports its grades: the tasks the average is over (those Full solves there and the
 policies ran on, each weighing the same; the tasks Full fails are left out) with their samples, then per policy the
 mean score at each ratio with Wilson's 95% interval over all their samples, policies by their mean over the ratios,
-best first. The app's
-Tasks tab draws the same rows ("average"). Then, where the per-sample rows are shipped beside the summary
-(``samples/<model>.csv``), which policies the samples tell apart, paired (``leaderboard.paired_tests``), as
-groups at each ratio (``leaderboard.ordered_groups``). A policy graded on some of a length's tasks only (its
+best first. The app's Tasks tab draws the same rows ("average at 1,024 tokens", ...). Then, where the per-sample
+rows are shipped beside the summary (``samples/<model>.csv``), which policies the samples tell apart, paired
+(``leaderboard.paired_tests``), as groups at each ratio (``leaderboard.ordered_groups``). A policy graded on some of a length's tasks only (its
 samples on the others still to come) stays out of that length's average, which would not compare with the others'.
 Then each task and length Full solves gets a table and groups of its own, every policy graded there in them.
 """
@@ -110,8 +109,8 @@ def cell_table(df: pd.DataFrame, setting: str, task: str, length: int) -> str:
 def groups_table(samples: pd.DataFrame, setting: str, cell: tuple[str, int] | None = None,
                  length: int | None = None) -> str:
     """Per ratio, how many pairs of policies the samples tell apart and the policies as groups, best first, on the
-    average's tasks at ``length`` (default: every length's rows in turn) or on ``cell``'s samples alone; empty when
-    the setting has no policy rows on a task Full solves."""
+    average's tasks at ``length`` (default: at each length, its ratios named "1024 · 0.5" where there are several)
+    or on ``cell``'s samples alone; empty when the setting has no policy rows on a task Full solves."""
     groups = [row for row in ordered_groups(paired_tests(samples, setting, cell=cell))
               if length is None or row["length"] == length]
     if not groups:
@@ -119,9 +118,11 @@ def groups_table(samples: pd.DataFrame, setting: str, cell: tuple[str, int] | No
     if not any(row["pairs_ordered"] for row in groups):
         return f"Told apart on the same samples: none of the {groups[0]['pairs']} pairs, at any ratio."
     lines = ["| ratio | pairs told apart | groups, best first |", "|---|---|---|"]
+    several = len({row["length"] for row in groups}) > 1
     for row in groups:
         ranked = " > ".join(", ".join(group) for group in row["groups"]) if row["pairs_ordered"] else "none told apart"
-        lines.append(f"| {row['ratio']:g} | {row['pairs_ordered']} of {row['pairs']} | {ranked} |")
+        where = f"{row['length']} · {row['ratio']:g}" if several else f"{row['ratio']:g}"
+        lines.append(f"| {where} | {row['pairs_ordered']} of {row['pairs']} | {ranked} |")
     return "\n".join([GROUPS_HEADING, "", *lines])
 
 

@@ -136,6 +136,9 @@ def test_the_groups_table_is_markdown_per_ratio():
     assert lines[-3:] == ["| ratio | pairs told apart | groups, best first |", "|---|---|---|",
                           "| 0.5 | 1 of 1 | tova > knorm |"]
     assert groups_table(pd.DataFrame(rows), "aware") == ""
+    both = pd.DataFrame(rows + [{**row, "length": 4096} for row in rows])  # each length's ratios named apart
+    assert groups_table(both, "agnostic").splitlines()[-2:] == ["| 1024 · 0.5 | 1 of 1 | tova > knorm |",
+                                                               "| 4096 · 0.5 | 1 of 1 | tova > knorm |"]
     few = _samples({"tova": [1] * 3, "knorm": [0] * 3})  # 3 of 3: p = 2 / 2^3 = 0.25, nothing told apart
     assert groups_table(pd.DataFrame(few), "agnostic") == "Told apart on the same samples: none of the 1 pairs, at any ratio."
 

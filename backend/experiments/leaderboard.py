@@ -211,8 +211,8 @@ def paired_tests(samples: pd.DataFrame, setting: str = "agnostic", alpha: float 
 
 def ordered_groups(pairs: pd.DataFrame) -> list[dict]:
     """``paired_tests``' verdicts as groups, per (model, setting, length, ratio): the policies in the grades' order,
-    a new group starting at the first policy the samples order below the current group's first. So each group's first
-    is told apart from the next group's first; policies within a group may be too (``pairs_ordered`` of
+    a new group starting at the first policy the samples order below the current group's first. So each group's
+    first is told apart from the next group's first; policies within a group may be too (``pairs_ordered`` of
     ``pairs`` are). Each: model, setting, length, ratio, pairs, pairs_ordered, groups (lists of policies)."""
     found = []
     for (model, setting, length, ratio), part in pairs.groupby(["model", "setting", "length", "ratio"], sort=True):
@@ -226,6 +226,5 @@ def ordered_groups(pairs: pd.DataFrame) -> list[dict]:
             else:
                 groups[-1].append(policy)
         found.append({"model": model, "setting": setting, "length": int(length), "ratio": float(ratio),
-                      "pairs": len(part),
-                      "pairs_ordered": int(part["ordered"].sum()), "groups": groups})
+                      "pairs": len(part), "pairs_ordered": int(part["ordered"].sum()), "groups": groups})
     return found
