@@ -596,7 +596,7 @@ def setting_choices(settings) -> list[tuple[str, str]]:
     return [(SETTING_LABELS.get(s, s), s) for s in settings]
 
 
-AVERAGE_VIEW = re.compile(r"average at ([\d,]{1,12}) tokens")
+AVERAGE_VIEW = re.compile(r"average at (\d{1,3}(?:,\d{3}){0,3}) tokens")
 
 
 def average_view(length: int) -> str:

@@ -176,6 +176,11 @@ def test_a_missing_or_malformed_leaderboard_is_one_escaped_line(tmp_path, monkey
 def test_a_task_or_setting_the_file_lacks_is_one_line(boards):
     figure, table, note = app.shipped_leaderboard("m", "<script>", "agnostic")
     assert figure is None and "no rows for &lt;script&gt; (query-agnostic)" in note
+    for view in ("average at ,,, tokens", "average at 4,096 tokens", "average at 99999999999999 tokens"):
+        figure, table, note = app.shipped_leaderboard("m", view, "agnostic")
+        assert figure is None and "has no rows for" in note and len(note.splitlines()) == 1, view
+    assert app.parse_view("average at 1,024 tokens") == ("average", 1024)
+    assert app.parse_view("average at ,,, tokens") == ("average at ,,, tokens", None)
 
 
 def test_every_shipped_leaderboard_reads_and_draws():
