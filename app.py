@@ -1345,18 +1345,23 @@ def build() -> gr.Blocks:
 
         plots = [heatmap, step_row, reach, reach_distance, curves, curves_steps, held_forms]
 
-        def draw(then, documented=False):
-            """The run's views, after ``then`` (an event's ``then``, or a trigger): the summary and the view in
-            sight. The plots are taken off the page first and drawn anew: plotly cannot redraw four panels as one
-            in place (its axes fail to scale)."""
-            # Each step defers, never drops: a step still pending from an earlier chain (a second tab opened
-            # while the first draws) would otherwise skip this chain's step, and with it the rest of the chain.
-            last = {"trigger_mode": "always_last"}
-            shown_ = {**(views_ if documented else views_hidden), **last}
-            cleared = then(lambda: [gr.update(visible=False)] * len(plots), None, plots, **quick, **last)
-            return cleared.then(render_run, [run_id, view], run_views, **shown_).then(
-                render_views, [*selectors, *zoom_controls, view], views, **shown_).then(
-                lambda: [gr.update(visible=True)] * len(plots), None, plots, **quick, **last)
+        # Every event that shows a run or a view asks for one draw chain, by moving this counter: a chain's steps
+        # each defer to their own pending call, so the last asked draw also finishes last. Separate chains could
+        # finish out of order, and a slow draw of the run shown before would cover the new run's views.
+        draws = gr.Number(0, visible=False, elem_id="draws")
+
+        def draw(then):
+            """Ask for the run's views after ``then`` (an event's ``then``, or a trigger)."""
+            return then(lambda asked: (asked or 0) + 1, draws, draws, **quick, trigger_mode="always_last")
+
+        # The draw: the summary and the view in sight. The plots are taken off the page first and drawn anew:
+        # plotly cannot redraw four panels as one in place (its axes fail to scale). Each step defers, never
+        # drops: a step still pending from an earlier draw would otherwise skip this one, and the rest with it.
+        last = {"trigger_mode": "always_last"}
+        cleared = draws.change(lambda: [gr.update(visible=False)] * len(plots), None, plots, **quick, **last)
+        cleared.then(render_run, [run_id, view], run_views, **views_, **last).then(
+            render_views, [*selectors, *zoom_controls, view], views, **views_, **last).then(
+            lambda: [gr.update(visible=True)] * len(plots), None, plots, **quick, **last)
 
         for control in (prompt, mode, max_new, names, custom, model):
             control.change(on_cost, run_inputs, cost_line, **cost_)
@@ -1368,7 +1373,7 @@ def build() -> gr.Blocks:
         for trigger in (run_button.click, budget.input):  # input: a lesson setting the budget runs nothing
             ran = model_job(trigger, on_run, run_inputs, [run_id, status, step, layer, head_],
                             trigger_mode="always_last", **({} if trigger == run_button.click else hidden))
-            draw(ran.then, documented=trigger == run_button.click)
+            draw(ran.then)
             ran.then(on_cost, run_inputs, cost_line, **cost_)
         for control in (layer, head_, curve_alpha):
             control.change(render_views, [*selectors, *zoom_controls, view], views, **views_hidden)

@@ -138,9 +138,34 @@ def test_the_views_draw_chain_defers_a_step_still_pending_and_never_drops_it():
     drawing = [d for d in config["dependencies"] if plots & {elem_ids[i] for i in d["outputs"]}
                and d["api_name"] not in ("on_play", "on_tick")]
     chained = [d for d in drawing if d.get("trigger_after") is not None]
-    assert len(chained) >= 6  # the Run button's, the budget's and the view's chains: draw, then show
+    assert len(chained) >= 4  # the draw chain and the page load's: draw, then show
     dropped = [(d["api_name"], d["targets"]) for d in drawing if d["trigger_mode"] == "once"]
     assert not dropped, f"events that would drop a draw: {dropped}"
+
+
+def test_every_event_that_shows_a_run_asks_the_one_draw_chain_so_the_last_asked_finishes_last():
+    """A tab opened just before a run replayed from the store drew the run shown before over the new run's masks:
+    two chains drew at once and the slower finished last. So the Run button, the budget, a tab, a needle cell, a
+    task sample and a lesson step each move one counter, whose change starts the only chain that draws after a run
+    (the page load's draws before any); its steps defer to their own pending calls, in order."""
+    config = app.demo.get_config_file()
+    elem_ids = {c["id"]: c.get("props", {}).get("elem_id") for c in config["components"]}
+    by_id = {d["id"]: d for d in config["dependencies"]}
+    counter = next(i for i, name in elem_ids.items() if name == "draws")
+    summaries = [d for d in config["dependencies"] if "summary" in {elem_ids[i] for i in d["outputs"]}
+                 and d["api_name"] != "render_run_after_load"]
+    assert [d["api_name"] for d in summaries] == ["render_run"]
+
+    def first_of(d):
+        while d.get("trigger_after") is not None:
+            d = by_id[d["trigger_after"]]
+        return d
+
+    assert [t[0] for t in first_of(summaries[0])["targets"]] == [counter]
+    askers = [d for d in config["dependencies"] if counter in d["outputs"]]
+    asked_after = {elem_ids.get(first_of(d)["targets"][0][0]) for d in askers}
+    assert {"run", "budget", "view-in-sight", "needle-cells", "lesson-next", "lesson-back"} <= asked_after
+    assert all(d["trigger_mode"] == "always_last" for d in askers)
 
 
 def test_zoom_controls_become_a_window_inside_the_text():
