@@ -17,42 +17,60 @@ def private_store(tmp_path, monkeypatch):
 
 
 def cli(*args):
+    """The command in a process of its own, as a user starts it."""
     return subprocess.run([sys.executable, "-m", "backend", *args], capture_output=True, text=True, timeout=300,
                           env=dict(os.environ))
 
 
-@pytest.mark.slow
+@pytest.fixture
+def refused(capsys, monkeypatch):
+    """The command through the same door (settings checked, then ``cli.main``) in this process, for what it answers
+    before any model loads: a process of its own would spend seconds importing torch to say one line. An exception
+    that escapes fails the test, as a traceback on stderr would."""
+    from backend.__main__ import main
+
+    def run(*args):
+        monkeypatch.setattr(sys, "argv", ["kvlens", *args])
+        try:
+            status = main()
+        except SystemExit as exit_:  # argparse's own answers (--help, a malformed option)
+            status = exit_.code
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(args, status, out, err)
+
+    return run
+
+
 @pytest.mark.parametrize("policy, message", [
     ("lru:budget=4", "unknown policy 'lru'"),
     ("tova:budget=0", "budget must be an integer >= 1"),
     ("tova:alpha=0.3", "unknown parameter 'alpha'"),
     ("kivi:budget=48", "kivi: KIVI holds every token and takes no budget (its parameters: "),
 ])
-def test_bad_policy_is_a_one_line_error(text_file, tmp_path, policy, message):
-    result = cli("run", "--text", str(text_file), "--policy", policy, "--out", str(tmp_path / "o"))
+def test_bad_policy_is_a_one_line_error(refused, text_file, tmp_path, policy, message):
+    result = refused("run", "--text", str(text_file), "--policy", policy, "--out", str(tmp_path / "o"))
     assert result.returncode == 2
     assert result.stderr.strip() == f"error: {result.stderr.strip()[7:]}" and message in result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("content, message", [(b"", "is empty"), (b"  \n", "is empty"),
                                                (b"caf\xe9 au lait", "is not UTF-8 text")])
-def test_bad_text_file_is_a_one_line_error(tmp_path, content, message):
+def test_bad_text_file_is_a_one_line_error(refused, tmp_path, content, message):
     path = tmp_path / "bad.txt"
     path.write_bytes(content)
-    result = cli("run", "--text", str(path), "--policy", "tova:budget=4", "--out", str(tmp_path / "o"))
+    result = refused("run", "--text", str(path), "--policy", "tova:budget=4", "--out", str(tmp_path / "o"))
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize("source", ["/dev/zero", "fifo", "directory"])
-def test_the_text_must_be_a_regular_file(tmp_path, source):
+def test_the_text_must_be_a_regular_file(refused, tmp_path, source):
     if source == "fifo":  # nobody ever writes to it: reading it would wait forever
         source = tmp_path / "fifo"
         os.mkfifo(source)
     elif source == "directory":
         source = tmp_path
-    result = cli("run", "--text", str(source), "--policy", "tova:budget=8", "--out", str(tmp_path / "o"))
+    result = refused("run", "--text", str(source), "--policy", "tova:budget=8", "--out", str(tmp_path / "o"))
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip() == f"error: not a regular file: {source}"
 
@@ -67,38 +85,36 @@ def test_a_long_text_file_is_read_only_as_far_as_the_limits_allow(tmp_path):
     assert text == "€" * 1334  # the characters whole within the cap
 
 
-@pytest.mark.slow
-def test_missing_file_and_unknown_model_are_one_line_errors(text_file, tmp_path):
-    result = cli("run", "--text", str(tmp_path / "nope.txt"), "--policy", "full", "--out", str(tmp_path))
+def test_missing_file_and_unknown_model_are_one_line_errors(refused, text_file, tmp_path):
+    result = refused("run", "--text", str(tmp_path / "nope.txt"), "--policy", "full", "--out", str(tmp_path))
     assert result.returncode == 2 and "text file not found" in result.stderr
-    result = cli("run", "--text", str(text_file), "--policy", "full", "--model", "../etc/passwd", "--out", str(tmp_path))
+    result = refused("run", "--text", str(text_file), "--policy", "full", "--model", "../etc/passwd", "--out",
+                     str(tmp_path))
     assert result.returncode == 2 and "no such model" in result.stderr and "Traceback" not in result.stderr
 
 
-@pytest.mark.slow
-def test_bad_store_size_and_out_path_are_one_line_errors(text_file, tmp_path, monkeypatch):
+def test_bad_store_size_and_out_path_are_one_line_errors(refused, text_file, tmp_path, monkeypatch):
     monkeypatch.setenv("KVLENS_STORE_MB", "lots")
-    result = cli("run", "--text", str(text_file), "--policy", "full", "--out", str(tmp_path / "o"))
+    result = refused("run", "--text", str(text_file), "--policy", "full", "--out", str(tmp_path / "o"))
     assert result.returncode == 2 and "KVLENS_STORE_MB" in result.stderr and "Traceback" not in result.stderr
     monkeypatch.delenv("KVLENS_STORE_MB")
-    result = cli("run", "--text", str(text_file), "--policy", "full", "--out", str(text_file))
+    result = refused("run", "--text", str(text_file), "--policy", "full", "--out", str(text_file))
     assert result.returncode == 2 and "not a directory" in result.stderr
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name, value", [("KVLENS_MAX_POLICIES", "abc"), ("KVLENS_MAX_POLICIES", "0"),
                                          ("KVLENS_PLUGINS", "os.system"), ("KVLENS_STOER_MB", "5")])
-def test_a_malformed_setting_stops_the_start_with_one_line_naming_it(text_file, tmp_path, monkeypatch, name, value):
+def test_a_malformed_setting_stops_the_start_with_one_line_naming_it(refused, text_file, tmp_path, monkeypatch, name,
+                                                                    value):
     monkeypatch.setenv(name, value)
-    result = cli("run", "--text", str(text_file), "--policy", "tova:budget=4", "--out", str(tmp_path / "o"))
+    result = refused("run", "--text", str(text_file), "--policy", "tova:budget=4", "--out", str(tmp_path / "o"))
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith(f"error: {name}")
 
 
-@pytest.mark.slow
-def test_help_lists_every_policy_and_its_parameters():
-    out = cli("run", "--help").stdout
+def test_help_lists_every_policy_and_its_parameters(refused):
+    out = refused("run", "--help").stdout
     for name in ("full", "window", "sinks", "h2o", "tova", "a2sf", "oracle"):
         assert f"\n  {name} " in out
     assert "alpha=0.1" in out and "sinks=4" in out and "recent=-1" in out
