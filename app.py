@@ -1370,9 +1370,12 @@ def build() -> gr.Blocks:
             box.input(merge_kinds, kind_boxes, names, **quick)
         policy_set.input(named_set, policy_set, names, **quick)
         names.change(split_kinds, names, [*kind_boxes, policy_set], **quick)
+        # A run's progress shows on its status line only: on every output it was drawn four times over, across the
+        # layer, head and step controls too, each with a timer of its own.
         for trigger in (run_button.click, budget.input):  # input: a lesson setting the budget runs nothing
             ran = model_job(trigger, on_run, run_inputs, [run_id, status, step, layer, head_],
-                            trigger_mode="always_last", **({} if trigger == run_button.click else hidden))
+                            trigger_mode="always_last", show_progress_on=status,
+                            **({} if trigger == run_button.click else hidden))
             draw(ran.then)
             ran.then(on_cost, run_inputs, cost_line, **cost_)
         for control in (layer, head_, curve_alpha):
@@ -1409,7 +1412,7 @@ def build() -> gr.Blocks:
         model_job(needle_button.click, on_needle, [needle_names, needle_budget, needle_lengths, model],
                   [needle_plot, needle_table, needle_status, needle_cells])
         draw(model_job(needle_cells.select, on_needle_cell, [needle_cells, model],
-                       [run_id, status, step, layer, head_]).then)
+                       [run_id, status, step, layer, head_], show_progress_on=status).then)
         board_outputs = [board_task, board_setting, board_pick, board_plot, board_table, board_note]
         opened = tasks_page.select(on_leaderboard_model, [board, board_task], board_outputs, **views_hidden)
         opened.then(leaderboard_samples, [board, board_task, board_setting], board_samples, **views_hidden)
@@ -1424,7 +1427,8 @@ def build() -> gr.Blocks:
         # A task sample is a run: it takes the model's slot, then the usual views show it as the Run button's do.
         task_inputs = [task_name, task_sample, task_setting, task_names, task_ratio, model]
         sample_outputs = [run_id, status, task_status, task_table, step, layer, head_]
-        sampled = model_job(task_button.click, on_task_sample, task_inputs, sample_outputs)
+        sampled = model_job(task_button.click, on_task_sample, task_inputs, sample_outputs,
+                            show_progress_on=[task_status, status])
         draw(sampled.then)
         # The expected time follows the controls, the page's opening (the model may have loaded since) and a sample.
         for control in (task_name, task_setting, task_names, task_ratio, model):
@@ -1435,7 +1439,8 @@ def build() -> gr.Blocks:
         picked = board_samples.select(on_board_sample, [board_samples, board_setting, board],
                                       [task_name, task_sample, task_setting, task_names, task_ratio, model],
                                       queue=False)
-        draw(model_job(picked.then, on_task_sample, task_inputs, sample_outputs).then)
+        draw(model_job(picked.then, on_task_sample, task_inputs, sample_outputs,
+                       show_progress_on=[task_status, status]).then)
         export_button.click(on_export, selectors, export_file, **views_)
         # A lesson step sets the controls and the views from a shipped run: nothing computes.
         lesson_outputs = [lesson, lesson_box, lesson_text, run_id, status, step, layer, head_, prompt, names,

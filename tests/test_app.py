@@ -168,6 +168,19 @@ def test_every_event_that_shows_a_run_asks_the_one_draw_chain_so_the_last_asked_
     assert all(d["trigger_mode"] == "always_last" for d in askers)
 
 
+def test_a_runs_progress_shows_on_its_status_line_only():
+    """A run's progress bar and timer show on the status line (and a task sample's on the Tasks page's too), not
+    again over the layer, head and step controls the run also sets."""
+    config = app.demo.get_config_file()
+    elem_ids = {c["id"]: c.get("props", {}).get("elem_id") for c in config["components"]}
+    in_the_model_slot = {index for index, fn in app.demo.fns.items() if fn.concurrency_id == app.MODEL_SLOT}
+    runs = [d for d in config["dependencies"] if d["id"] in in_the_model_slot
+            and {"status", "layer", "head", "step"} <= {elem_ids[i] for i in d["outputs"]}]
+    assert {d["api_name"].rstrip("_1") for d in runs} == {"on_run", "on_needle_cell", "on_task_sample"}
+    for d in runs:
+        assert {elem_ids[i] for i in d["show_progress_on"]} in ({"status"}, {"status", "task-status"}), d["api_name"]
+
+
 def test_zoom_controls_become_a_window_inside_the_text():
     run = SimpleNamespace(traces=[SimpleNamespace(tokens=np.arange(1000))])
     assert app.panels.zoom_window(run, False, 10, 10, 64) is None  # off: the whole text, binned
