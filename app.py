@@ -1370,8 +1370,8 @@ def build() -> gr.Blocks:
             box.input(merge_kinds, kind_boxes, names, **quick)
         policy_set.input(named_set, policy_set, names, **quick)
         names.change(split_kinds, names, [*kind_boxes, policy_set], **quick)
-        # A run's progress shows on its status line only: on every output it was drawn four times over, across the
-        # layer, head and step controls too, each with a timer of its own.
+        # A run's progress shows on its status line only: on every output it would be drawn four times over, across
+        # the layer, head and step controls too, each with a timer of its own.
         for trigger in (run_button.click, budget.input):  # input: a lesson setting the budget runs nothing
             ran = model_job(trigger, on_run, run_inputs, [run_id, status, step, layer, head_],
                             trigger_mode="always_last", show_progress_on=status,
