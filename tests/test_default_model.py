@@ -1,5 +1,6 @@
 """End to end on the default model (SmolLM2-135M-Instruct from the packaged GGUF)."""
 import dataclasses
+import json
 import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -117,7 +118,7 @@ def test_loaders_that_meet_on_a_gguf_convert_it_once_and_read_the_same_directory
         converted.append(target)
         time.sleep(0.5)  # long enough for the other loader to arrive while it runs
         target.mkdir()
-        (target / "kvlens-source.json").write_text("{}")
+        (target / "kvlens-source.json").write_text(json.dumps({"layout": models.LAYOUT}))
 
     monkeypatch.setattr(models, "_convert", convert)
     found = []
@@ -127,3 +128,62 @@ def test_loaders_that_meet_on_a_gguf_convert_it_once_and_read_the_same_directory
     for loader in loaders:
         loader.join()
     assert len(converted) == 1 and len(found) == 2 and found[0] == found[1] == (converted[0], found[0][1])
+
+
+def test_a_converted_gguf_holds_a_tied_weight_once_under_the_input_embeddings_name(default_lm):
+    """transformers loads the embedding as it is and ties the LM head to it; under the head's name (safetensors'
+    save_model's choice) it filled the embedding with random numbers first, on every load."""
+    from safetensors import safe_open
+
+    from backend.engine import models
+
+    directory, _ = models._converted(models._smollm2_gguf(), models.DEFAULT_MODEL)
+    with safe_open(directory / "model.safetensors", "pt") as weights:
+        names = set(weights.keys())
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
+    model = default_lm.model
+    assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+
+
+def test_a_directory_converted_in_an_earlier_layout_is_converted_again_once(tmp_path, monkeypatch):
+    from backend.engine import models
+
+    monkeypatch.setenv("KVLENS_MODEL_CACHE", str(tmp_path / "cache"))
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"GGUF not really")
+    earlier = tmp_path / "cache" / f"m-{models._file_fingerprint(source)}"
+    earlier.mkdir(parents=True)
+    (earlier / "kvlens-source.json").write_text(json.dumps({"gguf": "model.gguf"}))  # layout 1 wrote no layout
+    converted = []
+
+    def convert(source, target, fingerprint):
+        converted.append(target)
+        (target / "kvlens-source.json").write_text(json.dumps({"layout": models.LAYOUT}))
+
+    monkeypatch.setattr(models, "_convert", convert)
+    assert models._converted(source, "m")[0] == earlier and converted == [earlier]
+    assert models._converted(source, "m")[0] == earlier and converted == [earlier]
+
+
+def test_a_files_sha256_is_remembered_while_its_size_and_time_stay(tmp_path, monkeypatch):
+    import hashlib
+
+    from backend.engine import models
+
+    monkeypatch.setenv("KVLENS_MODEL_CACHE", str(tmp_path / "cache"))
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"GGUF not really")
+    fingerprint = models._file_fingerprint(source)
+    assert fingerprint == hashlib.sha256(b"GGUF not really").hexdigest()[:16]
+
+    def unread(*args):
+        raise AssertionError("hashed again")
+
+    monkeypatch.setattr(models.hashlib, "sha256", unread)
+    assert models._file_fingerprint(source) == fingerprint  # from the memo: the file is not read
+    monkeypatch.undo()
+    monkeypatch.setenv("KVLENS_MODEL_CACHE", str(tmp_path / "cache"))
+    source.write_bytes(b"GGUF changed")
+    assert models._file_fingerprint(source) == hashlib.sha256(b"GGUF changed").hexdigest()[:16]
+    (tmp_path / "cache" / "sha256.json").write_text("not json")  # a damaged memo: hashed again, no error
+    assert models._file_fingerprint(source) == hashlib.sha256(b"GGUF changed").hexdigest()[:16]

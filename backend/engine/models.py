@@ -65,8 +65,11 @@ def _gemma_gguf() -> Path | None:
     target = cache_dir() / "gguf" / package.MODEL_NAME
     try:  # joins the four chunk packages into one file (and checks its sha256)
         if target.is_file():
+            if _remembered_sha256(target) == package.EXPECTED_SHA256:  # checked by an earlier load, unchanged since
+                return target
             try:
-                return package.assemble(target)
+                _remember_sha256(package.assemble(target), package.EXPECTED_SHA256)
+                return target
             except FileExistsError:  # not the whole file (an assembly cut short): assembled again below
                 pass
         # Under a name of this process's own, then moved in whole: processes that start at once (the suite's
@@ -177,12 +180,46 @@ def cache_dir() -> Path:
     return Path(os.environ.get("KVLENS_MODEL_CACHE", Path.home() / ".cache" / "kvlens" / "models"))
 
 
+def _sha256_memo() -> Path:
+    return cache_dir() / "sha256.json"
+
+
+def _remembered_sha256(path: Path) -> str | None:
+    """The sha256 an earlier load computed for ``path``, while the file keeps the size and time it had then: hashing
+    Gemma's 250 MB on every load took 0.6 s."""
+    try:
+        size, mtime_ns, sha = json.loads(_sha256_memo().read_text())[str(path)]
+        stat = path.stat()
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return sha if (stat.st_size, stat.st_mtime_ns) == (size, mtime_ns) else None
+
+
+def _remember_sha256(path: Path, sha: str) -> None:
+    """Note ``path``'s sha256 beside its size and time (a memo: where it cannot be written, the next load hashes)."""
+    memo = _sha256_memo()
+    try:
+        known = json.loads(memo.read_text()) if memo.is_file() else {}
+        stat = path.stat()
+        known[str(path)] = [stat.st_size, stat.st_mtime_ns, sha]
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        partial = memo.with_name(f"{memo.name}.{os.getpid()}.{threading.get_ident()}")
+        partial.write_text(json.dumps(known))
+        os.replace(partial, memo)  # whole or not at all; of two writers at once, the last one's memo stands
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
 def _file_fingerprint(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()[:16]
+    sha = _remembered_sha256(path)
+    if sha is None:
+        digest = hashlib.sha256()
+        with open(path, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(block)
+        sha = digest.hexdigest()
+        _remember_sha256(path, sha)
+    return sha[:16]
 
 
 def _converted(source: Path, name: str) -> tuple[Path, str]:
@@ -191,18 +228,31 @@ def _converted(source: Path, name: str) -> tuple[Path, str]:
     that conversion, then read it."""
     fingerprint = _file_fingerprint(source)
     target = cache_dir() / f"{name}-{fingerprint}"
-    if (target / "kvlens-source.json").is_file():
+    if _converted_as_now(target):
         return target, fingerprint
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when its process dies
-        if not (target / "kvlens-source.json").is_file():
+        if not _converted_as_now(target):
             _convert(source, target, fingerprint)
     return target, fingerprint
 
 
+# What ``_convert`` writes. Layout 2 keeps a tied weight under the input embedding's name, which transformers loads
+# as it is; layout 1 kept the LM head's, so each load first filled the embedding with random numbers (1 s for
+# Gemma's 262,144 x 640) before tying it to the head. A directory of an earlier layout is converted again, once.
+LAYOUT = 2
+
+
+def _converted_as_now(target: Path) -> bool:
+    try:
+        return json.loads((target / "kvlens-source.json").read_text()).get("layout") == LAYOUT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def _convert(source: Path, target: Path, fingerprint: str) -> None:
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
@@ -214,9 +264,20 @@ def _convert(source: Path, target: Path, fingerprint: str) -> None:
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     (tmp / "config.json").write_text(json.dumps(config, indent=1))
-    save_model(model, str(tmp / "model.safetensors"))
+    # A tied weight once, under the name it was first registered by (the input embedding); safetensors' own
+    # save_model keeps another of its names.
+    unique = {name for name, _ in model.named_parameters()}
+    every = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    tensors = {name: tensor.contiguous() for name, tensor in model.state_dict().items()
+               if name in unique or name not in every}
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(tmp)
-    (tmp / "kvlens-source.json").write_text(json.dumps({"gguf": source.name, "fingerprint": fingerprint}))
+    (tmp / "kvlens-source.json").write_text(json.dumps({"gguf": source.name, "fingerprint": fingerprint,
+                                                        "layout": LAYOUT}))
+    if target.exists():  # an earlier layout: set aside, then removed (a process reading it keeps its open files)
+        aside = Path(tempfile.mkdtemp(dir=target.parent, prefix=".earlier-"))
+        target.rename(aside / target.name)
+        shutil.rmtree(aside, ignore_errors=True)
     try:
         tmp.rename(target)
     except OSError:  # another process finished first (one that took no lock: an older KV Lens)
