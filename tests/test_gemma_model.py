@@ -11,6 +11,8 @@ from backend.engine.runner import compute_traces
 from backend.policies import TOVA, Window
 
 ROOT = Path(__file__).resolve().parent.parent
+# One worker takes the module, so Gemma loads once for it (a module fixture is made on each worker it reaches).
+pytestmark = pytest.mark.xdist_group("gemma")
 
 
 @pytest.fixture(scope="module")

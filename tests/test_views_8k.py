@@ -22,6 +22,8 @@ MiB = 2 ** 20
 # Most views peak at a few MiB (masks of all layers: ~25). Those that go through every head's reads or
 # follow scores over all steps peak at ~35-65 MiB (the oracle's spans of 90 heads, 128-step score blocks).
 HEAVY_VIEWS = ("summary", "retention", "A2S")
+# One worker takes the module, so the 8k run below is made once (a module fixture is made on each worker it reaches).
+pytestmark = pytest.mark.xdist_group("views_8k")
 
 
 @pytest.fixture(scope="module")
