@@ -11,6 +11,7 @@ Full's; ``averaged`` gives each policy and ratio its mean over the tasks Full so
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import fields
 
@@ -163,6 +164,16 @@ def holm(pvalues: Sequence[float]) -> list[float]:
     return adjusted
 
 
+@functools.cache
+def sign_test(above: int, below: int) -> float:
+    """The two-sided sign test's p of ``above`` wins and ``below`` losses (scipy's exact binomial test at 1/2; 1 with
+    neither). Remembered: the same counts come up for many pairs, and a leaderboard's tests number tens of
+    thousands."""
+    from scipy import stats
+
+    return float(stats.binomtest(above, above + below).pvalue) if above + below else 1.0
+
+
 def paired_tests(samples: pd.DataFrame, setting: str = "agnostic", alpha: float = 0.05,
                  cell: tuple[str, int] | None = None) -> pd.DataFrame:
     """Which policies the samples tell apart, pair by pair at each length and ratio (``PAIR_COLUMNS``), over the
@@ -175,8 +186,6 @@ def paired_tests(samples: pd.DataFrame, setting: str = "agnostic", alpha: float 
     over the samples that differ. ``ordered``: ``policy`` wins, with Holm's correction over every pair at that
     length and ratio keeping p under ``alpha``. The grades weigh each task the same and the test each sample, so a
     pair may also come out the other way (more samples below than above); that is not ``ordered``."""
-    from scipy import stats
-
     rows = samples[samples["setting"] == setting]
     if cell is not None:
         rows = rows[(rows["task"] == cell[0]) & (rows["length"] == int(cell[1]))]
@@ -199,7 +208,7 @@ def paired_tests(samples: pd.DataFrame, setting: str = "agnostic", alpha: float 
                 a, b = wide[:, i], wide[:, j]
                 both = ~(np.isnan(a) | np.isnan(b))
                 above, below = int((a[both] > b[both] + 1e-9).sum()), int((b[both] > a[both] + 1e-9).sum())
-                p = float(stats.binomtest(above, above + below).pvalue) if above + below else 1.0
+                p = sign_test(above, below)
                 found.append({"model": model, "setting": setting, "length": int(length), "ratio": float(ratio),
                               "policy": policy, "other": order[j], "above": above, "below": below,
                               "same": int(both.sum()) - above - below, "p": p})
