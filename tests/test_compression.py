@@ -107,6 +107,29 @@ def test_schedule_once_after_the_prompt_then_every_n_decoding_steps_or_every_int
     assert [t for t in range(12) if every.compresses_after(t, None)] == [3, 7, 11]
 
 
+def test_the_compression_steps_counted_are_those_compresses_after_says_step_by_step():
+    """The engine asks which steps of a block, or of the queries a window reaches, compress; counted from the schedule,
+    they must be the steps ``compresses_after`` names one at a time, in every mode and for every compression policy
+    (those that decide otherwise, as CaM and R-KV, are stepped through)."""
+    compressing = [cls for cls in POLICIES.values() if cls.kind == "compression"]
+    assert len(compressing) > 10
+    checked = 0
+    for cls in compressing:
+        for settings in ({"budget": 8}, {"budget": 8, "interval": 5, "every": 3}, {"budget": 12, "every": 1}):
+            try:
+                policy = cls(**{k: v for k, v in settings.items() if k in cls.__dataclass_fields__})
+            except ValueError:
+                continue
+            for n_prompt in (None, 1, 9, 30):
+                for start in range(0, 40, 3):
+                    for stop in (start, start + 1, start + 7, start + 33):
+                        stepped = [t for t in range(start, stop) if policy.compresses_after(t, n_prompt)]
+                        assert policy.compression_steps(start, stop, n_prompt) == stepped, \
+                            (policy.spec(), n_prompt, start, stop)
+                        checked += bool(stepped)
+    assert checked > 1000
+
+
 def test_a_prefill_method_reads_the_whole_prompt_then_the_kept_set_and_appends_generated_tokens(tiny, text_ids):
     prompt = text_ids[:24]
     policies = [parse_spec("snapkv:budget=8,window=2"), parse_spec("knorm:budget=8")]

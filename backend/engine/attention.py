@@ -326,7 +326,7 @@ class RowLayerState:
             raise NotImplementedError(f"{policy.name}: the engine follows only eviction and compression policies "
                                       "until they depart")
         n, total = q.shape[2], first + q.shape[2]
-        acts = [t for t in range(first, total) if policy.compresses_after(t, n_prompt)]
+        acts = policy.compression_steps(first, total, n_prompt)
         if any(t != departure - 1 for t in acts):
             raise RuntimeError(f"{policy.name} compresses before its first departure ({departure})")
         reach = policy.window_queries
@@ -362,7 +362,7 @@ class RowLayerState:
         """A policy that reforms what it holds: the block's queries after a compression read the new forms, so
         the block is attended in segments that end where the policy compresses (as a token loop would)."""
         n = q.shape[2]
-        ends = [i + 1 for i in range(n - 1) if self.policy.compresses_after(first + i, n_prompt)]
+        ends = [t - first + 1 for t in self.policy.compression_steps(first, first + n - 1, n_prompt)]
         outs = [self._attend_cached(q[:, :, a:b], key[:, : first + b], value[:, : first + b], first + a, scaling,
                                     n_prompt)
                 for a, b in zip([0, *ends], [*ends, n])]
@@ -443,7 +443,7 @@ class RowLayerState:
         if policy.kind != "compression" or self.top is not None or self.forms is not None:
             return False
         reach = policy.window_queries
-        return not any(policy.compresses_after(t, n_prompt) for t in range(first, first + n + max(reach, 1) - 1))
+        return not policy.compression_steps(first, first + n + max(reach, 1) - 1, n_prompt)
 
     def gather(self, q, key, value, first, scaling):
         """The block's columns [H, C] (held at its start, then the block's own), their values [H, C, d] and the
@@ -589,7 +589,8 @@ class RowLayerState:
         ``window_queries`` latest at a compression (its window). The others' rows are never read, so a prefill
         compression over a long context costs the window's rows, not one per context token."""
         reach = max(1, self.policy.window_queries)
-        acts = np.array([self.policy.compresses_after(t, n_prompt) for t in range(first, first + n + reach - 1)])
+        acts = np.zeros(n + reach - 1, bool)
+        acts[np.array(self.policy.compression_steps(first, first + n + reach - 1, n_prompt), int) - first] = True
         before = np.concatenate([[0], np.cumsum(acts)])
         return before[reach:reach + n] > before[:n]
 

@@ -113,8 +113,8 @@ def cuts(cache: PolicyCache, start: int, n: int) -> set[int]:
     """Offsets e in 1..n where a forward call over positions start.. must end: a rereading row compresses
     after step start + e - 1."""
     rows = _rereading(cache)
-    return {e for e in range(1, n + 1)
-            if any(cache.policies[r].compresses_after(start + e - 1, cache.n_prompt) for r in rows)}
+    return {t - start + 1 for r in rows
+            for t in cache.policies[r].compression_steps(start, start + n, cache.n_prompt)}
 
 
 class _Pass:

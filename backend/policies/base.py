@@ -415,6 +415,21 @@ class CompressionPolicy(Policy):
         decoded = t + 1 - n_prompt
         return decoded == 0 or (self.every > 0 and decoded > 0 and decoded % self.every == 0)
 
+    def compression_steps(self, start: int, stop: int, n_prompt: int | None) -> list[int]:
+        """The steps t in start..stop - 1 after which it compresses (``compresses_after``), in order. The engine asks
+        this of every block and decoding step, layer and row: for the schedule above it is counted, not stepped
+        through; a policy that decides otherwise (its own ``compresses_after``) is asked step by step."""
+        if type(self).compresses_after is not CompressionPolicy.compresses_after:
+            return [t for t in range(start, stop) if self.compresses_after(t, n_prompt)]
+        if n_prompt is None:  # t + 1 a multiple of the interval
+            return list(range(-(-(start + 1) // self.interval) * self.interval - 1, stop, self.interval))
+        last = n_prompt - 1  # the prompt's last query, then every ``every`` decoding steps after it
+        steps = [last] if start <= last < stop else []
+        if self.every > 0:
+            first = max(1, -(-(start - last) // self.every))
+            steps += range(last + first * self.every, stop, self.every)
+        return steps
+
     def score(self, view: CacheView) -> np.ndarray:
         raise NotImplementedError
 
