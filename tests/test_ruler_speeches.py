@@ -21,6 +21,9 @@ def tokenizer(default_lm) -> str:
 def test_a_stand_in_makes_what_lm_evals_own_task_makes_over_the_same_haystack(task, tokenizer, monkeypatch):
     """lm-eval's own dataset function for the essay task, given the speeches where it would read Paul Graham's
     essays, makes the stand-in's samples, needle for needle: the needles' kinds and counts are lm-eval's."""
+    from backend.experiments.ruler_words import import_needle_module
+
+    import_needle_module()  # the generators niah_utils imports, their word list read from the cache, not sorted again
     from lm_eval.tasks.ruler import niah_utils
 
     monkeypatch.setattr(niah_utils, "get_haystack", lambda type_haystack: ruler_speeches.haystack_words())
