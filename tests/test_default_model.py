@@ -132,7 +132,7 @@ def test_loaders_that_meet_on_a_gguf_convert_it_once_and_read_the_same_directory
 
 def test_a_converted_gguf_holds_a_tied_weight_once_under_the_input_embeddings_name(default_lm):
     """transformers loads the embedding as it is and ties the LM head to it; under the head's name (safetensors'
-    save_model's choice) it filled the embedding with random numbers first, on every load."""
+    save_model's choice) every load would fill the embedding with random numbers first."""
     from safetensors import safe_open
 
     from backend.engine import models
