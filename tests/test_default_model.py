@@ -145,6 +145,47 @@ def test_a_converted_gguf_holds_a_tied_weight_once_under_the_input_embeddings_na
     assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
 
 
+def test_a_conversion_parses_its_gguf_once_however_often_transformers_reads_it(tmp_path, monkeypatch):
+    """transformers reads a GGUF's metadata through gguf-py's reader once for the config, once for the tokenizer's
+    class and once for the tensors: 15 s a parse for Gemma 3's vocabulary. Within a conversion those reads share one
+    parse, and the tensor-name map is built once; outside it, each read parses again, and gguf-py's own functions are
+    back."""
+    import gguf
+    import numpy as np
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from backend.engine import models
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_embedding_length(8)
+    writer.add_head_count(2)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    parses = []
+
+    class CountedReader(gguf.GGUFReader):
+        def __init__(self, *args, **kwargs):
+            parses.append(args[0])
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", CountedReader)
+    name_map = gguf.get_tensor_name_map
+    with models._gguf_read_once():
+        configs = [load_gguf_checkpoint(str(path))["config"] for _ in range(3)]
+        maps = [gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 1) for _ in range(2)]
+    assert len(parses) == 1 and configs[0] == configs[2] and configs[0]["hidden_size"] == 8
+    assert maps[0] is maps[1] and maps[0].get_name("model.layers.0.self_attn.q_proj") == "blk.0.attn_q"
+    assert gguf.GGUFReader is CountedReader and gguf.get_tensor_name_map is name_map
+    load_gguf_checkpoint(str(path))
+    assert len(parses) == 2
+
+
 def test_a_directory_converted_in_an_earlier_layout_is_converted_again_once(tmp_path, monkeypatch):
     from backend.engine import models
 

