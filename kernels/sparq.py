@@ -222,7 +222,7 @@ def _top_earliest(score: torch.Tensor, m: int) -> torch.Tensor:
     stable descending sort keeps), in O(S) per row after one top-k instead of a sort."""
     if m == 0:
         return torch.zeros(score.shape, dtype=torch.bool, device=score.device)
-    kth = torch.topk(score, m, dim=-1).values[..., -1:]
+    kth = torch.topk(score, m, dim=-1, sorted=False).values.amin(-1, keepdim=True)  # unsorted: the same set, sooner
     above = score > kth
     tie = score == kth
     need = m - above.sum(-1, keepdim=True)

@@ -45,7 +45,7 @@ from kernels import eviction_walk, eviction_walk_triton
 from .cache_layer import GrowingLayer, GrowingTensor, rows_up_to
 from .features import Capture, ModelFeatures, read_features
 from ..policies import Policy
-from ..policies.base import attention_logits, visible_keys, Block, CacheView, RunningScore
+from ..policies.base import attention_logits, over_group, visible_keys, Block, CacheView, RunningScore
 from ..traces.recorded import TopAttention
 from ..traces.spans import ReadSpans, SpanRecorder
 
@@ -380,7 +380,7 @@ class RowLayerState:
             weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1)
             if self.top is not None:
                 self.top.add(weights.mean(1), torch.arange(total).expand(self.n_kv_heads, -1))
-            return weights @ value[:, None]
+            return over_group(weights, value[:, None])
         mask = None if first == 0 and n == total else _causal(first, n, total, q.device)
         # One batch of H_kv * G query heads over H_kv KV heads (enable_gqa): SDPA's fused kernels take this
         # layout; broadcasting the keys over the group instead falls back to a kernel 3x slower at 8k.
@@ -413,7 +413,7 @@ class RowLayerState:
         probs = torch.softmax(scores.masked_fill_(unread, float("-inf")), dim=-1)
         if self.top is not None:
             self.top.add(probs.mean(1), torch.arange(total).expand(self.n_kv_heads, -1))
-        return probs @ value[:, None]
+        return over_group(probs, value[:, None])
 
     def _attend_cached(self, q, key, value, first, scaling, n_prompt):
         columns, values, scores = self.gather(q, key, value, first, scaling)
@@ -426,7 +426,7 @@ class RowLayerState:
             unread = torch.from_numpy(np.where(reads, np.float32(0), np.float32(-np.inf))).to(scores.device,
                                                                                              scores.dtype)
             self._keep_columns(columns, columns >= 0)
-            return torch.softmax(scores.add_(unread[:, None]), dim=-1) @ values[:, None]
+            return over_group(torch.softmax(scores.add_(unread[:, None]), dim=-1), values[:, None])
         probs, attn_rows = self._walk(scores, columns, first, key, value, n_prompt, q)
         out = self.read(probs, attn_rows, columns, values)
         if self.forms is not None and self.forms.keys is not None:  # it reads held forms: what did they change?
@@ -471,7 +471,7 @@ class RowLayerState:
         """The block's output from each query head's softmax over the columns it read; recorded when asked."""
         if self.top is not None:
             self.top.add(torch.from_numpy(attn_rows), torch.from_numpy(columns))
-        return probs @ values[:, None]
+        return over_group(probs, values[:, None])
 
     def walk_params(self, start: int = 0) -> tuple:
         """This row's parameters of the device walk (``eviction_walk_triton.PARAMS``), its columns from ``start``."""

@@ -671,7 +671,7 @@ def masked_attention(block: Block, read: "torch.Tensor") -> tuple["torch.Tensor"
     if block.window is not None:
         read = read & block.visible()
     weights = torch.softmax(scores.masked_fill(~read, float("-inf")), dim=-1)
-    return (weights @ block.v[:, None]).permute(2, 0, 1, 3).reshape(n, n_q_heads, dim), weights
+    return over_group(weights, block.v[:, None]).permute(2, 0, 1, 3).reshape(n, n_q_heads, dim), weights
 
 
 def dense_attention(block: Block) -> tuple["torch.Tensor", np.ndarray, np.ndarray]:
@@ -685,11 +685,22 @@ def dense_attention(block: Block) -> tuple["torch.Tensor", np.ndarray, np.ndarra
     return out, reads, weights.mean(1).float().cpu().numpy()
 
 
+def over_group(a: "torch.Tensor", b: "torch.Tensor") -> "torch.Tensor":
+    """a [..., G, n, x] @ b [..., 1, x, y] -> [..., G, n, y]: a KV head's G query heads against its keys or values
+    in one product, the group's rows stacked, so b is not copied G times as broadcasting it would be (at a
+    decoding step that copy was most of the product's time)."""
+    *lead, group, n, width = a.shape
+    if b.dim() != a.dim() or b.shape[-3] != 1 or group == 1:
+        return a @ b
+    return (a.reshape(*lead, group * n, width) @ b.squeeze(-3)).view(*lead, group, n, b.shape[-1])
+
+
 def attention_logits(q: "torch.Tensor", k: "torch.Tensor", scaling: float, softcap: float | None = None
                      ) -> "torch.Tensor":
     """q . k scaled, then soft-capped (Gemma 2's ``attn_logit_softcapping``: cap * tanh(logit / cap)) where the
-    layer caps; k is given transposable as [..., M, d]."""
-    scores = (q @ k.transpose(-1, -2)) * scaling
+    layer caps; k is given transposable as [..., M, d], with a 1 for the query group's axis where q has one
+    (``over_group``)."""
+    scores = over_group(q, k.transpose(-1, -2)) * scaling
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     return scores

@@ -5,7 +5,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from .base import AttendingPolicy, BlockResult, check_prefill, masked_attention
+from .base import AttendingPolicy, BlockResult, check_prefill, masked_attention, over_group
 from .registry import register
 
 GROUPS = ("sum", "each")
@@ -90,7 +90,8 @@ class Quest(AttendingPolicy):
         hi = torch.nn.functional.pad(k, padding, value=float("-inf")).view(n_kv_heads, n_pages, size, dim).amax(2)
         lo = torch.nn.functional.pad(k, padding, value=float("inf")).view(n_kv_heads, n_pages, size, dim).amin(2)
         # sum_i max(q_i m_i, q_i M_i) = q+ . M + q- . m, for every query and page at once.
-        bound = q.clamp(min=0) @ hi.transpose(-1, -2)[:, None] + q.clamp(max=0) @ lo.transpose(-1, -2)[:, None]
+        bound = (over_group(q.clamp(min=0), hi.transpose(-1, -2)[:, None])
+                 + over_group(q.clamp(max=0), lo.transpose(-1, -2)[:, None]))
         if self.group == "sum":
             bound = bound.sum(1, keepdim=True)
         own = torch.arange(first, first + q.shape[2], device=k.device) // size  # [n]: the query's own page

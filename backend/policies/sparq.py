@@ -171,9 +171,10 @@ def _topk_agreement_masks(approx: torch.Tensor, exact: torch.Tensor, k: int, ste
     that the k highest approximate scores find (App. G); 1 for a query whose whole cache fits in k."""
     kk = min(k, approx.shape[-1])
     hits = torch.zeros(approx.shape, dtype=torch.bool)
-    hits.scatter_(-1, torch.topk(approx, kk, dim=-1).indices, True)
+    # Unsorted: the same k positions as sorted (the order is only sorted after they are picked), sooner.
+    hits.scatter_(-1, torch.topk(approx, kk, dim=-1, sorted=False).indices, True)
     found = torch.zeros(approx.shape, dtype=torch.bool)
-    found.scatter_(-1, torch.topk(exact, kk, dim=-1).indices, True)
+    found.scatter_(-1, torch.topk(exact, kk, dim=-1, sorted=False).indices, True)
     share = (hits & found).sum(-1).double() / kk  # [H_kv, n]
     share = torch.where((steps + 1 <= k)[None, :], torch.ones_like(share), share)
     return share.T.numpy().astype(np.float32)

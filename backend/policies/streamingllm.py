@@ -6,7 +6,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from .base import AttendingPolicy, BlockResult
+from .base import AttendingPolicy, BlockResult, over_group
 from .registry import register
 
 
@@ -86,15 +86,16 @@ class StreamingLLM(AttendingPolicy):
         q_text = block.q.view(n_kv_heads, group, n, dim)  # at its position in the text
         q_cache = block.rope(block.q_pre, steps - slid).view(n_kv_heads, group, n, dim)  # at its place in the cache
         if block.softcap is None:
-            scores = torch.cat([(q_cache @ block.k[:, None, :sinks].transpose(-1, -2)).masked_fill(~sink_ok, float("-inf")),
-                                (q_text @ block.k[:, None, lo:].transpose(-1, -2)).masked_fill(~near_ok, float("-inf"))],
-                               -1) * block.scaling
+            sink_scores = over_group(q_cache, block.k[:, None, :sinks].transpose(-1, -2))
+            near_scores = over_group(q_text, block.k[:, None, lo:].transpose(-1, -2))
+            scores = torch.cat([sink_scores.masked_fill(~sink_ok, float("-inf")),
+                                near_scores.masked_fill(~near_ok, float("-inf"))], -1) * block.scaling
         else:  # capped first: a capped -inf would be finite
             scores = torch.cat([block.logits(q_cache, block.k[:, None, :sinks]), block.logits(q_text, block.k[:, None, lo:])],
                                -1).masked_fill(~torch.cat([sink_ok, near_ok], -1), float("-inf"))
         weights = torch.softmax(scores, dim=-1)  # [H_kv, G, n, sinks + near]
         values = torch.cat([block.v[:, :sinks], block.v[:, lo:]], 1)
-        out = (weights @ values[:, None]).permute(2, 0, 1, 3).reshape(n, n_q_heads, dim)
+        out = over_group(weights, values[:, None]).permute(2, 0, 1, 3).reshape(n, n_q_heads, dim)
         mean = weights.mean(1).float().cpu().numpy()
         reads = np.zeros((n_kv_heads, n, total), bool)
         attn = np.zeros((n_kv_heads, n, total), np.float32)

@@ -158,11 +158,10 @@ class SpanRecorder:
             return
         before = self.open_since[:, None, :total] >= 0
         changed = np.concatenate([before, reads], axis=1)
-        h, i, p = np.nonzero(changed[:, 1:] != changed[:, :-1])
+        # Events of one (head, position) together, in step order: nonzero walks the [H, M, n] view in that order.
+        h, p, i = np.nonzero((changed[:, 1:] != changed[:, :-1]).transpose(0, 2, 1))
         if h.size == 0:  # every query read what the one before it read
             return
-        order = np.lexsort((i, p, h))  # events of one (head, position) together, in step order
-        h, i, p = h[order], i[order], p[order]
         opens = reads[h, i, p]
         steps = first + i
         same = np.r_[False, (h[1:] == h[:-1]) & (p[1:] == p[:-1])]
