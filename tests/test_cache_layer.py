@@ -70,3 +70,39 @@ def test_a_growing_tensor_holds_what_was_appended_and_a_copy_appends_apart():
     before = grown.buffer
     grown.append(torch.randn(2, 3, 1, 4))
     assert grown.buffer is before
+
+
+def test_held_rows_take_each_head_s_columns_from_the_buffer_as_indexing_does():
+    """The engine's gather of a row's held keys (``held_rows``): one index_select over the rows of the cache's
+    buffer gives what ``x[heads, columns]`` gives, on a buffer's view (room to spare past each head's rows), a
+    contiguous tensor, and the layouts it leaves to indexing."""
+    from backend.engine.attention import held_rows
+
+    growing = GrowingLayer()
+    for k, v in blocks([5, 1, 7, 1]):
+        keys, _ = growing.update(k, v)
+    assert keys.stride(1) > keys.shape[2] * keys.shape[3]  # a view of a buffer longer than what it holds
+    g = torch.Generator().manual_seed(1)
+    layouts = [keys[1], keys[0].contiguous(), keys[1].transpose(0, 1).contiguous().transpose(0, 1), keys[1, :, ::2]]
+    for x in layouts:
+        at = torch.randint(0, x.shape[1], (x.shape[0], 6), generator=g)
+        at[:, -1] = x.shape[1] - 1  # the last held row of every head, next to the buffer's spare room
+        assert torch.equal(held_rows(x, at), x[torch.arange(x.shape[0])[:, None], at])
+
+
+def test_a_group_s_product_is_broadcasting_s_with_the_keys_copied_once():
+    """``over_group``: a KV head's query heads against its keys or values, the group's rows stacked. The read-out is
+    the same to the bit as broadcasting; the scores are within rounding (a single query's product takes another
+    kernel), and a tensor without a group axis is multiplied as it is."""
+    from backend.policies.base import over_group
+
+    g = torch.Generator().manual_seed(2)
+    for n in (1, 7):
+        q, keys = torch.randn(3, 4, n, 8, generator=g), torch.randn(3, 1, 8, 11, generator=g)
+        weights = torch.softmax(torch.randn(3, 4, n, 11, generator=g), -1)
+        values = torch.randn(3, 1, 11, 8, generator=g)
+        assert torch.equal(over_group(weights, values), weights @ values)
+        torch.testing.assert_close(over_group(q, keys), q @ keys)
+        assert over_group(q, keys).shape == (3, 4, n, 11)
+    plain, other = torch.randn(3, 5, 8, generator=g), torch.randn(3, 8, 2, generator=g)
+    assert torch.equal(over_group(plain, other), plain @ other)
