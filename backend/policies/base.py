@@ -688,10 +688,10 @@ def dense_attention(block: Block) -> tuple["torch.Tensor", np.ndarray, np.ndarra
 def over_group(a: "torch.Tensor", b: "torch.Tensor") -> "torch.Tensor":
     """a [..., G, n, x] @ b [..., 1, x, y] -> [..., G, n, y]: a KV head's G query heads against its keys or values
     in one product, the group's rows stacked, so b is not copied G times as broadcasting it would be (at a
-    decoding step that copy was most of the product's time)."""
-    *lead, group, n, width = a.shape
-    if b.dim() != a.dim() or b.shape[-3] != 1 or group == 1:
+    decoding step that copy is most of a broadcast product's time). Any other shapes: ``a @ b``."""
+    if a.dim() < 3 or b.dim() != a.dim() or b.shape[-3] != 1 or a.shape[-3] == 1:
         return a @ b
+    *lead, group, n, width = a.shape
     return (a.reshape(*lead, group * n, width) @ b.squeeze(-3)).view(*lead, group, n, b.shape[-1])
 
 
