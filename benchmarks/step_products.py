@@ -16,25 +16,19 @@ not, and neither way is the one a block of queries computes).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 from backend.engine.attention import held_rows
 from backend.policies.base import over_group
 
+from .common import best_of
+
 HEADS, GROUP, DIM = 3, 3, 64
 
 
 def micros(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+    return best_of(fn, repeat) * 1e6
 
 
 def main() -> None:
