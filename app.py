@@ -65,6 +65,7 @@ from viz import panels  # noqa: E402
 from viz.leaderboard import leaderboard_heatmap, leaderboard_table_html, ordered_groups_html  # noqa: E402
 from viz.first_paint import first_paint_html  # noqa: E402
 from viz.policy_menu import KINDS, SETS, by_kind, hover_script  # noqa: E402
+from viz.status_timer import status_timer_script  # noqa: E402
 from viz.needle import found_rates, needle_figure, needle_table_html  # noqa: E402
 from viz.style import markdown_text  # noqa: E402
 from viz.sweep import sweep_ci_figure  # noqa: E402
@@ -80,6 +81,7 @@ DEFAULT_BUDGET = 40
 MAX_BUDGET = 2048  # a quarter of an 8k text; the slider's number box takes any multiple of 4 below it
 STORE = TraceStore()  # never raises: a broken store is set aside, an unusable one means "not cached"
 QUEUE_SIZE = 64  # model jobs waiting or running; Admission enforces it (Gradio checks its cap before the validator)
+QUEUE_POLL_S, PROGRESS_POLL_S = 0.02, 0.1  # how often an idle queue looks for work (Gradio's: 1 ms and 10 ms)
 ADMISSION = Admission(per_session=1, per_address=runs_per_address(), queue=QUEUE_SIZE)
 TICKET = "kvlens_ticket"  # where a job's admission ticket rides from its validator to its run
 # Export zips are written inside Gradio's cache, so Gradio serves them as they are (no second copy) and deletes
@@ -963,15 +965,19 @@ def first_paint(first: FirstScreen, pages: list[str]) -> bytes:
 
 
 class FirstPaint:
-    """ASGI middleware: the plain landing page (GET /, no query: a lesson or a run opens on something else) carries
-    the first screen's still copy first in its body, so its answers show while Gradio's client builds the page."""
+    """ASGI middleware: every page's HTML carries ``script`` before Gradio's app (so it runs before Gradio's modules,
+    which the page's head cannot promise: Gradio adds that once its client runs), and the plain landing page (GET /,
+    no query: a lesson or a run opens on something else) carries the first screen's still copy first in its body, so
+    its answers show while Gradio's client builds the page."""
 
-    def __init__(self, app, fragment: bytes):
-        self.app, self.fragment = app, fragment
+    def __init__(self, app, fragment: bytes, script: bytes = b""):
+        self.app, self.fragment, self.script = app, fragment, script
 
     async def __call__(self, scope, receive, send):
-        if not self.fragment or scope["type"] != "http" or scope["method"] != "GET" or scope["path"] != "/" \
-                or scope.get("query_string"):
+        if scope["type"] != "http" or scope["method"] != "GET" or scope["path"] != "/":
+            return await self.app(scope, receive, send)
+        inserted = self.script + (b"" if scope.get("query_string") else self.fragment)
+        if not inserted:
             return await self.app(scope, receive, send)
         start, chunks = None, []
 
@@ -987,7 +993,7 @@ class FirstPaint:
                 return
             body, headers = b"".join(chunks), MutableHeaders(raw=list(start["headers"]))
             if headers.get("content-type", "").startswith("text/html") and b"<gradio-app" in body:
-                body = body.replace(b"<gradio-app", self.fragment + b"<gradio-app", 1)
+                body = body.replace(b"<gradio-app", inserted + b"<gradio-app", 1)
                 headers["content-length"] = str(len(body))
             await send({**start, "headers": headers.raw})
             await send({"type": "http.response.body", "body": body})
@@ -1465,6 +1471,13 @@ def build() -> gr.Blocks:
 
 demo = build()
 demo.queue(default_concurrency_limit=1, max_size=QUEUE_SIZE)
+# Gradio's queue looks for a new event every millisecond, and for progress to send every 10 ms, while nothing is
+# queued: a tenth of a core for an idle app, on a shared two-vCPU server. Every 20 ms and 100 ms: an event waits 10 ms
+# more on average before it starts (a run takes seconds), and progress moves ten times a second (its timer shows
+# tenths). Gradio has no public setting for either; an attribute it renames leaves its own.
+for attribute, seconds in (("sleep_when_free", QUEUE_POLL_S), ("progress_update_sleep_when_free", PROGRESS_POLL_S)):
+    if hasattr(demo._queue, attribute):
+        setattr(demo._queue, attribute, seconds)
 
 
 def _interrupt(signum, frame):
@@ -1532,7 +1545,8 @@ def launch(**options) -> None:
                     # as they are.
                     app_kwargs={"middleware": [Middleware(RequestGuard, max_body=MAX_BODY, refuse=unknown_function),
                                                Middleware(GZipMiddleware, minimum_size=4096),
-                                               Middleware(FirstPaint, fragment=demo.first_paint)],
+                                               Middleware(FirstPaint, fragment=demo.first_paint,
+                                                          script=status_timer_script().encode())],
                                 "exception_handlers": {FnIndexInferError: unknown_endpoint}},
                     prevent_thread_lock=True, **settings)
     # Load (and on first use convert) the default model before the first click, but once the page is served: during

@@ -103,6 +103,14 @@ def main() -> None:
     print("| processes | CPU s | share |\n|---|---:|---:|")
     for kind, cpu in by_kind.most_common():
         print(f"| {kind} | {cpu:.0f} | {cpu / counted:.0%} |")
+    by_file = collections.Counter()
+    for cmdline, test, cpu in seen.values():
+        if test:
+            by_file[test.split("::")[0]] += cpu
+    print(f"\nThe processes the tests start (apps, commands, Chromium, Ray, ...), by the test file that started them, "
+          f"the {args.top} largest:")
+    for name, cpu in by_file.most_common(args.top):
+        print(f"  {cpu:6.1f} s  {name}")
     print(f"\nThe {args.top} largest single processes:")
     for cmdline, test, cpu in sorted(seen.values(), key=lambda row: -row[2])[: args.top]:
         print(f"  {cpu:6.1f} s  {cmdline[:70]}  [{test.split(' ')[0][:90]}]")

@@ -352,7 +352,7 @@ def test_the_page_lists_example_labels_and_a_click_fetches_the_text():
 
 
 def _served(fragment: bytes, path: str, body: bytes, content_type: str = "text/html; charset=utf-8",
-            method: str = "GET") -> tuple[int, bytes, str]:
+            method: str = "GET", script: bytes = b"") -> tuple[int, bytes, str]:
     """What ``app.FirstPaint`` sends for one request to a page that answers ``body``."""
     from starlette.applications import Starlette
     from starlette.middleware import Middleware
@@ -363,7 +363,7 @@ def _served(fragment: bytes, path: str, body: bytes, content_type: str = "text/h
     page = Starlette(routes=[Route("/", lambda request: Response(body, media_type=content_type),
                                    methods=["GET", "POST"]),
                              Route("/config", lambda request: Response(body, media_type=content_type))],
-                     middleware=[Middleware(app.FirstPaint, fragment=fragment)])
+                     middleware=[Middleware(app.FirstPaint, fragment=fragment, script=script)])
     answer = TestClient(page).request(method, path)
     assert int(answer.headers["content-length"]) == len(answer.content)
     return answer.status_code, answer.content, answer.headers["content-type"]
@@ -378,6 +378,26 @@ def test_the_plain_landing_alone_carries_the_first_screens_copy_first_in_its_bod
         assert _served(b"<div>copy</div>", path, body, method=method)[1] == body, path  # a lesson opens on its own
     assert _served(b"<div>copy</div>", "/", body, content_type="application/json")[1] == body
     assert _served(b"", "/", body)[1] == body  # no shipped first run: nothing to copy
+
+
+def test_every_page_carries_the_status_timer_script_before_gradios_app():
+    body = b"<html><head></head><body><gradio-app eager></gradio-app></body></html>"
+    script = b"<script>timers()</script>"
+    for path, copy in (("/", b"<div>copy</div>"), ("/?lesson=window", b""), ("/?run=0123456789ab", b"")):
+        sent = _served(b"<div>copy</div>", path, body, script=script)[1]
+        assert sent == body.replace(b"<gradio-app", script + copy + b"<gradio-app"), path
+    assert _served(b"", "/", body, script=script)[1] == body.replace(b"<gradio-app", script + b"<gradio-app")
+    for path, method in (("/config", "GET"), ("/", "POST")):
+        assert _served(b"", path, body, method=method, script=script)[1] == body, path
+
+
+def test_an_idle_queue_looks_for_work_every_20_ms_not_every_millisecond():
+    """Gradio's queue polls while nothing is queued (1 ms for events, 10 ms for progress: a tenth of a core for an
+    idle app). The app sets both on its queue; should Gradio rename them, this says so."""
+    queue = app.demo._queue
+    assert {"sleep_when_free", "progress_update_sleep_when_free"} <= set(vars(queue))
+    assert (queue.sleep_when_free, queue.progress_update_sleep_when_free) == (app.QUEUE_POLL_S, app.PROGRESS_POLL_S)
+    assert app.QUEUE_POLL_S <= 0.05  # an event waits at most this long before it starts
 
 
 def test_the_first_paint_is_the_shipped_runs_answers_inert_and_without_the_pages_ids():

@@ -91,6 +91,33 @@ def test_the_plain_page_asks_the_server_nothing_as_it_loads(browser, app_url):  
     page.close()
 
 
+# Counts the animation frames the page asks for, installed before any of the page's scripts.
+COUNT_FRAMES_JS = """(() => { window.kvlFrames = 0; const ask = window.requestAnimationFrame.bind(window);
+    window.requestAnimationFrame = (callback) => { window.kvlFrames += 1; return ask(callback); }; })()"""
+
+
+@pytest.mark.parametrize("query", ["", "?lesson=window"])
+def test_an_idle_page_asks_for_ten_frames_a_second_not_sixty(browser, app_url, query):  # noqa: F811
+    """Gradio's status timers count on every frame, and one whose tracker left the page while pending (the app's
+    loading tracker, on every page) never stops: sixty frames a second for nothing (viz/status_timer.py). The page's
+    script hands them out ten times a second, the plain landing and a lesson alike."""
+    page = browser.new_page(viewport={"width": 1366, "height": 768})
+    page.add_init_script(COUNT_FRAMES_JS)
+    page.goto(app_url + query)
+    page.wait_for_selector("#run", timeout=60_000)
+    # Frames a second over two-second windows, until one is quiet (the page's own events, its lesson's run and plots
+    # drawn, ask for frames as they come): 60 in every window without the script, 10 with it once the page rests.
+    rates = []
+    for _ in range(10):
+        before = page.evaluate("window.kvlFrames")
+        page.wait_for_timeout(2_000)
+        rates.append((page.evaluate("window.kvlFrames") - before) / 2)
+        if rates[-1] <= 15:
+            break
+    assert 0 < rates[-1] <= 15, rates
+    page.close()
+
+
 @pytest.mark.parametrize("width, height", [(1366, 768), (1440, 900)])
 def test_the_first_screen_shows_a_finished_run_and_run_with_no_click(browser, app_url, width, height):  # noqa: F811
     page = opened(browser, app_url, width, height)
