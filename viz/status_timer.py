@@ -5,9 +5,10 @@ Gradio's status tracker shows a pending event's seconds, in tenths, and counts t
 is pending never stops: the app's own loading tracker is, on every page as it loads. So an idle page asks the browser
 for a frame 60 times a second for as long as it is open: in headless Chromium, a tenth of a core with nothing on the
 screen changing (more on a phone's battery or a classroom laptop). This script, in the page's HTML before Gradio's
-modules load, hands the trackers' frames out ten times a second, all of them in one frame: what a timer shows is the
-same, and the forgotten loops cost a sixth. Every other caller's frames are untouched. The tracker is found by its module's name in the
-caller's stack; should Gradio rename it, nothing changes (``tests/test_browser.py`` counts an idle page's frames)."""
+modules load (``app.FirstPaint``), hands the trackers' frames out ten times a second, all of them in one frame: what a
+timer shows is the same, and the forgotten loops cost a sixth. Every other caller's frames are untouched. The tracker
+is found by its module's name in the caller's stack; should Gradio rename it, nothing changes, and
+``tests/test_first_minute.py`` (which counts an idle page's frames) fails."""
 from __future__ import annotations
 
 TIMER_FRAME_MS = 100  # a timer that shows tenths of a second needs no more
