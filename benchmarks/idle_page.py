@@ -13,27 +13,20 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
+from .load_test import cpu_s
+from .web_quality import wait_for
+
 ROOT = Path(__file__).resolve().parents[1]
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 def cpu_seconds(pids: list[int]) -> float:
-    total = 0.0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / TICK
-    return total
+    return sum(cpu_s(pid) or 0.0 for pid in pids)
 
 
 def processes(pattern: str) -> list[int]:
@@ -58,24 +51,16 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0, help="how long each idle measurement lasts")
     parser.add_argument("--query", default="", help="the page's query, e.g. ?lesson=window")
     args = parser.parse_args()
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    from tests.conftest import free_port
+
+    port = free_port()
     env = {**os.environ, "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port),
            "KVLENS_STORE_DIR": tempfile.mkdtemp(prefix="kvlens-idle-"), "GRADIO_ANALYTICS_ENABLED": "False"}
     app = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}/{args.query}"
     try:
-        deadline = time.time() + 180
-        while True:
-            try:
-                urllib.request.urlopen(url, timeout=5)
-                break
-            except OSError:
-                if time.time() > deadline or app.poll() is not None:
-                    sys.exit("the app did not start")
-                time.sleep(0.5)
+        wait_for(app, url)
         while rate([app.pid], 2.0) > 0.5:  # the warm-up (the model loads, a plain forward is timed)
             pass
         alone = rate([app.pid], args.seconds)
