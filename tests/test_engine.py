@@ -131,6 +131,24 @@ def test_attention_output_equals_gathering_the_kept_keys():
             torch.testing.assert_close(out[t, h], w @ v[0, kv, keep])
 
 
+def test_a_decoding_step_widens_a_rows_token_arrays_in_place():
+    """A step adds a column to what a row keeps per token (when each token left): within the buffer it has, not by
+    copying every column (quadratic over a long answer), and to the values one block of the same queries gives."""
+    g = torch.Generator().manual_seed(5)
+    n, d = 40, 4
+    q, k, v = (torch.randn(1, h, n, d, generator=g, dtype=torch.float64) for h in (6, 2, 2))
+    whole = PolicyCache([H2O(budget=6)], n_layers=1, n_kv_heads=2)
+    whole.attend(0, q, k, v, scaling=0.5)
+    steps = PolicyCache([H2O(budget=6)], n_layers=1, n_kv_heads=2)
+    widened = []
+    for t in range(n):
+        steps.attend(0, q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1], scaling=0.5)
+        widened.append(steps.rows[0][0].evicted_at)
+    np.testing.assert_array_equal(steps.evicted_at(0), whole.evicted_at(0))
+    assert (whole.evicted_at(0) >= 0).any()
+    assert all(np.shares_memory(widened[0], later) for later in widened[1:])
+
+
 def test_run_returns_traces_in_spec_order_with_full_reference(tiny, text_ids):
     specs = ["tova:budget=5", "full"]
     traces, full = compute_traces(tiny, specs, [TOVA(budget=5), Full()], text_ids)

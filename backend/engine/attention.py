@@ -124,7 +124,8 @@ def _block_weights(scores: torch.Tensor, alive: np.ndarray | torch.Tensor, held:
     not alive: a -1 pad). ``alive`` [..., H, C]."""
     n = scores.shape[-2]
     s = scores.to(torch.float64, copy=True)  # a copy even when the model runs in float64: s is changed in place
-    s[..., held:].masked_fill_(_later(n, s.device), float("-inf"))
+    if n > 1:  # a single query (a decoding step) sees its own column
+        s[..., held:].masked_fill_(_later(n, s.device), float("-inf"))
     unseen = ~torch.as_tensor(alive[..., :held]).to(s.device)  # the held columns' state, where the scores are
     if held:
         s[..., :held].masked_fill_(unseen[..., None, None, :], float("-inf"))
@@ -234,6 +235,24 @@ class DeviceWalk:
         return probs.to(scores.dtype), attn
 
 
+def _widened(a: np.ndarray, room: np.ndarray | None, total: int, fill) -> tuple[np.ndarray, np.ndarray]:
+    """a [H, m] as [H, total], the new columns ``fill``, and the buffer it is a view of. While ``a`` is a view of
+    ``room`` (the buffer the last call returned) with space left, nothing is copied: a decoding step adds one
+    column, and concatenating copied every column (O(T^2) over an answer). A buffer's columns past its view are
+    never written, so they still hold ``fill``."""
+    if room is None or a.base is not room or room.shape[1] < total:
+        room = np.full((a.shape[0], max(total, 2 * a.shape[1], 64)), fill, a.dtype)
+        room[:, : a.shape[1]] = a
+    return room[:, :total], room
+
+
+@functools.lru_cache(maxsize=16)
+def _head_offsets(n_heads: int, per_head: int, device: torch.device) -> torch.Tensor:
+    """int64 [H, 1]: where each head's rows start among a cache buffer's rows (``held_rows``). Made once per layout
+    and device; never written to."""
+    return torch.arange(n_heads, device=device)[:, None] * per_head
+
+
 def held_rows(x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
     """x [H, M, d], at [H, C] -> x[h, at[h]] [H, C, d]. The heads' rows are taken in one ``index_select`` over the
     rows of x's storage (a view: the cache's buffer holds each head's rows with room to spare), a few times
@@ -243,7 +262,7 @@ def held_rows(x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
     if x.stride(2) != 1 or x.stride(1) != dim or x.stride(0) % dim or per_head < length:
         return x[torch.arange(n_heads, device=x.device)[:, None], at]
     rows = x.as_strided(((n_heads - 1) * per_head + length, dim), (dim, 1))
-    flat = (at + torch.arange(n_heads, device=x.device)[:, None] * per_head).reshape(-1)
+    flat = (at + _head_offsets(n_heads, per_head, x.device)).reshape(-1)
     return rows.index_select(0, flat).view(n_heads, -1, dim)
 
 
@@ -268,6 +287,7 @@ class RowLayerState:
         self.slots = np.zeros((n_kv_heads, 0), np.int64)
         self.alive = np.zeros((n_kv_heads, 0), bool)  # compression: by position, for its CacheView
         self.evicted_at = np.zeros((n_kv_heads, 0), np.int32)
+        self._evicted_room = self._alive_room = None  # the buffers the two above are views of (``_widened``)
         # Compression: the latest ``window_queries`` (positions, attention row, query [H, G, d], t, rows [H, G, c]).
         self.window_rows: deque[tuple] = deque(maxlen=max(1, policy.window_queries) if policy.kind == "compression"
                                                else 1)
@@ -282,11 +302,10 @@ class RowLayerState:
         self.window: int | None = None
 
     def _extend(self, total: int) -> None:
-        new = total - self.evicted_at.shape[1]
-        if new > 0:
-            self.evicted_at = np.concatenate([self.evicted_at, np.full((self.n_kv_heads, new), -1, np.int32)], 1)
+        if total > self.evicted_at.shape[1]:
+            self.evicted_at, self._evicted_room = _widened(self.evicted_at, self._evicted_room, total, -1)
             if self.policy.kind == "compression":
-                self.alive = np.concatenate([self.alive, np.ones((self.n_kv_heads, new), bool)], 1)
+                self.alive, self._alive_room = _widened(self.alive, self._alive_room, total, True)
             if self.forms is not None:
                 self.forms.extend(total)
 
@@ -464,10 +483,9 @@ class RowLayerState:
         n_heads, _, n, _ = q.shape
         columns = self.block_columns(first, n)
         at = torch.from_numpy(np.maximum(columns, 0)).to(key.device)
-        heads = torch.arange(n_heads, device=key.device)[:, None]
         keys, values = held_rows(key, at), held_rows(value, at)  # [H, C, d]
         if self.forms is not None:
-            keys, values = self.forms.read(keys, values, heads, at)
+            keys, values = self.forms.read(keys, values, torch.arange(n_heads, device=key.device)[:, None], at)
         scores = attention_logits(q, keys[:, None], scaling, self.softcap)  # [H, G, n, C]
         if self.window is not None and self.window < key.shape[1]:  # held keys the layer's window has passed
             steps = torch.arange(first, first + n, device=scores.device)
