@@ -32,21 +32,29 @@ def test_gemma_is_the_packaged_base_model_with_its_features(gemma):
     assert gemma.encode("The cat", chat=True) == gemma.encode("The cat")
 
 
+@pytest.fixture(scope="module")
+def scored(gemma, long_ids):
+    """One run over the text: a window wider than it (which reads as Full), TOVA and Window at 64, and Full. A row's
+    numbers do not depend on the rows beside it (tests/test_shared_prefill.py), so the tests below share it."""
+    rows, full = compute_traces(gemma, ["window:budget=4096", "tova:budget=64", "window:budget=64"],
+                                [Window(budget=4096), TOVA(budget=64), Window(budget=64)], long_ids, record_layers=())
+    return dict(zip(("wide", "tova", "window"), rows), full=full)
+
+
 @pytest.mark.slow
-def test_full_equals_the_plain_model_past_the_window(gemma, long_ids):
+def test_full_equals_the_plain_model_past_the_window(gemma, long_ids, scored):
     with torch.inference_mode():
         plain = torch.log_softmax(gemma.model(torch.tensor([long_ids])).logits[0].float(), -1)
     expected = plain[:-1].gather(-1, torch.tensor(long_ids[1:])[:, None])[:, 0].numpy()
-    (full,), _ = compute_traces(gemma, ["full"], [Window(budget=4096)], long_ids, record_layers=())
-    np.testing.assert_allclose(full.logprobs, expected, atol=2e-3)
-    assert full.meta["layer_windows"][0] == 512 and full.reads(0)[:, -1].sum(-1).max() == 512
-    assert full.reads(5)[:, -1].all()  # a global layer reads every key
+    for trace in (scored["wide"], scored["full"]):
+        np.testing.assert_allclose(trace.logprobs, expected, atol=2e-3)
+        assert trace.meta["layer_windows"][0] == 512 and trace.reads(0)[:, -1].sum(-1).max() == 512
+        assert trace.reads(5)[:, -1].all()  # a global layer reads every key
 
 
 @pytest.mark.slow
-def test_a_policy_decides_within_the_window_and_scores_real_text(gemma, long_ids):
-    (tova, window), full = compute_traces(gemma, ["tova:budget=64", "window:budget=64"],
-                                          [TOVA(budget=64), Window(budget=64)], long_ids, record_layers=())
+def test_a_policy_decides_within_the_window_and_scores_real_text(scored):
+    tova, window, full = scored["tova"], scored["window"], scored["full"]
     ppl = {name: float(np.exp(-t.logprobs.mean())) for name, t in (("tova", tova), ("window", window), ("full", full))}
     assert ppl["full"] < ppl["tova"] < ppl["window"], ppl
     assert tova.reads(0)[:, -1].sum(-1).max() <= 64  # the budget counts what the layer reads
