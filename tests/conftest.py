@@ -63,6 +63,34 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
     interpreter._patch_builtin = _patch_builtin
 
+    # Two more of its costs that compiling never pays, per operation of every program:
+    # - a binary operation on two blocks of one shape wraps each in a broadcast to that shape (it compares the
+    #   shape, a tuple, with a list it builds, which always differ): a new block type and tensor for each operand;
+    # - it maps a triton dtype to numpy's by building the table anew at every call.
+    from triton.language.semantic import TritonSemantic
+
+    _broadcast = TritonSemantic.broadcast_impl_value
+
+    def _broadcast_impl_value(self, lhs, rhs):
+        if lhs.type.is_block() and rhs.type.is_block() and lhs.type.shape == rhs.type.shape:
+            return lhs, rhs
+        return _broadcast(self, lhs, rhs)
+
+    TritonSemantic.broadcast_impl_value = _broadcast_impl_value
+
+    _np_dtype = interpreter._get_np_dtype
+    _np_dtypes: dict = {}
+
+    def _get_np_dtype(tt_dtype):
+        scalar = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype  # a block's: its element's
+        if isinstance(scalar, tl.pointer_type):  # pointers are not hashed; the table gives them uint64
+            return _np_dtype(scalar)
+        if scalar not in _np_dtypes:
+            _np_dtypes[scalar] = _np_dtype(scalar)
+        return _np_dtypes[scalar]
+
+    interpreter._get_np_dtype = _get_np_dtype
+
 
 class TinyTokenizer:
     """Just enough tokenizer for the runner and the app: one character per id, no EOS, no chat template."""
