@@ -238,7 +238,7 @@ class DeviceWalk:
 def _widened(a: np.ndarray, room: np.ndarray | None, total: int, fill) -> tuple[np.ndarray, np.ndarray]:
     """a [H, m] as [H, total], the new columns ``fill``, and the buffer it is a view of. While ``a`` is a view of
     ``room`` (the buffer the last call returned) with space left, nothing is copied: a decoding step adds one
-    column, and concatenating copied every column (O(T^2) over an answer). A buffer's columns past its view are
+    column, where concatenating would copy every column (O(T^2) over an answer). A buffer's columns past its view are
     never written, so they still hold ``fill``."""
     if room is None or a.base is not room or room.shape[1] < total:
         room = np.full((a.shape[0], max(total, 2 * a.shape[1], 64)), fill, a.dtype)
