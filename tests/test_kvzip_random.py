@@ -13,6 +13,7 @@ import torch
 
 from backend.policies import KVzip, Random, SpecError, parse_spec
 from backend.policies.random_eviction import uniform
+from backend.engine.attention import PolicyCache
 from backend.engine.reconstruction import RereadCache
 from backend.engine.runner import compute_traces
 
@@ -106,6 +107,36 @@ def test_random_layers_share_the_draws_by_default_or_each_layer_draws_its_own(ti
     np.testing.assert_array_equal(evicted("each"), each)
     with pytest.raises(SpecError, match="layers"):
         parse_spec("random:budget=8,layers=all")
+
+
+@pytest.mark.parametrize("mode", ["prompt", "generate"])
+def test_random_walks_a_block_in_one_layer_and_the_others_replay_it_to_the_bit(tiny, text_ids, monkeypatch, mode):
+    # Its shared draws ignore the layer (Policy.decides_alike_in_every_layer): the first layer walks each block, the
+    # others take its decisions (PolicyCache.replay). Every trace is the same to the bit with the replay off, where
+    # every layer walks; with draws of its own each layer walks either way.
+    steps = []
+    step = Random.step
+    monkeypatch.setattr(Random, "step", lambda self, *args: steps.append(self.layers) or step(self, *args))
+    policies = [Random(budget=8, seed=3), Random(budget=8, seed=3, layers="each")]
+
+    def run(replay: bool):
+        monkeypatch.setattr(PolicyCache, "replay", replay)
+        steps.clear()
+        traces, full = compute_traces(tiny, ["shared", "each"], policies, text_ids, mode=mode, max_new_tokens=5,
+                                      record_layers=())
+        return [*traces, full], steps.count("shared"), steps.count("each")
+
+    (replayed, shared_steps, each_steps), (walked, shared_alone, each_alone) = run(True), run(False)
+    layers = tiny.model.config.num_hidden_layers
+    assert layers > 1 and shared_steps >= len(text_ids) and each_steps == each_alone == shared_alone
+    assert shared_steps * layers == shared_alone
+    for one, other in zip(replayed, walked):
+        assert one.meta == other.meta
+        mine, theirs = one.arrays(), other.arrays()
+        assert sorted(mine) == sorted(theirs)
+        for name in mine:
+            np.testing.assert_array_equal(mine[name], theirs[name], err_msg=f"{one.spec}: {name}")
+    assert (replayed[0].evicted_at >= 0).any()
 
 
 # --- KVzip ----------------------------------------------------------------------------------------------

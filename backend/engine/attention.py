@@ -235,6 +235,26 @@ class DeviceWalk:
         return probs.to(scores.dtype), attn
 
 
+class DecidedBlock:
+    """The decisions of a row's latest walked block, for a policy that decides alike in every layer
+    (``Policy.decides_alike_in_every_layer``): the first layer to walk a block keeps what it decided, and the row's
+    other layers replay it instead of walking. A block is the same when it starts at the same query, has as many,
+    and starts from the same held columns, which is all such a walk depends on."""
+
+    def __init__(self):
+        self.block: tuple | None = None  # (first, n, columns [H, C])
+        self.alive = self.dropped_at = None
+
+    def replay(self, columns: np.ndarray, first: int, n: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """(alive, dropped_at) as ``_walk_numpy`` ends the block with, if this block was walked; else None."""
+        if self.block is None or self.block[:2] != (first, n) or not np.array_equal(self.block[2], columns):
+            return None
+        return self.alive.copy(), self.dropped_at.copy()
+
+    def keep(self, columns: np.ndarray, first: int, n: int, alive: np.ndarray, dropped_at: np.ndarray) -> None:
+        self.block, self.alive, self.dropped_at = (first, n, columns.copy()), alive.copy(), dropped_at.copy()
+
+
 def _widened(a: np.ndarray, room: np.ndarray | None, total: int, fill) -> tuple[np.ndarray, np.ndarray]:
     """a [H, m] as [H, total], the new columns ``fill``, and the buffer it is a view of. While ``a`` is a view of
     ``room`` (the buffer the last call returned) with space left, nothing is copied: a decoding step adds one
@@ -275,8 +295,11 @@ class RowLayerState:
     """What one policy has done in one layer of one batch row: its state, what it holds, what it read."""
 
     def __init__(self, policy: Policy, n_kv_heads: int, record_top_k: int = 0, layer: int = 0, n_layers: int = 1,
-                 rope: Callable | None = None, output: torch.Tensor | None = None):
+                 rope: Callable | None = None, output: torch.Tensor | None = None,
+                 decided: DecidedBlock | None = None):
+        """``decided``: shared by the row's layers when its policy decides alike in every layer (``DecidedBlock``)."""
         self.policy = policy
+        self.decided = decided
         self.layer, self.n_layers = layer, n_layers
         self.rope = rope  # the model's RoPE, for compression policies that rotate queries (CacheView.rope)
         self.output = output  # the layer's output projection weight (CacheView.output)
@@ -576,7 +599,12 @@ class RowLayerState:
         needed = self._rows_read(first, n, n_prompt) if compression and policy.uses_attention and self.top is None \
             else None
         heads = np.arange(n_heads)
-        for i in range(n):
+        # Another layer of the row walked this block and decided what this one would: take its decisions (a layer
+        # that needs the attention rows, to record them, walks).
+        replayed = self.decided.replay(columns, first, n) if self.decided is not None and weights is None else None
+        if replayed is not None:
+            alive, dropped_at = replayed
+        for i in range(n if replayed is None else 0):
             t, c = first + i, held + i + 1  # query t; columns 0..c-1 exist for it
             alive[:, c - 1] = True
             kept = alive[:, :c]
@@ -610,6 +638,8 @@ class RowLayerState:
                 dropped_at[rows, victims] = i
                 if weights is not None:
                     alive_f[rows, victims] = 0.0
+        if self.decided is not None and replayed is None:
+            self.decided.keep(columns, first, n, alive, dropped_at)
         steps = np.arange(n)[None, :, None]
         reads = (np.arange(width)[None, None, :] < held + 1 + steps) & (steps <= dropped_at[:, None, :])
         self._end_block(columns, alive, dropped_at, first, n)
@@ -887,6 +917,9 @@ class PolicyCache(DynamicCache):
 
     # Rows that read as Full take Full's prefill (False: every row computes its own, the same to the bit; tests).
     share: bool = True
+    # A row whose policy decides alike in every layer walks each block in one layer and replays it in the others
+    # (False: every layer walks, the same to the bit; tests).
+    replay: bool = True
 
     def __init__(self, policies: list[Policy], n_layers: int, n_kv_heads: int, record_layers: tuple[int, ...] = (),
                  rope: Callable | Sequence[Callable] | None = None, record_top_k: int = 0,
@@ -909,8 +942,11 @@ class PolicyCache(DynamicCache):
         self.record_top_k = record_top_k  # entries kept of each recorded attention row
         outputs = ([None if layer.output is None else layer.output.weight.detach() for layer in features.layers]
                    if features is not None else [None] * n_layers)
+        decided = [DecidedBlock() if self.replay and p.decides_alike_in_every_layer() else None
+                   for p in self.policies]
         self.rows = [[RowLayerState(p, n_kv_heads, record_top_k if layer in self.record_layers else 0, layer,
-                                    n_layers, ropes[layer], outputs[layer]) for p in self.policies]
+                                    n_layers, ropes[layer], outputs[layer], decided[b])
+                      for b, p in enumerate(self.policies)]
                      for layer in range(n_layers)]
         self.decoding = False  # True: the next blocks' queries are decoding steps (see Block.decoding)
         self.n_prompt: int | None = None  # generate mode: where the prompt ends (compression policies act there)

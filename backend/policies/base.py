@@ -187,6 +187,12 @@ class Policy:
         0: it may depart from the first query (and attends its own way throughout)."""
         return 0
 
+    def decides_alike_in_every_layer(self) -> bool:
+        """Are the policy's decisions a function of the positions a row holds and the step alone (not of a layer's
+        attention, keys, values or index), with no state of its own? Then every layer of a row decides alike, and the
+        engine walks a block in the first layer that reaches it and replays those decisions in the others."""
+        return False
+
     def may_cut(self, end: int) -> bool:
         """May a forward call on a prompt end before position ``end``? ReAttention says no inside one of its
         chunks, whose queries vote together; the runner moves its block ends to where every row says yes."""

@@ -60,6 +60,9 @@ class Random(EvictionPolicy):
     def init_state(self, n_heads):
         return self.layer_state(n_heads, 0)
 
+    def decides_alike_in_every_layer(self) -> bool:
+        return self.layers == "shared"  # the draws ignore the layer, and it keeps no state
+
     def layer_state(self, n_heads, layer):
         return {"layer": np.array([layer])} if self.layers == "each" else {}
 
