@@ -36,6 +36,7 @@ from backend.experiments.leaderboard import SHIPPED_RATIOS, task_jobs, task_spec
 from backend.experiments import task_runs
 from backend.experiments.task_runs import TaskRequest, answer, encode, lm_eval_request
 from backend.experiments.tasks import load_task, tokenizer_source
+from backend.engine.attention import PolicyCache
 from backend.limits import Limits
 
 from backend.engine.models import DEFAULT_MODEL
@@ -269,8 +270,11 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="one sample at the first length, its time by part")
     parser.add_argument("--max-rows", type=int, default=task_runs.MAX_ROWS,
                         help=f"rows a batched run holds at most (task_runs.MAX_ROWS, {task_runs.MAX_ROWS})")
+    parser.add_argument("--walk-every-layer", action="store_true", help="a policy that decides alike in every "
+                        "layer walks each block in every layer (PolicyCache.replay off), to time what the replay saves")
     add_pairs_argument(parser, 1)
     args = parser.parse_args()
+    PolicyCache.replay = not args.walk_every_layer
     if args.max_rows < 1:
         parser.error(f"--max-rows must be >= 1, got {args.max_rows}")
     task_runs.MAX_ROWS = args.max_rows  # the runs ``answer`` makes in this process (not in --grid's Ray workers)
