@@ -1,4 +1,5 @@
 """Keyformer: key tokens by accumulated Gumbel-softmax scores, plus a recent window (Adnan et al., 2024)."""
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -7,12 +8,18 @@ from .base import EvictionPolicy, grow, splitmix64
 from .registry import register
 
 
+@functools.lru_cache(maxsize=None)
+def _layer_hash(layer: int) -> int:
+    return splitmix64(layer)  # once per layer, not once per step
+
+
 def gumbel(seed: int, layer: int, t: int, positions: np.ndarray) -> np.ndarray:
     """Standard Gumbel noise [H, m], a function of (seed, layer, step t, KV head, token position) only: every
     layer draws its own, and the same token gets the same draw whichever column it sits in (the prompt and
     decode paths order them alike but compact them at different times)."""
-    step = splitmix64(splitmix64(seed << 32 | t) ^ splitmix64(layer))
-    heads = np.array([splitmix64(step ^ h) for h in range(len(positions))], np.uint64)
+    step = splitmix64(splitmix64(seed << 32 | t) ^ _layer_hash(layer))
+    # The heads' hashes in one call on uint64, which wraps as the Python ints are masked: the same numbers.
+    heads = splitmix64(np.uint64(step) ^ np.arange(len(positions), dtype=np.uint64))
     x = splitmix64(positions.astype(np.uint64) ^ heads[:, None])
     u = (x >> np.uint64(11)) * 2.0**-53 + 2.0**-54  # in (0, 1)
     return -np.log(-np.log(u))
