@@ -26,7 +26,9 @@ def redundancy(keys: np.ndarray, threshold: float, retain: int) -> np.ndarray:
     np.fill_diagonal(sim, 0.0)
     m = len(keys)
     near = np.where(sim > threshold, np.arange(m), -1)  # column index of each near-duplicate, -1 elsewhere
-    copies = np.sort(near, axis=1)[:, -retain:]  # each row's latest near-duplicates (-1: fewer than retain)
+    # Each row's latest near-duplicates (-1: fewer than retain), as a set: a partition finds them without sorting.
+    keep_from = max(m - retain, 0)
+    copies = np.partition(near, keep_from, axis=1)[:, keep_from:]
     rows = np.repeat(np.arange(m), copies.shape[1])
     cols = copies.ravel()
     sim[rows[cols >= 0], cols[cols >= 0]] = 0.0
