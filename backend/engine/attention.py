@@ -239,7 +239,8 @@ class DecidedBlock:
     """The decisions of a row's latest walked block, for a policy that decides alike in every layer
     (``Policy.decides_alike_in_every_layer``): the first layer to walk a block keeps what it decided, and the row's
     other layers replay it instead of walking. A block is the same when it starts at the same query, has as many,
-    and starts from the same held columns, which is all such a walk depends on."""
+    and starts from the same held columns, which is all such a walk depends on (so a fork of the row, which shares
+    it, replays only what it would have decided itself)."""
 
     def __init__(self):
         self.block: tuple | None = None  # (first, n, columns [H, C])
