@@ -554,8 +554,8 @@ def check_sample(request: SampleRequest, limits: Limits = LIMITS) -> list[Policy
 # What a task sample takes, in plain forwards of its prompt: Full's row (its prefill and the answer's decoding), then
 # each counted row. A row pays for the prompt it computes itself: the row-tokens the Run line prices it at
 # (``limits.row_cost``: a KVzip row twice, a row that reads every key more past SELECTION_UNIT) less the prompt it
-# takes from Full's prefill (``Policy.first_departure``: all of it for a compression row, its budget for an eviction
-# row, none for a selection row); and every row pays its decoding, scoring and recording. Fitted to
+# takes from Full's prefill (``Policy.first_departure``: all of it for a compression row, up to its budget for an
+# eviction or selection row); and every row pays its decoding, scoring and recording. Fitted to
 # ``benchmarks/task_cost.py`` on the default model at 1k tokens (docs/tasks.md, "What a sample is expected to take").
 # A row that rambles to the token limit keeps the batch decoding, which no count of rows foresees.
 SAMPLE_FULL_FORWARDS = 1.0

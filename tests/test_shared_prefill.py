@@ -184,7 +184,50 @@ def test_a_row_departs_where_its_policy_first_reads_less():
     assert parse_spec("kvzip:budget=12").first_departure(24) == 24  # its second pass comes after the context
     assert parse_spec("kvzip:budget=12").first_departure(None) == 0  # prompt mode: a pass every interval
     assert parse_spec("tova:budget=12").first_departure(None) == 12  # the query after the one that fills it
-    assert parse_spec("quest:budget=32").first_departure(24) == 0
+    assert parse_spec("quest:budget=32").first_departure(24) == 32  # its own page and the one before: all
+    assert parse_spec("quest:budget=40").first_departure(None) == 32  # two whole pages of 16
+    assert parse_spec("quest:budget=32,prefill=dense").first_departure(48) == 48  # the prompt read exactly
+    assert parse_spec("sparq:budget=32").first_departure(24) == 32 == parse_spec("oracle:budget=32").first_departure(8)
+    assert parse_spec("oracle:budget=32,prefill=dense").first_departure(48) == 48
+    assert parse_spec("streamingllm:budget=32").first_departure(None) == 32
+    # Chunks of 16 from global + local = 48 (64 - 2 x 8): the one ending at 64 reads every token, the next votes.
+    assert parse_spec("reattention:budget=64").first_departure(None) == 64
+    # global + local = 18, spans of 2 x 3: the chunk [18, 22) ends within the budget, [22, 26) does not.
+    assert parse_spec("reattention:budget=24,global_size=2,span=3,topk=2,chunk=4").first_departure(None) == 22
+
+
+SELECTING = ["oracle:budget=10", "sparq:budget=10", "quest:budget=14,page_size=4,dense_layers=0",
+             "streamingllm:budget=10,sinks=2", "reattention:budget=24,global_size=2,span=3,topk=2,chunk=4"]
+
+
+@pytest.mark.parametrize("mode", ["prompt", "generate"])
+def test_a_selection_row_reads_as_full_until_its_departure_then_reads_less(tiny, text_ids, mode, monkeypatch):
+    """Each selection policy's first departure is where its queries first read less than every earlier token: the
+    row stays out of the batch until the block that holds it, every query before it reads everything (as Full's, with
+    the figures an attending policy records for such a query), and the query at it reads less. The same traces to the
+    bit with the sharing off."""
+    sizes = block_sizes(monkeypatch)
+    policies = [parse_spec(s) for s in SELECTING]
+    context_end = 30 if mode == "generate" else None
+    found, _ = compute_traces(tiny, SELECTING, policies, text_ids, mode=mode, chunk=4, max_new_tokens=4,
+                              context_end=context_end)
+    departures = [p.first_departure(context_end) for p in policies]
+    assert departures == [10, 10, 12, 10, 22]
+    ends = np.cumsum([tokens for _, tokens in sizes])
+    for rows, end in zip((rows for rows, _ in sizes), ends):  # Full, then each row from its departure's block on
+        print(rows, end)
+    for trace, departure in zip(found, departures):
+        reads = trace.reads(1)  # [H, steps, positions]
+        causal = np.tril(np.ones((departure, departure), bool))
+        assert (reads[:, :departure, :departure] == causal).all() and not reads[:, :departure, departure:].any()
+        assert reads[:, departure, : departure + 1].sum(-1).min() < departure + 1, trace.spec
+    sparq, quest = found[1].stats, found[2].stats
+    assert (sparq["alpha"][:, :10] == 1).all() and (sparq["topk_agreement"][:, :10] == 1).all()  # [layer, step, head]
+    assert (quest["pages_read"][:, :12] == (np.arange(12) // 4 + 1)[None, :, None]).all()
+    monkeypatch.setattr(PolicyCache, "share", False)
+    alone, _ = compute_traces(tiny, SELECTING, policies, text_ids, mode=mode, chunk=4, max_new_tokens=4,
+                              context_end=context_end)
+    assert_same(found, alone)
 
 
 def test_a_run_without_full_s_row_shares_nothing(tiny, text_ids, monkeypatch):

@@ -364,7 +364,8 @@ class RowLayerState:
                n_prompt: int | None) -> None:
         """A block before the row's first departure: its queries read as Full's, and the policy sees what it asks
         of them: an eviction policy walks the block as ever (its running scores grow; it drops nothing yet), a
-        compression policy reads its window's attention rows and queries, and compresses after the last of them.
+        compression policy reads its window's attention rows and queries, and compresses after the last of them, a
+        selection policy is told its queries read everything (``SelectionPolicy.read_as_full``).
         q [H_kv, G, n, d], key/value [H_kv, M, d]: the row's own, or Full's when the row takes Full's prefill
         (``PolicyCache.share``): the same to the bit."""
         policy = self.policy
@@ -378,9 +379,19 @@ class RowLayerState:
             if ((self.evicted_at >= 0) & (self.evicted_at < departure)).any():
                 raise RuntimeError(f"{policy.name} drops a token before its first departure ({departure})")
             return
+        if policy.kind == "selection":  # every query read every earlier token: record that, and tell the policy
+            n, total = q.shape[2], key.shape[1]
+            reads = visible_keys(first, n, total, self.window).numpy()
+            self.spans.add(np.broadcast_to(reads, (self.n_kv_heads, n, total)).copy(), first)
+            heads = (q.shape[0] * q.shape[1], q.shape[0], q.shape[3])
+            in_prompt = n_prompt is not None and first + n <= n_prompt
+            self.state, stats = policy.read_as_full(self.state, first, n, heads, in_prompt)
+            for name, values in stats.items():
+                self.stat_rows.setdefault(name, []).extend(values)
+            return
         if policy.kind != "compression":
-            raise NotImplementedError(f"{policy.name}: the engine follows only eviction and compression policies "
-                                      "until they depart")
+            raise NotImplementedError(f"{policy.name}: the engine follows only eviction, compression and selection "
+                                      "policies until they depart")
         n, total = q.shape[2], first + q.shape[2]
         acts = policy.compression_steps(first, total, n_prompt)
         if any(t != departure - 1 for t in acts):

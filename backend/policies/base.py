@@ -547,9 +547,25 @@ class SelectionPolicy(Policy):
 
     def reads_prompt_densely(self) -> bool:
         """Does a generate-mode run read its prompt exactly, the policy selecting from the first answer token on
-        (``prefill="dense"``)? For a policy the engine attends for, it then reads the prompt's blocks as Full
-        does; an attending policy reads them itself (``Block.in_prompt``)."""
+        (``prefill="dense"``)? The prompt's queries then read as Full's (``first_departure``)."""
         return False
+
+    def reads_all_before(self) -> int:
+        """Every query before this position reads every earlier token: its whole cache fits what the policy reads
+        (its budget), so it reads Full's attention. The engine computes those queries as Full's, and a row may
+        take Full's prefill until then (``first_departure``). 0: no query is promised to."""
+        return 0
+
+    def first_departure(self, n_prompt: int | None) -> int:
+        until = self.reads_all_before()
+        return max(until, n_prompt) if n_prompt is not None and self.reads_prompt_densely() else until
+
+    def read_as_full(self, state: State, first: int, n: int, heads: tuple[int, int, int], in_prompt: bool
+                     ) -> tuple[State, dict[str, np.ndarray]]:
+        """Queries first..first+n-1, before ``first_departure``, were computed as Full's: the policy's state after
+        them, and what an attending policy records for them (``BlockResult.stats``, each name -> [n, ...]).
+        heads: (query heads, KV heads, head size); in_prompt: the block is a generate-mode run's prompt."""
+        return state, {}
 
     def select_block(self, state: State, attn_full: np.ndarray, first: int) -> tuple[State, np.ndarray]:
         """``select`` for queries first..first+n-1 in turn: attn_full [H, n, M] -> reads bool [H, n, M]."""

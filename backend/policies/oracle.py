@@ -35,6 +35,9 @@ class Oracle(SelectionPolicy):
     def reads_prompt_densely(self) -> bool:
         return self.prefill == "dense"
 
+    def reads_all_before(self) -> int:
+        return self.budget  # query t has t + 1 tokens to choose from
+
     def select(self, state, attn_full, t):
         return state, top_positions(attn_full, self.budget, self.heads)
 

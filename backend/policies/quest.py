@@ -80,6 +80,18 @@ class Quest(AttendingPolicy):
             raise ValueError(f"quest: group must be one of {GROUPS}, got {self.group!r}")
         check_prefill(self.name, self.prefill)
 
+    def reads_prompt_densely(self) -> bool:
+        return self.prefill == "dense"
+
+    def reads_all_before(self) -> int:
+        # Query t reads its own page (t // page_size) and up to pages - 1 before it: every page while t's is
+        # among the first ``pages``.
+        return self.pages * self.page_size
+
+    def read_as_full(self, state, first, n, heads, in_prompt):
+        pages = np.arange(first, first + n) // self.page_size + 1  # its own and every page before
+        return state, {"pages_read": np.repeat(pages[:, None], heads[1], axis=1).astype(np.float32)}
+
     def choose_pages(self, q: torch.Tensor, k: torch.Tensor, first: int) -> torch.Tensor:
         """q [H_kv, G, n, d] (queries first..first+n-1), k [H_kv, M, d] -> bool [H_kv, 1 or G, n, P]: the pages
         each query reads (P pages of ``page_size``; "sum" gives one row per KV head)."""

@@ -70,6 +70,11 @@ class ReAttention(AttendingPolicy):
             raise ValueError(f"reattention: budget {self.budget} leaves local = {self.local} tokens; it must be "
                              f">= chunk ({self.chunk}): raise budget or lower topk, span, chunk")
 
+    def reads_all_before(self) -> int:
+        """A chunk ending at e reads its whole middle while it fits the spans (e <= budget); a prompt's chunks end
+        on the grid global + local + j * chunk or sooner (a block end cuts them), a decoding step's at t + 1."""
+        return self.global_size + self.local + self.topk * self.span // self.chunk * self.chunk
+
     def may_cut(self, end: int) -> bool:
         """Prompt blocks end where Algorithm 1's chunks do: after global + local tokens, then every ``chunk``."""
         opening = self.global_size + self.local

@@ -102,16 +102,28 @@ class SparQ(AttendingPolicy):
                  "transfer_bytes": self._transfer(steps, dim, n_kv_heads)}
         return state, BlockResult(out=res.out, reads=reads, attn=attn, stats=stats)
 
+    def reads_prompt_densely(self) -> bool:
+        return self.prefill == "dense"
+
+    def reads_all_before(self) -> int:
+        return self.budget  # query t reads min(k, t + 1) positions: all of them, with alpha 1, while t < k
+
+    def read_as_full(self, state, first, n, heads, in_prompt):
+        """Queries that read every position: alpha 1, agreement 1, and SparQ's transfer beside the dense one, or
+        in a prompt read exactly (``prefill="dense"``) the dense transfer for both (no approximate scores were
+        fetched)."""
+        n_q_heads, n_kv_heads, dim = heads
+        transfer = self._transfer(torch.arange(first, first + n), dim, n_kv_heads)
+        if self.prefill == "dense" and in_prompt:
+            transfer = np.concatenate([transfer[:, 1:], transfer[:, 1:]], axis=1)
+        return state, {"alpha": np.ones((n, n_q_heads), np.float32),
+                       "topk_agreement": np.ones((n, n_kv_heads), np.float32), "transfer_bytes": transfer}
+
     def attend_densely(self, block) -> BlockResult:
-        """A prompt block read exactly (``prefill="dense"``): every position read, alpha 1, agreement 1, and the
-        dense transfer for both figures (no approximate scores were fetched)."""
+        """A prompt block read exactly (``prefill="dense"``): every position read (``read_as_full``'s figures)."""
         n_q_heads, n, dim = block.q.shape
-        n_kv_heads = block.k.shape[0]
         out, reads, attn = dense_attention(block)
-        steps = torch.arange(block.first, block.first + n)
-        dense = self._transfer(steps, dim, n_kv_heads)[:, 1:]
-        stats = {"alpha": np.ones((n, n_q_heads), np.float32), "topk_agreement": np.ones((n, n_kv_heads), np.float32),
-                 "transfer_bytes": np.concatenate([dense, dense], axis=1)}
+        _, stats = self.read_as_full({}, block.first, n, (n_q_heads, block.k.shape[0], dim), True)
         return BlockResult(out=out, reads=reads, attn=attn, stats=stats)
 
     def _transfer(self, steps: torch.Tensor, dim: int, n_kv_heads: int) -> np.ndarray:

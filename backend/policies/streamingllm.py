@@ -53,6 +53,9 @@ class StreamingLLM(AttendingPolicy):
     def for_budget(cls, budget: int) -> "StreamingLLM":
         return cls(budget=budget, sinks=min(4, budget - 1))
 
+    def reads_all_before(self) -> int:
+        return self.budget  # query t < budget holds every token, at its own position (nothing has slid)
+
     def cache_of(self, steps: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each query's cache, in cache order: positions in the text [n, L] (L = min(budget, length)) and which
         exist yet [n, L] (a query before position L - 1 holds fewer). Entry j sits at RoPE position j."""
