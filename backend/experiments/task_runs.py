@@ -41,11 +41,6 @@ SETTINGS = ("agnostic", "aware")
 # what the row-token price foresaw (the OOM killer stopped the first shipped grid): as the sweep does, a sample's
 # rows go in runs of at most this many (each with Full's reference row; the store keys do not change).
 MAX_ROWS = 32
-# Prompt tokens per forward call in a sample's runs. A row joins Full's batch at the block that holds its first
-# departure and computes that whole block itself, so smaller blocks let it take more of Full's prefill: at ratio
-# 0.75 of a 1k context (a budget of 216) an eviction or selection row takes Full's first 128 tokens, where blocks of
-# 256 left it none (docs/performance.md, "A leaderboard sample").
-TASK_CHUNK = 128
 
 
 @dataclass(frozen=True)
@@ -185,14 +180,13 @@ def answer(lm: LoadedModel, request: TaskRequest, specs: Sequence[str], setting:
     for batch in _batches(lm, [policies[i] for i in asked], length, limits or Limits.for_machine()):
         rows = [asked[j] for j in batch]
         run = replay_or_compute(lm, [specs[i] for i in rows], [policies[i] for i in rows], ids, "generate",
-                                request.max_new_tokens, store, record_layers=record_layers, chunk=TASK_CHUNK,
-                                context_end=decide_at)
+                                request.max_new_tokens, store, record_layers=record_layers, context_end=decide_at)
         for k, i in enumerate(rows):
             answers[i] = _answer(lm, specs[i], policies[i], run.traces[k], run.keys[k], run, request.until,
                                  keep_traces)
     if run is None:  # only Full asked: a run of its reference row alone
         run = replay_or_compute(lm, [], [], ids, "generate", request.max_new_tokens, store,
-                                record_layers=record_layers, chunk=TASK_CHUNK, context_end=decide_at)
+                                record_layers=record_layers, context_end=decide_at)
     for i, policy in enumerate(policies):
         if i not in answers:  # Full: the reference row every run has
             answers[i] = _answer(lm, specs[i], policy, run.full, run.full_key, run, request.until, keep_traces)
