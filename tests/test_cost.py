@@ -157,10 +157,12 @@ def test_a_sample_is_priced_by_the_prompt_each_row_computes_itself_and_its_rows(
     assert api.sample_forwards(["full", "snapkv:ratio=0.5"], 1024) == F + R
     # KVzip's second pass over the text is its own (the Run line counts its row twice)
     assert api.sample_forwards(["full", "kvzip:ratio=0.5"], 1024) == F + P + R
-    # a selection row departs from the first query: its whole prefill is its own
-    assert api.sample_forwards(["full", "quest:ratio=0.5"], 1024) == F + P + R
-    # a row that reads every key costs more per token past SELECTION_UNIT, as in the Run line: 4,096 tokens, 4x
-    assert api.sample_forwards(["full", "oracle:ratio=0.5"], 4096) == F + 4 * P + R
+    # a selection row reads every earlier token until its cache outgrows its budget (Quest: 32 pages of 16)
+    assert api.sample_forwards(["full", "quest:ratio=0.5"], 1024) == F + 0.5 * P + R
+    assert api.sample_forwards(["full", "quest:ratio=0.5,page_size=24"], 1024) == F + (1 - 504 / 1024) * P + R
+    # a row that reads every key costs more per token past SELECTION_UNIT, as in the Run line: 4,096 tokens, 4x,
+    # less the half it takes from Full
+    assert api.sample_forwards(["full", "oracle:ratio=0.5"], 4096) == F + 3.5 * P + R
     assert api.sample_forwards(["full", "tova:ratio=0.5", "snapkv:ratio=0.5"], 1024) == F + 0.5 * P + 2 * R
 
 
