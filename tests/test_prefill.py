@@ -2,10 +2,8 @@
 query (the default) or read it exactly and select only while decoding, as the papers' QA runs serve."""
 import numpy as np
 import pytest
-import torch
 
 from backend.policies import SparQ, parse_spec
-from backend.policies.base import Block
 from backend.engine.runner import compute_traces
 
 
@@ -40,20 +38,18 @@ def test_a_dense_prefill_is_a_prompt_mode_no_op(tiny, text_ids):
     np.testing.assert_array_equal(dense.logprobs, select.logprobs)
 
 
-def test_a_dense_prompt_block_records_alpha_one_and_dense_transfer():
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(*shape, generator=g, dtype=torch.float64) for shape in ((6, 5, 16), (2, 30, 16), (2, 30, 16)))
-    block = Block(q=q, k=k, v=v, first=25, scaling=0.25, n_prompt=30)
-    _, result = SparQ(budget=8, r=4, prefill="dense").attend_block({}, block)
-    logits = (q.view(2, 3, 5, 16) @ k.transpose(-1, -2)[:, None]) * 0.25
-    visible = torch.arange(30)[None, :] <= torch.arange(25, 30)[:, None]
-    expected = torch.softmax(logits.masked_fill(~visible, float("-inf")), -1) @ v[:, None]
-    torch.testing.assert_close(result.out, expected.permute(2, 0, 1, 3).reshape(5, 6, 16))
-    assert (result.stats["alpha"] == 1).all() and (result.stats["topk_agreement"] == 1).all()
-    assert (result.stats["transfer_bytes"][:, 0] == result.stats["transfer_bytes"][:, 1]).all()
-    _, decoding = SparQ(budget=8, r=4, prefill="dense").attend_block({}, Block(q=q, k=k, v=v, first=25, scaling=0.25,
-                                                                                n_prompt=29))
-    assert (decoding.reads.sum(-1) == 8).all()  # a block reaching past the prompt selects
+def test_a_dense_prompt_records_alpha_one_and_dense_transfer(tiny, text_ids):
+    """A prompt read exactly reads as Full's (``SelectionPolicy.read_as_full``): alpha and agreement 1 and the dense
+    transfer for both figures; the answer's queries, past the budget, select and fetch less than dense."""
+    prompt = text_ids[:30]
+    (trace,), _ = compute_traces(tiny, ["s"], [SparQ(budget=8, r=4, prefill="dense")], prompt, "generate", 4, chunk=8,
+                                 record_layers=())
+    n, stats = len(prompt), trace.stats  # [layer, step, ...]
+    assert (stats["alpha"][:, :n] == 1).all() and (stats["topk_agreement"][:, :n] == 1).all()
+    transfer = stats["transfer_bytes"]
+    assert transfer.shape[1] > n
+    assert (transfer[:, :n, 0] == transfer[:, :n, 1]).all()
+    assert (transfer[:, n:, 0] < transfer[:, n:, 1]).all()
 
 
 def test_prefill_must_be_select_or_dense():

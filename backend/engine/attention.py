@@ -465,16 +465,13 @@ class RowLayerState:
         n, total = q.shape[2], key.shape[1]
         scores = attention_logits(q, key[:, None], scaling, self.softcap)  # [H, G, n, M]
         causal = visible_keys(first, n, total, self.window, q.device)
-        # Blocks never straddle the prompt's end (runner.block_ends), so a block is the prompt's or after it.
-        if self.policy.reads_prompt_densely() and n_prompt is not None and first + n <= n_prompt:
-            reads = np.broadcast_to(causal.cpu().numpy(), (self.n_kv_heads, n, total)).copy()
-        else:
-            # The policy sees each query's exact softmax row (float64, mean over the group's query heads).
-            s = scores.double().cpu().masked_fill(~causal.cpu(), float("-inf"))
-            attn_full = torch.softmax(s, -1).mean(1).numpy()
-            self.state, reads = self.policy.select_block(self.state, attn_full, first)
-            if self._limited(total):  # nothing beyond the layer's window is read, whatever the policy picked
-                reads = reads & causal.cpu().numpy()
+        # The policy sees each query's exact softmax row (float64, mean over the group's query heads). A prompt it
+        # reads exactly reads as Full's (``SelectionPolicy.first_departure``) and never comes here.
+        s = scores.double().cpu().masked_fill(~causal.cpu(), float("-inf"))
+        attn_full = torch.softmax(s, -1).mean(1).numpy()
+        self.state, reads = self.policy.select_block(self.state, attn_full, first)
+        if self._limited(total):  # nothing beyond the layer's window is read, whatever the policy picked
+            reads = reads & causal.cpu().numpy()
         self.spans.add(reads, first)
         unread = torch.from_numpy(~reads).to(scores.device)[:, None]
         probs = torch.softmax(scores.masked_fill_(unread, float("-inf")), dim=-1)

@@ -645,12 +645,6 @@ class Block:
         """bool [n, M]: the keys each query of the block may read (causal, within the layer's window)."""
         return visible_keys(self.first, self.q.shape[1], self.k.shape[1], self.window, self.q.device)
 
-    @property
-    def in_prompt(self) -> bool:
-        """Every query of the block reads the prompt of a generate-mode run (the prefill); blocks never
-        straddle the prompt's end, whose last query is the one that predicts the first answer token."""
-        return not self.decoding and self.n_prompt is not None and self.first + self.q.shape[1] <= self.n_prompt
-
 
 @dataclass
 class BlockResult:

@@ -125,7 +125,7 @@ class Quest(AttendingPolicy):
         q = block.q.view(n_kv_heads, group, n, dim)
         steps = torch.arange(block.first, block.first + n, device=device)
         causal = block.visible()  # [n, M]: causal, and within a sliding-window layer's window
-        if block.layer < self.dense_layers or (self.prefill == "dense" and block.in_prompt):
+        if block.layer < self.dense_layers:
             read = causal.expand(n_kv_heads, 1, n, total)
             pages_read = ((steps // self.page_size + 1).float().cpu()[:, None]).expand(n, n_kv_heads)
         else:

@@ -80,8 +80,6 @@ class SparQ(AttendingPolicy):
         layer the kernels cannot take (a scale other than the paper's, a sliding window, soft-capping), the whole
         block in one torch call (kernels/sparq.py): the same algorithm, tests/test_sparq_policy.py holds them
         equal."""
-        if self.prefill == "dense" and block.in_prompt:
-            return state, self.attend_densely(block)
         n_q_heads, n, dim = block.q.shape
         n_kv_heads, total, _ = block.k.shape
         # The paper's 1/sqrt(d), unless the model scales its attention otherwise (the kernels take the paper's).
@@ -118,13 +116,6 @@ class SparQ(AttendingPolicy):
             transfer = np.concatenate([transfer[:, 1:], transfer[:, 1:]], axis=1)
         return state, {"alpha": np.ones((n, n_q_heads), np.float32),
                        "topk_agreement": np.ones((n, n_kv_heads), np.float32), "transfer_bytes": transfer}
-
-    def attend_densely(self, block) -> BlockResult:
-        """A prompt block read exactly (``prefill="dense"``): every position read (``read_as_full``'s figures)."""
-        n_q_heads, n, dim = block.q.shape
-        out, reads, attn = dense_attention(block)
-        _, stats = self.read_as_full({}, block.first, n, (n_q_heads, block.k.shape[0], dim), True)
-        return BlockResult(out=out, reads=reads, attn=attn, stats=stats)
 
     def _transfer(self, steps: torch.Tensor, dim: int, n_kv_heads: int) -> np.ndarray:
         return np.array([[cost["sparq"], cost["dense"]] for cost in
