@@ -10,6 +10,7 @@ from backend.engine import attention as engine
 from backend.engine.attention import RowLayerState, compiled_running_score
 from backend.engine.runner import compute_traces
 from backend.policies import POLICIES, H2O, TOVA, load_plugins
+from backend.policies.keyformer import Keyformer
 from backend.policies.base import RunningScore
 from kernels import eviction_walk_triton
 from tests.conftest import make_tiny
@@ -17,12 +18,16 @@ from tests.conftest import make_tiny
 load_plugins()
 RUNNING = [name for name, cls in POLICIES.items()
            if cls.kind == "eviction" and cls.for_budget(24).running_score() is not None]
+# Triton's walk takes every running score but Keyformer's Gumbel-softmax, whose rows walk in numba on a CPU and in
+# numpy on a GPU.
+ON_DEVICE = [name for name in RUNNING if POLICIES[name].for_budget(24).running_score().gumbel is None]
 
 
 TOKENS = 160
 
 
-def walk(policy, compiled: bool, monkeypatch, chunk: int, dtype=torch.float32, device_walk: bool = False):
+def walk(policy, compiled: bool, monkeypatch, chunk: int, dtype=torch.float32, device_walk: bool = False,
+         layer: int = 0):
     """Feed TOKENS random queries in blocks of ``chunk`` to one (layer, row), recording its top-8 attention;
     return the state and the outputs. ``device_walk``: the Triton walk (a GPU's) instead of numba's."""
     monkeypatch.setattr(engine, "COMPILED_WALK", compiled)
@@ -31,16 +36,17 @@ def walk(policy, compiled: bool, monkeypatch, chunk: int, dtype=torch.float32, d
     heads, group, dim = 3, 3, 16
     k, v = (torch.randn(heads, TOKENS, dim, generator=g, dtype=dtype) for _ in range(2))
     q = torch.randn(heads, group, TOKENS, dim, generator=g, dtype=dtype) * 2
-    state = RowLayerState(policy, heads, record_top_k=8)
+    state = RowLayerState(policy, heads, record_top_k=8, layer=layer)
     assert (state.running is not None) == compiled
+    assert state.walks_on_device(q.device) == (compiled and device_walk)
     outs = [state.attend(q[:, :, lo:lo + chunk], k[:, :lo + chunk], v[:, :lo + chunk], lo, dim ** -0.5, None)
             for lo in range(0, TOKENS, chunk)]
     return state, torch.cat(outs, 2)
 
 
-def assert_same_walk(policy, monkeypatch, chunk, dtype=torch.float32, device_walk=False):
-    reference, out_ref = walk(policy, False, monkeypatch, chunk, dtype=dtype)
-    compiled, out = walk(policy, True, monkeypatch, chunk, dtype=dtype, device_walk=device_walk)
+def assert_same_walk(policy, monkeypatch, chunk, dtype=torch.float32, device_walk=False, layer=0):
+    reference, out_ref = walk(policy, False, monkeypatch, chunk, dtype=dtype, layer=layer)
+    compiled, out = walk(policy, True, monkeypatch, chunk, dtype=dtype, device_walk=device_walk, layer=layer)
     np.testing.assert_array_equal(compiled.evicted_at, reference.evicted_at)
     np.testing.assert_array_equal(compiled.slots, reference.slots)
     assert compiled.state.keys() == reference.state.keys()
@@ -74,6 +80,22 @@ def test_compiled_walk_equals_the_numpy_walk_for_other_parameters(policy, monkey
     assert_same_walk(policy, monkeypatch, 13, dtype=torch.float64)
 
 
+@pytest.mark.parametrize("layer", [0, 5])
+@pytest.mark.parametrize("policy", [
+    Keyformer(budget=20, recent=4, tau_init=0.5, tau_end=3.0, steps=50, seed=7), Keyformer(budget=20, recent=0),
+], ids=lambda p: p.spec())
+def test_keyformers_gumbel_softmax_walks_compiled_as_in_numpy(policy, layer, monkeypatch):
+    """The noise is a hash of the seed, the layer, the step, the head and the position; the temperature rises over
+    the steps: each must be the numpy walk's."""
+    assert_same_walk(policy, monkeypatch, 13, layer=layer)
+    assert_same_walk(policy, monkeypatch, 1, dtype=torch.float64, layer=layer)
+
+
+def test_a_seed_past_64_bits_of_hashing_walks_in_numpy():
+    assert Keyformer(budget=20, seed=2**32 - 1).running_score() is not None
+    assert Keyformer(budget=20, seed=2**32).running_score() is None
+
+
 @dataclasses.dataclass(frozen=True)
 class MisdeclaredH2O(H2O):
     """Says it forgets (A2SF's decay) while its update does not: the comparison must catch it."""
@@ -104,7 +126,7 @@ needs_triton = pytest.mark.skipif(not eviction_walk_triton.usable(torch.device("
 @pytest.mark.slow
 @needs_triton
 @pytest.mark.parametrize("chunk", [1, 40])
-@pytest.mark.parametrize("name", RUNNING)
+@pytest.mark.parametrize("name", ON_DEVICE)
 def test_the_triton_walk_a_gpu_takes_equals_the_numpy_walk(name, chunk, monkeypatch):
     """kernels/eviction_walk_triton.py (decisions kept on the device), run here by the Triton interpreter."""
     assert_same_walk(POLICIES[name].for_budget(24), monkeypatch, chunk, device_walk=True)

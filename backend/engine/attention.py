@@ -45,7 +45,7 @@ from kernels import eviction_walk, eviction_walk_triton
 from .cache_layer import GrowingLayer, GrowingTensor, rows_up_to
 from .features import Capture, ModelFeatures, read_features
 from ..policies import Policy
-from ..policies.base import attention_logits, over_group, visible_keys, Block, CacheView, RunningScore
+from ..policies.base import attention_logits, over_group, visible_keys, Block, CacheView, GumbelSoftmax, RunningScore
 from ..traces.recorded import TopAttention
 from ..traces.spans import ReadSpans, SpanRecorder
 
@@ -545,7 +545,7 @@ class RowLayerState:
     def walks_on_device(self, device: torch.device) -> bool:
         """Does this row walk in Triton (kernels/eviction_walk_triton.py), batched with the layer's other such
         rows (``DeviceWalk``)?"""
-        return (self.running is not None and self.forms is None
+        return (self.running is not None and self.running.gumbel is None and self.forms is None
                 and (device.type == "cuda" or DEVICE_WALK) and eviction_walk_triton.usable(device))
 
     def _walk(self, scores: torch.Tensor, columns: np.ndarray, first: int, key, value, n_prompt, q):
@@ -580,9 +580,11 @@ class RowLayerState:
         weights = _block_weights(scores, alive, held).cpu().numpy()
         probs = np.empty(scores.shape, np.float32 if scores.dtype == torch.float32 else np.float64)
         attn_rows = np.zeros((n_heads, n, width)) if self.top is not None else np.zeros((0, 0, 0))
+        gumbel = running.gumbel or GumbelSoftmax(0, 1.0, 1.0, 1)
         eviction_walk.walk(weights, alive, columns, score, first, held, self.policy.budget, float(running.decay),
                            running.by_position, running.sinks, running.recent, running.layer, probs, dropped_at,
-                           attn_rows)
+                           attn_rows, running.gumbel is not None, gumbel.seed, self.layer, float(gumbel.tau_init),
+                           float(gumbel.tau_end), gumbel.steps)
         if running.state is not None:
             self.state = {**self.state, running.state: score}
         self._end_block(columns, alive, dropped_at, first, n)

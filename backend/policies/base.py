@@ -219,13 +219,27 @@ class FullPolicy(Policy):
 
 
 @dataclass(frozen=True)
+class GumbelSoftmax:
+    """A running score's increment as Keyformer's: each step t adds softmax((log a + g) / tau_t) over the columns
+    read, a their attention, g standard Gumbel noise that is a hash of (``seed``, layer, t, KV head, position)
+    (``keyformer.gumbel``), tau_t going linearly from ``tau_init`` to ``tau_end`` over the first ``steps`` steps.
+    The compiled walk hashes in 64-bit integers, as the policy's numpy does for a seed below 2**32."""
+
+    seed: int
+    tau_init: float
+    tau_end: float
+    steps: int
+
+
+@dataclass(frozen=True)
 class RunningScore:
     """An eviction policy's ``update``, ``score`` and ``protected`` in the form the compiled walk runs
     (kernels/eviction_walk.py): the score of each held token is ``decay * score + attention`` after every
     step (H2O: decay 1, its A2S; A2SF: alpha; TOVA: 0, the current attention) or, ``by_position``, the
     token's position (Window: the oldest goes); the first ``sinks`` positions and the latest ``recent``
     are never dropped; ``layer`` scores the layer from the score averaged over heads. ``state`` names the
-    policy's state array that holds the running score (None when the policy keeps none)."""
+    policy's state array that holds the running score (None when the policy keeps none). ``gumbel``: the
+    step adds, in place of the attention, its Gumbel-softmax over the columns read (Keyformer's score)."""
 
     decay: float = 0.0
     by_position: bool = False
@@ -233,6 +247,7 @@ class RunningScore:
     recent: int = 0
     layer: bool = False
     state: str | None = None
+    gumbel: GumbelSoftmax | None = None
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import EvictionPolicy, grow, splitmix64
+from .base import EvictionPolicy, GumbelSoftmax, RunningScore, grow, splitmix64
 from .registry import register
 
 
@@ -102,3 +102,10 @@ class Keyformer(EvictionPolicy):
 
     def protected(self, t):
         return slice(t + 1 - self.window, t + 1) if self.window else None
+
+    def running_score(self):
+        # The compiled walk hashes the noise in 64-bit integers; numpy's Python ints carry a larger seed's high bits.
+        if self.seed >= 2**32:
+            return None
+        return RunningScore(decay=1.0, recent=self.window, layer=self.heads == "layer", state="score",
+                            gumbel=GumbelSoftmax(self.seed, self.tau_init, self.tau_end, self.steps))
