@@ -143,7 +143,7 @@ class _KernelOnTheCpu:
 
 
 def _walk_row(r, w, flags, positions, state, probs, dropped_at, attn, params, first, held):
-    budget, sinks, recent, by_position, layer, start, decay = params
+    budget, sinks, recent, by_position, layer, start, decay, gumbel, seed, layer_index, tau_init, tau_end, steps = params
     s = int(start)
     alive = flags[r, :, s:].numpy().astype(bool)
     dropped = dropped_at[r, :, s:].numpy().copy()
@@ -152,7 +152,7 @@ def _walk_row(r, w, flags, positions, state, probs, dropped_at, attn, params, fi
     row_attn = np.zeros(attn[r, :, :, s:].shape) if attn is not None else np.zeros((0, 0, 0))
     eviction_walk.walk(w[r, ..., s:].numpy(), alive, positions[r, :, s:].numpy(), score, first, held - s,
                        int(budget), float(decay), bool(by_position), int(sinks), int(recent), bool(layer), row_probs,
-                       dropped, row_attn)
+                       dropped, row_attn, bool(gumbel), int(seed), int(layer_index), tau_init, tau_end, int(steps))
     flags[r, :, s:] = torch.from_numpy(alive.astype(np.int8))
     dropped_at[r, :, s:] = torch.from_numpy(dropped)
     state[r, :, s:] = torch.from_numpy(score)

@@ -1,7 +1,7 @@
 """The eviction walk in Triton, so that a GPU keeps the decisions on the device.
 
 The same walk as ``kernels/eviction_walk.py`` (numba, on the CPU) for the running-score policies (Window,
-sinks, H2O, TOVA, A2SF), step for step: what each query reads, its attention row, the running score, and
+sinks, H2O, TOVA, A2SF, Keyformer), step for step: what each query reads, its attention row, the running score, and
 the column each head (or the layer) drops once it holds ``budget`` tokens. On a GPU the numpy walk would
 copy every step's decision to the host; here a launch walks a whole block of queries of one layer for every
 batch row that walks this way, and the engine reads the outcome once per block and layer (``DeviceWalk`` in
@@ -35,9 +35,13 @@ except ImportError:  # the engine keeps its other walks
 # Warps of each program that walks a block; None: by its tile, 8 for a head's 2,048 columns, 16 at most (fewer
 # spill the tiles out of registers). benchmarks/walk.py --warps times others.
 NUM_WARPS: int | None = None
-# Each row's parameters, in this order, as one float64 array [R, 7] (one copy to the device): start is the
-# row's first real column, by_position and layer are 0 or 1, decay is the running score's.
-PARAMS = ("budget", "sinks", "recent", "by_position", "layer", "start", "decay")
+# Each row's parameters, in this order, as one float64 array [R, 13] (one copy to the device): start is the
+# row's first real column, by_position and layer are 0 or 1, decay is the running score's; gumbel is 1 for a
+# Gumbel-softmax increment (Keyformer's), with its seed (below 2**32: exact in float64), the layer's index and its
+# temperature's schedule.
+PARAMS = ("budget", "sinks", "recent", "by_position", "layer", "start", "decay",
+          "gumbel", "seed", "layer_index", "tau_init", "tau_end", "steps")
+N_PARAMS = len(PARAMS)
 
 
 def usable(device: torch.device) -> bool:
@@ -48,17 +52,51 @@ def usable(device: torch.device) -> bool:
 if triton is not None:
 
     @triton.jit
+    def _splitmix64(x):
+        """``splitmix64`` of backend/policies/base.py on uint64 (which wraps around)."""
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EB
+        return x ^ (x >> 31)
+
+    @triton.jit
+    def _step_hash(params_ptr, r, t):
+        """Keyformer's noise for step t of row r's layer, before the head and the position (``keyformer.gumbel``)."""
+        seed = tl.load(params_ptr + r * 13 + 8).to(tl.uint64)
+        layer_hash = _splitmix64(tl.load(params_ptr + r * 13 + 9).to(tl.uint64))
+        return _splitmix64(_splitmix64((seed << 32) | t.to(tl.uint64)) ^ layer_hash)
+
+    @triton.jit
+    def _tau(params_ptr, r, t):
+        tau_init = tl.load(params_ptr + r * 13 + 10)
+        tau_end = tl.load(params_ptr + r * 13 + 11)
+        steps = tl.load(params_ptr + r * 13 + 12)
+        return tau_init + (tau_end - tau_init) * tl.minimum(t.to(tl.float64), steps) / steps
+
+    @triton.jit
+    def _gumbel_softmax(a, seen, pos, head_hash, tau):
+        """Each head's attention row a -> softmax((log a + g) / tau) over the columns it read (a > 0), along the last
+        axis: Keyformer's step (``kernels/eviction_walk._gumbel_softmax``)."""
+        x = _splitmix64(pos.to(tl.uint64) ^ head_hash)
+        u = (x >> 11).to(tl.float64) * 1.1102230246251565e-16 + 5.551115123125783e-17  # 2**-53, 2**-54: in (0, 1)
+        read = seen & (a > 0)
+        z = tl.where(read, (tl.log(tl.where(read, a, 1.0)) - tl.log(-tl.log(u))) / tau, float("-inf"))
+        top = tl.max(z, axis=-1, keep_dims=True)
+        e = tl.where(read, tl.exp(z - tl.where(top > float("-inf"), top, 0.0)), 0.0)
+        total = tl.sum(e, axis=-1, keep_dims=True)
+        return e / tl.where(total > 0, total, 1.0)
+
+    @triton.jit
     def _walk_kernel(w_ptr, alive_ptr, pos_ptr, state_ptr, probs_ptr, dropped_ptr, attn_ptr, params_ptr,
                      n, C, first, held, r0,
                      H: tl.constexpr, G: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
-                     RECORD: tl.constexpr):
+                     RECORD: tl.constexpr, GUMBEL: tl.constexpr):
         r = r0 + tl.program_id(0)  # the batch row
-        budget = tl.load(params_ptr + r * 7).to(tl.int32)
-        sinks = tl.load(params_ptr + r * 7 + 1).to(tl.int32)
-        recent = tl.load(params_ptr + r * 7 + 2).to(tl.int32)
-        by_position = tl.load(params_ptr + r * 7 + 3) != 0
-        start = tl.load(params_ptr + r * 7 + 5).to(tl.int32)
-        decay = tl.load(params_ptr + r * 7 + 6)  # float64: a Python float argument would arrive as float32
+        budget = tl.load(params_ptr + r * 13).to(tl.int32)
+        sinks = tl.load(params_ptr + r * 13 + 1).to(tl.int32)
+        recent = tl.load(params_ptr + r * 13 + 2).to(tl.int32)
+        by_position = tl.load(params_ptr + r * 13 + 3) != 0
+        start = tl.load(params_ptr + r * 13 + 5).to(tl.int32)
+        decay = tl.load(params_ptr + r * 13 + 6)  # float64: a Python float argument would arrive as float32
         h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]  # this program's KV heads
         col = tl.arange(0, BLOCK_C)[None, :]
         head = h < H
@@ -83,7 +121,11 @@ if triton is not None:
                 total = tl.where(head, total, 1.0)  # padding heads: no division by zero
                 tl.store(probs_ptr + row, (w * (1.0 / total)).to(probs_ptr.dtype.element_ty), mask=real)
                 a += (1.0 / (G * total)) * w  # the mean over the group of each head's softmax row
-            state = tl.where(col < c, decay * state + a, state)
+            added = a
+            if GUMBEL:
+                head_hash = _splitmix64(_step_hash(params_ptr, r, t) ^ h.to(tl.uint64))
+                added = _gumbel_softmax(a, seen, pos, head_hash, _tau(params_ptr, r, t))
+            state = tl.where(col < c, decay * state + added, state)
             if RECORD:
                 tl.store(attn_ptr + ((r * H + h) * n + i) * C + col, a, mask=real & (col < c))
             count = tl.max(tl.sum(seen.to(tl.int32), axis=1), axis=0)
@@ -105,17 +147,18 @@ if triton is not None:
     @triton.jit
     def _walk_layer_kernel(w_ptr, alive_ptr, pos_ptr, state_ptr, probs_ptr, dropped_ptr, attn_ptr, params_ptr,
                            n, C, first, held, r0,
-                           H: tl.constexpr, G: tl.constexpr, BLOCK_C: tl.constexpr, RECORD: tl.constexpr):
+                           H: tl.constexpr, G: tl.constexpr, BLOCK_C: tl.constexpr, RECORD: tl.constexpr,
+                           GUMBEL: tl.constexpr):
         """A row scored as a layer: every head holds the same columns (each step drops the same one from all), so
         one [columns] row of flags, positions and steps serves them all, and the heads go one after the other; each
         head's running score stays in memory (with all heads' [heads, columns] tiles in registers, they spill)."""
         r = r0 + tl.program_id(0)
-        budget = tl.load(params_ptr + r * 7).to(tl.int32)
-        sinks = tl.load(params_ptr + r * 7 + 1).to(tl.int32)
-        recent = tl.load(params_ptr + r * 7 + 2).to(tl.int32)
-        by_position = tl.load(params_ptr + r * 7 + 3) != 0
-        start = tl.load(params_ptr + r * 7 + 5).to(tl.int32)
-        decay = tl.load(params_ptr + r * 7 + 6)
+        budget = tl.load(params_ptr + r * 13).to(tl.int32)
+        sinks = tl.load(params_ptr + r * 13 + 1).to(tl.int32)
+        recent = tl.load(params_ptr + r * 13 + 2).to(tl.int32)
+        by_position = tl.load(params_ptr + r * 13 + 3) != 0
+        start = tl.load(params_ptr + r * 13 + 5).to(tl.int32)
+        decay = tl.load(params_ptr + r * 13 + 6)
         col = tl.arange(0, BLOCK_C)
         real = col < C
         alive = (tl.load(alive_ptr + r * H * C + col, mask=real, other=0) != 0) & real  # head 0's: every head's
@@ -138,7 +181,11 @@ if triton is not None:
                     a += (1.0 / (G * total)) * w
                 at = (r * H + h) * C + col
                 state = tl.load(state_ptr + at, mask=real, other=0.0).to(tl.float64)
-                state = tl.where(col < c, decay * state + a, state)
+                added = a
+                if GUMBEL:
+                    head_hash = _splitmix64(_step_hash(params_ptr, r, t) ^ h.to(tl.uint64))
+                    added = _gumbel_softmax(a, seen, pos, head_hash, _tau(params_ptr, r, t))
+                state = tl.where(col < c, decay * state + added, state)
                 tl.store(state_ptr + at, state, mask=real)
                 if RECORD:
                     tl.store(attn_ptr + ((r * H + h) * n + i) * C + col, a, mask=real & (col < c))
@@ -161,7 +208,7 @@ APART, LAYER, JOINT = 0, 1, 2  # how a row's heads walk: a program each, one aft
 
 
 def ways(params: np.ndarray) -> np.ndarray:
-    """How each row (params [R, 7]) walks its heads: LAYER, one program walking the heads in turn, for a row
+    """How each row (params [R, 13]) walks its heads: LAYER, one program walking the heads in turn, for a row
     scored as a layer (its heads hold the same columns); JOINT, all heads in one program's tiles, for a row that
     can protect every token it holds (sinks + recent >= budget: a head may then drop a column that is already gone,
     and its count of held tokens differ from another head's); APART, a program per head, for the others."""
@@ -169,34 +216,42 @@ def ways(params: np.ndarray) -> np.ndarray:
     return np.where(layer != 0, LAYER, np.where(sinks + recent >= budget, JOINT, APART))
 
 
+def launches(params: np.ndarray) -> np.ndarray:
+    """Each row's launch: rows with the same number walk in one (2 x ``ways`` + 1 for a Gumbel-softmax increment)."""
+    return 2 * ways(params) + (params[:, PARAMS.index("gumbel")] != 0)
+
+
 def walk_rows(weights, alive, positions, state, first, held, params, params_on_device, probs, dropped_at, attn_rows):
     """Walk a block of n queries for R batch rows of one layer, on torch tensors of one device: weights float64
     [R, H, G, n, C]; alive bool [R, H, C], state float64 [R, H, C] and dropped_at int64 [R, H, C] updated in
-    place; positions int64 [R, H, C]; params a float64 numpy array [R, 7] (``PARAMS``), and the same on the
+    place; positions int64 [R, H, C]; params a float64 numpy array [R, 13] (``PARAMS``), and the same on the
     device; probs [R, H, G, n, C] out; attn_rows float64 [R, H, n, C] out when it has n rows (recording), else
     empty.
 
-    One launch per run of rows that walk their heads alike (``ways``); the engine orders them so."""
+    One launch per run of rows that walk their heads alike (``ways``) and add the same kind of increment (the
+    attention, or its Gumbel-softmax); the engine orders them so."""
     rows, heads, group, n, width = weights.shape
     flags = alive.to(torch.int8).contiguous()
     record = attn_rows.shape[2] == n
     args = (weights.contiguous(), flags, positions.contiguous(), state, probs, dropped_at,
             attn_rows if record else probs, params_on_device.contiguous(), n, width, first, held)
     block_c = triton.next_power_of_2(width)
-    way = ways(params)
+    way = launches(params)
     for r0 in range(rows):
         if r0 and way[r0] == way[r0 - 1]:
             continue
         r1 = r0 + 1
         while r1 < rows and way[r1] == way[r0]:
             r1 += 1
-        if way[r0] == LAYER:
+        heads_way, gumbel = divmod(int(way[r0]), 2)
+        if heads_way == LAYER:
             warps = NUM_WARPS or max(4, min(16, block_c // 256))
             _walk_layer_kernel[(r1 - r0,)](*args, r0, H=heads, G=group, BLOCK_C=block_c, RECORD=record,
-                                           num_warps=warps)
+                                           GUMBEL=bool(gumbel), num_warps=warps)
             continue
-        block_h = triton.next_power_of_2(heads) if way[r0] == JOINT else 1
+        block_h = triton.next_power_of_2(heads) if heads_way == JOINT else 1
         warps = NUM_WARPS or max(4, min(16, block_h * block_c // 256))
         _walk_kernel[(r1 - r0, triton.cdiv(heads, block_h))](*args, r0, H=heads, G=group, BLOCK_H=block_h,
-                                                             BLOCK_C=block_c, RECORD=record, num_warps=warps)
+                                                             BLOCK_C=block_c, RECORD=record, GUMBEL=bool(gumbel),
+                                                             num_warps=warps)
     alive.copy_(flags != 0)

@@ -122,11 +122,13 @@ def test_the_prompt_path_equals_the_token_loop(lm, name):
                                atol=atol(lm), err_msg=f"{name}: decisions agree in {agree:.1%}; the first query "
                                f"whose decisions differ: {differ if differ < len(IDS) else 'none'}")
 
-# The running-score rows walk in one launch per layer on the GPU (two: TOVA scores the layer, the others walk
-# their heads apart), each with its own budget; numba walks each alone on the CPU.
+# The running-score rows walk in one launch per layer on the GPU (three: TOVA scores the layer, the others walk
+# their heads apart, Keyformer's Gumbel-softmax apart from them), each with its own budget; numba walks each alone on
+# the CPU.
 POLICIES_ON_BOTH = [TOVA(budget=8), H2O(budget=12), POLICIES["sinks"](budget=10, sinks=2),
-                    POLICIES["a2sf"](budget=9, alpha=0.5, window=3), Oracle(budget=8), SparQ(budget=8, r=4),
-                    ReAttention(budget=20, global_size=2, span=3, topk=2, chunk=4)]
+                    POLICIES["a2sf"](budget=9, alpha=0.5, window=3), POLICIES["keyformer"](budget=11, recent=3),
+                    Oracle(budget=8), SparQ(budget=8, r=4), ReAttention(budget=20, global_size=2, span=3, topk=2,
+                                                                       chunk=4)]
 
 
 def test_a_gpu_run_matches_a_cpu_run():

@@ -18,9 +18,6 @@ from tests.conftest import make_tiny
 load_plugins()
 RUNNING = [name for name, cls in POLICIES.items()
            if cls.kind == "eviction" and cls.for_budget(24).running_score() is not None]
-# Triton's walk takes every running score but Keyformer's Gumbel-softmax, whose rows walk in numba on a CPU and in
-# numpy on a GPU.
-ON_DEVICE = [name for name in RUNNING if POLICIES[name].for_budget(24).running_score().gumbel is None]
 
 
 TOKENS = 160
@@ -126,7 +123,7 @@ needs_triton = pytest.mark.skipif(not eviction_walk_triton.usable(torch.device("
 @pytest.mark.slow
 @needs_triton
 @pytest.mark.parametrize("chunk", [1, 40])
-@pytest.mark.parametrize("name", ON_DEVICE)
+@pytest.mark.parametrize("name", RUNNING)
 def test_the_triton_walk_a_gpu_takes_equals_the_numpy_walk(name, chunk, monkeypatch):
     """kernels/eviction_walk_triton.py (decisions kept on the device), run here by the Triton interpreter."""
     assert_same_walk(POLICIES[name].for_budget(24), monkeypatch, chunk, device_walk=True)
@@ -159,6 +156,14 @@ def test_the_triton_walk_decides_on_bfloat16_scores_as_the_numpy_walk(name, monk
 
 @pytest.mark.slow
 @needs_triton
+def test_keyformers_gumbel_softmax_walks_in_triton_as_in_numpy(monkeypatch):
+    """The device hashes the seed, the layer, the step, the head and the position as numpy does."""
+    policy = Keyformer(budget=20, recent=4, tau_init=0.5, tau_end=3.0, steps=50, seed=7)
+    assert_same_walk(policy, monkeypatch, 13, dtype=torch.float64, device_walk=True, layer=5)
+
+
+@pytest.mark.slow
+@needs_triton
 def test_the_triton_walk_catches_a_misdeclared_policy(monkeypatch):
     with pytest.raises(AssertionError):
         assert_same_walk(MisdeclaredH2O(budget=24), monkeypatch, 7, device_walk=True)
@@ -182,7 +187,7 @@ def test_every_row_of_a_layer_walks_in_one_launch_as_each_walks_alone(heads_apar
     same tokens and log-probs, the same recorded attention; Full's and Quest's rows, beside them, are untouched."""
     policies = [TOVA(budget=14), H2O(budget=9, recent=3), POLICIES["full"](), POLICIES["sinks"](budget=11, sinks=2),
                 POLICIES["a2sf"](budget=12, alpha=0.5, window=4, heads="head" if heads_apart else "layer"),
-                POLICIES["quest"].for_budget(16), TOVA(budget=64)]
+                POLICIES["quest"].for_budget(16), TOVA(budget=64), Keyformer(budget=13, recent=3, seed=5)]
     for chunk in (16, 1):
         reference = traces_of(policies, monkeypatch, False, chunk)
         together = traces_of(policies, monkeypatch, True, chunk)
@@ -194,7 +199,7 @@ def test_every_row_of_a_layer_walks_in_one_launch_as_each_walks_alone(heads_apar
             np.testing.assert_array_equal(b.attention.pos, a.attention.pos, err_msg=a.meta["spec"])
             np.testing.assert_allclose(b.attention.val.astype(float), a.attention.val.astype(float), rtol=1e-3,
                                        err_msg=a.meta["spec"])
-    assert all((reference[r].evicted_at >= 0).any() for r in (0, 1, 3, 4))  # the budgets were reached
+    assert all((reference[r].evicted_at >= 0).any() for r in (0, 1, 3, 4, 7))  # the budgets were reached
 
 
 def test_a_layers_device_walk_sends_as_many_launches_for_four_rows_as_for_one(monkeypatch):

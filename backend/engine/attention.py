@@ -539,13 +539,15 @@ class RowLayerState:
     def walk_params(self, start: int = 0) -> tuple:
         """This row's parameters of the device walk (``eviction_walk_triton.PARAMS``), its columns from ``start``."""
         running = self.running
+        gumbel = running.gumbel or GumbelSoftmax(0, 1.0, 1.0, 1)
         return (self.policy.budget, running.sinks, running.recent, running.by_position, running.layer, start,
-                running.decay)
+                running.decay, running.gumbel is not None, gumbel.seed, self.layer, gumbel.tau_init, gumbel.tau_end,
+                gumbel.steps)
 
     def walks_on_device(self, device: torch.device) -> bool:
         """Does this row walk in Triton (kernels/eviction_walk_triton.py), batched with the layer's other such
         rows (``DeviceWalk``)?"""
-        return (self.running is not None and self.running.gumbel is None and self.forms is None
+        return (self.running is not None and self.forms is None
                 and (device.type == "cuda" or DEVICE_WALK) and eviction_walk_triton.usable(device))
 
     def _walk(self, scores: torch.Tensor, columns: np.ndarray, first: int, key, value, n_prompt, q):
@@ -1037,8 +1039,8 @@ class PolicyCache(DynamicCache):
         first = total - n
         walking = [b for b in entry if self.rows[layer][b].walks_on_device(query.device)
                    and not self.rows[layer][b].reads_as_full(total, self.n_prompt)]
-        # The rows that walk their heads alike side by side: one launch for each way (``eviction_walk_triton.ways``).
-        way = eviction_walk_triton.ways(np.array([self.rows[layer][b].walk_params() for b in walking]))
+        # The rows that walk alike side by side: one launch for each (``eviction_walk_triton.launches``).
+        way = eviction_walk_triton.launches(np.array([self.rows[layer][b].walk_params() for b in walking]))
         walking = [walking[i] for i in np.argsort(way, kind="stable")]
         rows = [self.rows[layer][b] for b in walking]
         for row in rows:
