@@ -143,7 +143,8 @@ class _KernelOnTheCpu:
 
 
 def _walk_row(r, w, flags, positions, state, probs, dropped_at, attn, params, first, held):
-    budget, sinks, recent, by_position, layer, start, decay, gumbel, seed, layer_index, tau_init, tau_end, steps = params
+    (budget, sinks, recent, by_position, layer, start, decay,
+     gumbel, seed, layer_index, tau_init, tau_end, steps) = params
     s = int(start)
     alive = flags[r, :, s:].numpy().astype(bool)
     dropped = dropped_at[r, :, s:].numpy().copy()
