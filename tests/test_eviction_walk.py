@@ -187,7 +187,9 @@ def test_every_row_of_a_layer_walks_in_one_launch_as_each_walks_alone(heads_apar
     same tokens and log-probs, the same recorded attention; Full's and Quest's rows, beside them, are untouched."""
     policies = [TOVA(budget=14), H2O(budget=9, recent=3), POLICIES["full"](), POLICIES["sinks"](budget=11, sinks=2),
                 POLICIES["a2sf"](budget=12, alpha=0.5, window=4, heads="head" if heads_apart else "layer"),
-                POLICIES["quest"].for_budget(16), TOVA(budget=64), Keyformer(budget=13, recent=3, seed=5)]
+                POLICIES["quest"].for_budget(16), TOVA(budget=64)]
+    if heads_apart:  # a Gumbel-softmax row launches apart from the others (it walks its heads apart, as Keyformer's do)
+        policies.append(Keyformer(budget=13, recent=3, seed=5))
     for chunk in (16, 1):
         reference = traces_of(policies, monkeypatch, False, chunk)
         together = traces_of(policies, monkeypatch, True, chunk)
@@ -199,7 +201,8 @@ def test_every_row_of_a_layer_walks_in_one_launch_as_each_walks_alone(heads_apar
             np.testing.assert_array_equal(b.attention.pos, a.attention.pos, err_msg=a.meta["spec"])
             np.testing.assert_allclose(b.attention.val.astype(float), a.attention.val.astype(float), rtol=1e-3,
                                        err_msg=a.meta["spec"])
-    assert all((reference[r].evicted_at >= 0).any() for r in (0, 1, 3, 4, 7))  # the budgets were reached
+    evicting = (0, 1, 3, 4, 7) if heads_apart else (0, 1, 3, 4)
+    assert all((reference[r].evicted_at >= 0).any() for r in evicting)  # the budgets were reached
 
 
 def test_a_layers_device_walk_sends_as_many_launches_for_four_rows_as_for_one(monkeypatch):
