@@ -1,8 +1,8 @@
 """The eviction walk in Triton, so that a GPU keeps the decisions on the device.
 
 The same walk as ``kernels/eviction_walk.py`` (numba, on the CPU) for the running-score policies (Window,
-sinks, H2O, TOVA, A2SF, Keyformer), step for step: what each query reads, its attention row, the running score, and
-the column each head (or the layer) drops once it holds ``budget`` tokens. On a GPU the numpy walk would
+sinks, H2O, TOVA, A2SF, Keyformer), step for step: what each query reads, its attention row, the running score,
+and the column each head (or the layer) drops once it holds ``budget`` tokens. On a GPU the numpy walk would
 copy every step's decision to the host; here a launch walks a whole block of queries of one layer for every
 batch row that walks this way, and the engine reads the outcome once per block and layer (``DeviceWalk`` in
 backend/engine/attention.py). Its reference is the numba walk, and through it the numpy walk:
@@ -41,7 +41,6 @@ NUM_WARPS: int | None = None
 # temperature's schedule.
 PARAMS = ("budget", "sinks", "recent", "by_position", "layer", "start", "decay",
           "gumbel", "seed", "layer_index", "tau_init", "tau_end", "steps")
-N_PARAMS = len(PARAMS)
 
 
 def usable(device: torch.device) -> bool:
@@ -182,8 +181,8 @@ if triton is not None:
                 at = (r * H + h) * C + col
                 state = tl.load(state_ptr + at, mask=real, other=0.0).to(tl.float64)
                 added = a
-                if GUMBEL:
-                    head_hash = _splitmix64(_step_hash(params_ptr, r, t) ^ h.to(tl.uint64))
+                if GUMBEL:  # (h counts the heads: an int, not a tensor)
+                    head_hash = _splitmix64(_step_hash(params_ptr, r, t) ^ tl.cast(h, tl.uint64))
                     added = _gumbel_softmax(a, seen, pos, head_hash, _tau(params_ptr, r, t))
                 state = tl.where(col < c, decay * state + added, state)
                 tl.store(state_ptr + at, state, mask=real)

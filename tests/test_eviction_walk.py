@@ -77,9 +77,17 @@ def test_compiled_walk_equals_the_numpy_walk_for_other_parameters(policy, monkey
     assert_same_walk(policy, monkeypatch, 13, dtype=torch.float64)
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerKeyformer(Keyformer):
+    """Keyformer scored as a layer (the heads' mean score): what a plugin may declare, walked by the layer's code."""
+
+    heads: str = "layer"
+
+
 @pytest.mark.parametrize("layer", [0, 5])
 @pytest.mark.parametrize("policy", [
     Keyformer(budget=20, recent=4, tau_init=0.5, tau_end=3.0, steps=50, seed=7), Keyformer(budget=20, recent=0),
+    LayerKeyformer(budget=20, recent=4, seed=3),
 ], ids=lambda p: p.spec())
 def test_keyformers_gumbel_softmax_walks_compiled_as_in_numpy(policy, layer, monkeypatch):
     """The noise is a hash of the seed, the layer, the step, the head and the position; the temperature rises over
@@ -160,6 +168,8 @@ def test_keyformers_gumbel_softmax_walks_in_triton_as_in_numpy(monkeypatch):
     """The device hashes the seed, the layer, the step, the head and the position as numpy does."""
     policy = Keyformer(budget=20, recent=4, tau_init=0.5, tau_end=3.0, steps=50, seed=7)
     assert_same_walk(policy, monkeypatch, 13, dtype=torch.float64, device_walk=True, layer=5)
+    assert_same_walk(LayerKeyformer(budget=20, recent=4, seed=3), monkeypatch, 13, dtype=torch.float64,
+                     device_walk=True, layer=5)  # the layer's kernel
 
 
 @pytest.mark.slow
