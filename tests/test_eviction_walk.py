@@ -96,7 +96,7 @@ def test_keyformers_gumbel_softmax_walks_compiled_as_in_numpy(policy, layer, mon
     assert_same_walk(policy, monkeypatch, 1, dtype=torch.float64, layer=layer)
 
 
-def test_a_seed_past_64_bits_of_hashing_walks_in_numpy():
+def test_a_seed_of_2_to_the_32_or_more_walks_in_numpy():
     assert Keyformer(budget=20, seed=2**32 - 1).running_score() is not None
     assert Keyformer(budget=20, seed=2**32).running_score() is None
 
