@@ -89,6 +89,10 @@ class _NoSpans:
         pass
 
 
+# The Gumbel-softmax parameters the walks are given for a running score that adds its attention itself (unread).
+NO_NOISE = GumbelSoftmax(seed=0, tau_init=1.0, tau_end=1.0, steps=1)
+
+
 def compiled_running_score(policy: Policy) -> RunningScore | None:
     """The policy's running score when a compiled walk can take it (numba's on the CPU, Triton's on a GPU):
     COMPILED_WALK is on and the policy's ``update``, ``score``, ``protected`` and ``step`` are those of the
@@ -539,7 +543,7 @@ class RowLayerState:
     def walk_params(self, start: int = 0) -> tuple:
         """This row's parameters of the device walk (``eviction_walk_triton.PARAMS``), its columns from ``start``."""
         running = self.running
-        gumbel = running.gumbel or GumbelSoftmax(0, 1.0, 1.0, 1)
+        gumbel = running.gumbel or NO_NOISE
         return (self.policy.budget, running.sinks, running.recent, running.by_position, running.layer, start,
                 running.decay, running.gumbel is not None, gumbel.seed, self.layer, gumbel.tau_init, gumbel.tau_end,
                 gumbel.steps)
@@ -582,7 +586,7 @@ class RowLayerState:
         weights = _block_weights(scores, alive, held).cpu().numpy()
         probs = np.empty(scores.shape, np.float32 if scores.dtype == torch.float32 else np.float64)
         attn_rows = np.zeros((n_heads, n, width)) if self.top is not None else np.zeros((0, 0, 0))
-        gumbel = running.gumbel or GumbelSoftmax(0, 1.0, 1.0, 1)
+        gumbel = running.gumbel or NO_NOISE
         eviction_walk.walk(weights, alive, columns, score, first, held, self.policy.budget, float(running.decay),
                            running.by_position, running.sinks, running.recent, running.layer, probs, dropped_at,
                            attn_rows, running.gumbel is not None, gumbel.seed, self.layer, float(gumbel.tau_init),
